@@ -1,0 +1,33 @@
+# The two set-up commands: `make train` and `make test`. Both install into .venv when needed.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install train test test-all bench gpu-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: install
+	$(BIN)/python train.py $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-all: install
+	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m bench.policies
+
+gpu-check:
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info

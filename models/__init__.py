@@ -1,0 +1,1 @@
+"""Model definitions and llm.c checkpoint I/O."""

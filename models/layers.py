@@ -1,0 +1,473 @@
+"""Shared transformer pieces for the GPT-2 and LLaMA-3 models (Flax Linen), lean in saved memory.
+
+Shapes: B batch, T sequence, C n_embd, H query heads, K kv heads, G = H/K, D head dim, F MLP
+hidden width, V (padded) vocabulary. Every shape in models/ is written as a trailing comment on
+the line that makes the value: `y = f(x)  # (B, T, C)`.
+
+Activations are tagged with `checkpoint_name(x, remat.names.X)` at the points that
+remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here tag the rest.
+`attn_probs` is never tagged: the attention core below does not keep its probabilities.
+
+# NOTE: lean residuals. A plain JAX formulation keeps what autodiff finds convenient: GELU's and
+# LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs; ~800 MiB for the
+# reference GPT-2 (MEASUREMENTS.md) against PyTorch eager's 333 MiB. Each piece below is a
+# `jax.custom_vjp` that keeps what PyTorch's kernels keep and recomputes the rest:
+#   layer_norm / rms_norm: the input and per-row statistics (the weights are arguments);
+#   gelu_tanh: its input; swiglu: its two inputs;
+#   causal_attention: q, k, v and the per-row log-sum-exp (flash-attention style): scores and
+#     probabilities are rebuilt in the backward, the causal mask comes from iota comparisons;
+#   cross_entropy: the logits and their log-sum-exp.
+# Inside remat regions the custom_vjp residuals are ordinary values to the policy: untagged, so
+# recomputed unless a tagged value they derive from is saved. Gradients match the plain
+# formulation to float32 rounding (tests/test_models.py).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from remat import names
+
+F32 = jnp.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# Functional pieces with lean custom VJPs.
+
+def _ln_stats(x, eps):
+    xf = x.astype(F32)
+    mean = xf.mean(-1, keepdims=True)  # (..., 1)
+    rstd = lax.rsqrt(jnp.square(xf - mean).mean(-1, keepdims=True) + eps)  # (..., 1)
+    return xf, mean, rstd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x, w, b, eps=1e-5):
+    """LayerNorm over the last axis, computed in float32, returned in x's dtype.
+
+    Args:
+      x: (..., C) input; w, b: (C,) scale and shift; eps: variance epsilon.
+    Example:
+      >>> y = layer_norm(x, jnp.ones(32), jnp.zeros(32))
+    """
+    return _ln_fwd(x, w, b, eps)[0]
+
+
+def _ln_fwd(x, w, b, eps):
+    xf, mean, rstd = _ln_stats(x, eps)
+    y = ((xf - mean) * rstd * w.astype(F32) + b.astype(F32)).astype(x.dtype)
+    return y, (x, mean, rstd, w, jnp.zeros((0,), b.dtype))
+
+
+def _ln_bwd(eps, res, dy):
+    x, mean, rstd, w, b0 = res
+    xhat = (x.astype(F32) - mean) * rstd
+    dy = dy.astype(F32)
+    rows = tuple(range(x.ndim - 1))
+    g = dy * w.astype(F32)
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return (dx.astype(x.dtype), (dy * xhat).sum(rows).astype(w.dtype), dy.sum(rows).astype(b0.dtype))
+
+
+layer_norm.defvjp(_ln_fwd, _ln_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x, w, eps=1e-5):
+    """RMSNorm `x·rsqrt(mean(x²)+eps)·w` over the last axis in float32, returned in x's dtype.
+
+    Example:
+      >>> y = rms_norm(x, jnp.ones(32), 1e-5)
+    """
+    return _rms_fwd(x, w, eps)[0]
+
+
+def _rms_fwd(x, w, eps):
+    xf = x.astype(F32)
+    rstd = lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)  # (..., 1)
+    return (xf * rstd * w.astype(F32)).astype(x.dtype), (x, rstd, w)
+
+
+def _rms_bwd(eps, res, dy):
+    x, rstd, w = res
+    xhat = x.astype(F32) * rstd
+    dy = dy.astype(F32)
+    g = dy * w.astype(F32)
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx.astype(x.dtype), (dy * xhat).sum(tuple(range(x.ndim - 1))).astype(w.dtype)
+
+
+rms_norm.defvjp(_rms_fwd, _rms_bwd)
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@jax.custom_vjp
+def gelu_tanh(x):
+    """GELU, tanh approximation (GPT-2's), in float32; the backward keeps only x.
+
+    Example:
+      >>> y = gelu_tanh(jnp.linspace(-3, 3, 7))
+    """
+    xf = x.astype(F32)
+    return (xf * (0.5 * (1.0 + jnp.tanh(_GELU_C * (xf + 0.044715 * xf ** 3))))).astype(x.dtype)
+
+
+def _gelu_fwd(x):
+    return gelu_tanh(x), x
+
+
+def _gelu_bwd(x, dy):
+    xf = x.astype(F32)
+    t = jnp.tanh(_GELU_C * (xf + 0.044715 * xf ** 3))
+    dydx = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * xf * xf)
+    return ((dy.astype(F32) * dydx).astype(x.dtype),)
+
+
+gelu_tanh.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+@jax.custom_vjp
+def swiglu(gate, up):
+    """`silu(gate) · up` in float32 (LLaMA's MLP activation); the backward keeps only its inputs.
+
+    Example:
+      >>> y = swiglu(x @ w_gate, x @ w_up)
+    """
+    g = gate.astype(F32)
+    return (g * jax.nn.sigmoid(g) * up.astype(F32)).astype(up.dtype)
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, dy):
+    gate, up = res
+    g, u, dy = gate.astype(F32), up.astype(F32), dy.astype(F32)
+    s = jax.nn.sigmoid(g)
+    dgate = dy * u * s * (1.0 + g * (1.0 - s))
+    return dgate.astype(gate.dtype), (dy * g * s).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def attention_dropout_mask(key, rate: float, shape):
+    """The keep-mask the attention core draws for dropout on its probabilities ((B, K, G, T, T))."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, dropout_rate: float = 0.0, key=None):
+    """Causal softmax attention with grouped-query heads; keeps q, k, v and the log-sum-exp.
+
+    Query head h reads kv head h // (n_head // n_kv_head) (llm.c's repeat_kv). Scores, softmax
+    and the backward's probabilities are float32; the context comes back in v's dtype.
+
+    Args:
+      q: (B, T, H·D); k, v: (B, T, K·D), heads contiguous in the last axis.
+      n_head, n_kv_head: H and K.
+      dropout_rate, key: dropout on the probabilities; off when `key` is None or the rate is 0.
+    Returns:
+      the context, heads merged: (B, T, H·D).
+    Example:
+      >>> y = causal_attention(q, k, v, 4, 2)
+    """
+    if key is None or dropout_rate == 0.0:
+        key, dropout_rate = None, 0.0
+    return _attention(q, k, v, key, n_head, n_kv_head, float(dropout_rate))
+
+
+def _heads(q, k, v, n_head, n_kv_head):
+    B, T, HD = q.shape
+    D, G = HD // n_head, n_head // n_kv_head
+    return (q.reshape(B, T, n_kv_head, G, D), k.reshape(B, T, n_kv_head, D),
+            v.reshape(B, T, n_kv_head, D), 1.0 / math.sqrt(D))
+
+
+def _probs(qh, kh, scale, lse=None):
+    """Scaled, causally masked scores → (probabilities, log-sum-exp), all float32."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qh, kh, preferred_element_type=F32) * scale  # (B, K, G, T, T)
+    T = s.shape[-1]
+    causal = lax.broadcasted_iota(jnp.int32, (T, T), 0) >= lax.broadcasted_iota(jnp.int32, (T, T), 1)
+    s = jnp.where(causal, s, -jnp.inf)
+    if lse is None:  # the diagonal is never masked, so every row max is finite
+        m = lax.stop_gradient(s.max(-1, keepdims=True))
+        lse = (m + jnp.log(jnp.exp(s - m).sum(-1, keepdims=True)))[..., 0]  # (B, K, G, T)
+    return jnp.exp(s - lse[..., None]), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, key, n_head, n_kv_head, rate):
+    return _attention_fwd(q, k, v, key, n_head, n_kv_head, rate)[0]
+
+
+def _attention_fwd(q, k, v, key, n_head, n_kv_head, rate):
+    qh, kh, vh, scale = _heads(q, k, v, n_head, n_kv_head)
+    p, lse = _probs(qh, kh, scale)
+    if rate:
+        p = jnp.where(attention_dropout_mask(key, rate, p.shape), p / (1.0 - rate), 0.0)
+    y = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), vh)  # (B, T, K, G, D)
+    return y.reshape(q.shape), (q, k, v, key, lse)
+
+
+def _attention_bwd(n_head, n_kv_head, rate, res, dy):
+    q, k, v, key, lse = res
+    qh, kh, vh, scale = _heads(q, k, v, n_head, n_kv_head)
+    p, _ = _probs(qh, kh, scale, lse)  # (B, K, G, T, T)
+    dyh = dy.reshape(qh.shape)  # (B, T, K, G, D)
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", dyh, vh, preferred_element_type=F32)
+    pd = p
+    if rate:
+        keep = attention_dropout_mask(key, rate, p.shape)
+        pd = jnp.where(keep, p / (1.0 - rate), 0.0)
+        dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", pd.astype(v.dtype), dyh)  # (B, T, K, D)
+    # NOTE: the softmax backward's row term is sum(dp·p), taken from the (T, T) tiles we rebuild
+    # anyway; flash kernels use sum(dy·y) to avoid them, which would also need y as a residual.
+    ds = (p * (dp - (dp * p).sum(-1, keepdims=True)) * scale).astype(q.dtype)  # (B, K, G, T, T)
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, kh).reshape(q.shape)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qh).reshape(k.shape)
+    return dq, dk, dv.reshape(v.shape), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def cross_entropy(logits, targets, n_valid: int):
+    """Mean cross-entropy over all positions; vocabulary columns >= n_valid are left out.
+
+    Args:
+      logits: (..., V) float32; targets: (...) int; n_valid: the real vocabulary size.
+    Example:
+      >>> loss = cross_entropy(logits, y, 50257)
+    """
+    return _ce_fwd(logits, targets, n_valid)[0]
+
+
+def _ce_masked(logits, n_valid):
+    if n_valid >= logits.shape[-1]:
+        return logits
+    col = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.where(col < n_valid, logits, -jnp.inf)
+
+
+def _ce_fwd(logits, targets, n_valid):
+    z = _ce_masked(logits.astype(F32), n_valid)
+    m = lax.stop_gradient(z.max(-1, keepdims=True))
+    lse = m[..., 0] + jnp.log(jnp.exp(z - m).sum(-1))  # (...)
+    picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), -1)[..., 0]
+    return (lse - picked).mean(), (logits, targets, lse)
+
+
+def _ce_bwd(n_valid, res, g):
+    logits, targets, lse = res
+    p = jnp.exp(_ce_masked(logits.astype(F32), n_valid) - lse[..., None])
+    onehot = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1) == targets[..., None]
+    d = (p - onehot) * (g / targets.size)
+    return d.astype(logits.dtype), None
+
+
+cross_entropy.defvjp(_ce_fwd, _ce_bwd)
+
+
+def rope_frequencies(head_dim: int, theta: float, use_scaled: bool) -> np.ndarray:
+    """RoPE frequencies 1/theta^(2i/D) in float32, with LLaMA-3.1 scaling when `use_scaled`.
+
+    Example:
+      >>> rope_frequencies(128, 500000.0, True).shape
+      (64,)
+    """
+    freqs = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)))
+    freqs = freqs.astype(np.float32)
+    if not use_scaled:
+        return freqs
+    # NOTE: llm.c's apply_scaling: factor 8, low/high frequency factors 1 and 4, original
+    # context 8192. Wavelengths below 8192/4 keep their frequency, above 8192/1 are divided by
+    # 8, in between they interpolate.
+    scale, low, high, old_ctx = 8.0, 1.0, 4.0, 8192.0
+    wavelen = (2 * math.pi / freqs).astype(np.float32)
+    smooth = ((old_ctx / wavelen - low) / (high - low)).astype(np.float32)
+    mid = (1 - smooth) * freqs / scale + smooth * freqs
+    out = np.where(wavelen < old_ctx / high, freqs, np.where(wavelen > old_ctx / low, freqs / scale, mid))
+    return out.astype(np.float32)
+
+
+def apply_rope(x, theta: float, use_scaled: bool):
+    """Rotate adjacent feature pairs (x[2i], x[2i+1]) at position t by t·freq_i (float32 math).
+
+    Args:
+      x: (B, T, heads, D).
+    Example:
+      >>> q = apply_rope(q, 500000.0, True)
+    """
+    B, T, nh, D = x.shape
+    angles = np.outer(np.arange(T, dtype=np.float32), rope_frequencies(D, theta, use_scaled))  # (T, D/2)
+    cos, sin = np.cos(angles)[None, :, None], np.sin(angles)[None, :, None]  # (1, T, 1, D/2)
+    xr = x.astype(F32).reshape(B, T, nh, D // 2, 2)
+    x0, x1 = xr[..., 0], xr[..., 1]
+    out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)  # (B, T, heads, D/2, 2)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Linen modules. Parameters are float32; computation runs in `dtype` (parameters cast at use).
+
+class Linear(nn.Module):
+    """y = x·wᵀ (+ b), w stored (out_features, in_features) as PyTorch and llm.c store it.
+
+    Example:
+      >>> y = Linear(96, name="c_attn").apply(variables, x)
+    """
+    features: int
+    use_bias: bool = True
+    dtype: Any = F32
+    std: float = 0.02
+    out_dtype: Any = None  # e.g. float32 logits from bf16 inputs
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(self.std), (self.features, x.shape[-1]), F32)
+        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), w.astype(self.dtype),
+                       preferred_element_type=self.out_dtype)
+        if self.use_bias:
+            y = y + self.param("b", nn.initializers.zeros, (self.features,), F32).astype(y.dtype)
+        return y
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm (params `w`, `b`), float32 math, output in `dtype`."""
+    dtype: Any = F32
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        C = x.shape[-1]
+        w = self.param("w", nn.initializers.ones, (C,), F32)
+        b = self.param("b", nn.initializers.zeros, (C,), F32)
+        return layer_norm(x, w, b, self.eps).astype(self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (param `w`), float32 math, output in `dtype`."""
+    dtype: Any = F32
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.ones, (x.shape[-1],), F32)
+        return rms_norm(x, w, self.eps).astype(self.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """c_attn → (RoPE) → causal GQA core → c_proj → dropout; tags qkv, attn_context, attn_out.
+
+    Attributes:
+      n_head, n_kv_head: query and key/value heads (n_kv_head == n_head: plain multi-head).
+      rope_theta: apply RoPE to q and k when set (`use_scaled_rope`: LLaMA-3.1 scaling).
+      proj_std: init std of c_proj (GPT-2 scales it by 1/sqrt(2·n_layer)).
+    Example:
+      >>> y = CausalSelfAttention(4, 4, name="attn")(x, deterministic=True)
+    """
+    n_head: int
+    n_kv_head: int
+    dtype: Any = F32
+    dropout: float = 0.0
+    use_bias: bool = True
+    rope_theta: float | None = None
+    use_scaled_rope: bool = False
+    proj_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        B, T, C = x.shape
+        H, K, D = self.n_head, self.n_kv_head, C // self.n_head
+        qkv = Linear((H + 2 * K) * D, self.use_bias, self.dtype, name="c_attn")(x)  # (B, T, (H+2K)·D)
+        q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)  # (B, T, H·D), (B, T, K·D) ×2
+        if self.rope_theta is not None:
+            q = apply_rope(q.reshape(B, T, H, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, H * D)
+            k = apply_rope(k.reshape(B, T, K, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, K * D)
+        q, k, v = (checkpoint_name(t, names.QKV) for t in (q, k, v))
+        rate = 0.0 if deterministic else self.dropout
+        key = self.make_rng("dropout") if rate > 0 else None
+        y = causal_attention(q, k, v, H, K, dropout_rate=rate, key=key)  # (B, T, C)
+        y = checkpoint_name(y, names.ATTN_CONTEXT)
+        y = checkpoint_name(Linear(C, self.use_bias, self.dtype, self.proj_std, name="c_proj")(y), names.ATTN_OUT)
+        return nn.Dropout(self.dropout)(y, deterministic)
+
+
+class MLP(nn.Module):
+    """GPT-2's MLP: c_fc → tanh-GELU → c_proj → dropout; tags mlp_up, mlp_act, mlp_out."""
+    hidden: int
+    dtype: Any = F32
+    dropout: float = 0.0
+    proj_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        h = checkpoint_name(Linear(self.hidden, True, self.dtype, name="c_fc")(x), names.MLP_UP)  # (B, T, F)
+        h = checkpoint_name(gelu_tanh(h), names.MLP_ACT)
+        y = checkpoint_name(Linear(x.shape[-1], True, self.dtype, self.proj_std, name="c_proj")(h), names.MLP_OUT)
+        return nn.Dropout(self.dropout)(y, deterministic)
+
+
+class SwiGLU(nn.Module):
+    """LLaMA's MLP: c_proj(silu(c_fc2(x)) · c_fc(x)) → dropout, no biases; tags mlp_up/gate/act/out."""
+    hidden: int
+    dtype: Any = F32
+    dropout: float = 0.0
+    proj_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        up = checkpoint_name(Linear(self.hidden, False, self.dtype, name="c_fc")(x), names.MLP_UP)  # (B, T, F)
+        gate = checkpoint_name(Linear(self.hidden, False, self.dtype, name="c_fc2")(x), names.MLP_GATE)  # (B, T, F)
+        h = checkpoint_name(swiglu(gate, up), names.MLP_ACT)  # (B, T, F)
+        y = checkpoint_name(Linear(x.shape[-1], False, self.dtype, self.proj_std, name="c_proj")(h), names.MLP_OUT)
+        return nn.Dropout(self.dropout)(y, deterministic)
+
+
+# ------------------------------------------------------------------------------------------------
+# llm.c tensor layout helpers: per-layer parameters ↔ tensors stacked on a leading L axis.
+
+def stack_layers(blocks, n_layer: int, scan: bool, path: tuple) -> np.ndarray:
+    """The parameter at `path` inside every layer of a LayerStack, stacked: (L, ...) float32."""
+    get = lambda tree: functools.reduce(lambda t, k: t[k], path, tree)
+    if scan:
+        return np.asarray(get(blocks["h"]), np.float32)
+    return np.stack([np.asarray(get(blocks[f"h_{i}"]), np.float32) for i in range(n_layer)])
+
+
+def unstack_layers(stacked: dict, n_layer: int, scan: bool) -> dict:
+    """{path: (L, ...) array} → the LayerStack's params (`h` stacked, or `h_0..h_{L-1}`)."""
+    def tree(index):
+        out: dict = {}
+        for path, arr in stacked.items():
+            node = out
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = jnp.asarray(arr if index is None else arr[index], F32)
+        return out
+    return {"h": tree(None)} if scan else {f"h_{i}": tree(i) for i in range(n_layer)}
+
+
+def check_llmc_tensors(model: str, shapes: dict, tensors) -> None:
+    """Raise ValueError unless `tensors` has exactly the names and shapes of `shapes`."""
+    missing = [k for k in shapes if k not in tensors]
+    extra = [k for k in tensors if k not in shapes]
+    if missing or extra:
+        raise ValueError(f"{model} llm.c tensors: missing {missing}, unexpected {extra}; "
+                         f"expected exactly {list(shapes)}")
+    for k, s in shapes.items():
+        if tuple(np.shape(tensors[k])) != s:
+            raise ValueError(f"{model} llm.c tensor {k!r} has shape {tuple(np.shape(tensors[k]))} but the "
+                             f"config needs {s}; check the config against the file's header")

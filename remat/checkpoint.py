@@ -1,0 +1,182 @@
+"""checkpoint(): rematerialize a function, like `torch.utils.checkpoint`, in two ways.
+
+Non-reentrant (default) is `jax.checkpoint` with a policy: JAX traces the function once and keeps
+whatever the policy saves. Reentrant is a `jax.custom_vjp` whose forward keeps only the inputs and
+whose backward re-traces the function under `jax.vjp`, checked against the forward (remat.check).
+
+# NOTE: inputs. Arguments are pytrees. Array leaves are traced; every other leaf (Python numbers,
+# strings, None) and every argument listed in `static_argnums` is passed through as a constant,
+# so callers never need `functools.partial`. In the reentrant path only inexact (floating) leaves
+# are differentiated; integer and PRNG-key leaves get no cotangent.
+#
+# NOTE: scheduling. In the reentrant backward each region's inputs are made to depend on the
+# arrival of its output cotangent (`_tie`, a `+ 0·g` that is exact and NaN-safe), so XLA cannot
+# hoist the recomputation into the forward pass; see docs/ for the measured effect.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: early stop
+
+from remat import check as _check
+from remat import policies as _policies
+
+
+class _Static:
+    """A leaf passed through untraced (hashable by identity is enough: it is only closed over)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _is_traced(leaf) -> bool:
+    return not isinstance(leaf, _Static) and isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _is_inexact(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _resolve_policy(policy):
+    if policy is None or callable(policy):
+        return policy
+    return _policies.get(policy)
+
+
+def _flatten(args: tuple, static_argnums: Sequence[int]):
+    """Split `args` into traced leaves and a function rebuilding the args from them."""
+    n = len(args)
+    static = set()
+    for i in static_argnums:
+        if not -n <= i < n:
+            raise ValueError(f"static_argnums entry {i} is out of range for {n} argument(s)")
+        static.add(i % n)
+    marked = tuple(_Static(a) if i in static else a for i, a in enumerate(args))
+    leaves, tree = jax.tree.flatten(marked, is_leaf=lambda x: isinstance(x, _Static) or x is None)
+    traced = [_is_traced(l) for l in leaves]
+    dyn = [l for l, t in zip(leaves, traced) if t]
+
+    def rebuild(dyn_vals):
+        it = iter(dyn_vals)
+        full = [next(it) if t else (l.value if isinstance(l, _Static) else l) for l, t in zip(leaves, traced)]
+        return jax.tree.unflatten(tree, full)
+
+    return dyn, rebuild
+
+
+def _tie(dyn, g):
+    """Make every inexact leaf of `dyn` depend on the cotangent `g`, exactly and NaN-safely."""
+    gl = [x for x in jax.tree.leaves(g) if _is_inexact(x) and jnp.size(x) > 0]
+    if not gl:
+        return dyn
+    s = jnp.sum(gl[0])  # a full reduction: indexing one element is ambiguous under explicit sharding
+    zero = jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s)) * 0
+    return [x + zero.astype(x.dtype) if _is_inexact(x) else x for x in dyn]
+
+
+def _reentrant(flat_fn, dyn, *, name: str, determinism_check):
+    state: dict[str, Any] = {}
+
+    @jax.custom_vjp
+    def region(*dyn):
+        return flat_fn(*dyn)
+
+    def fwd(*dyn):
+        out = flat_fn(*dyn)
+        marks = ()
+        if determinism_check:
+            marks, state["specs"] = _check.fingerprint_outputs(out)
+            state["tree"] = jax.tree.structure(out)
+            if determinism_check == "structure":
+                state["jaxpr"] = _check.jaxpr_fingerprint(flat_fn, *dyn)
+        return out, (tuple(dyn), marks)
+
+    def bwd(res, g):
+        dyn, marks = res
+        dyn = _tie(list(dyn), g)
+        mask = [_is_inexact(x) for x in dyn]
+
+        def f_diff(*diff):
+            it = iter(diff)
+            return flat_fn(*[next(it) if m else x for x, m in zip(dyn, mask)])
+
+        def pullback(diff, g):
+            out, vjp_fn = jax.vjp(f_diff, *diff)
+            if determinism_check:
+                _check.compare_outputs(name, state["tree"], marks, state["specs"], out)
+            return out, vjp_fn(g)
+
+        # Trace the recomputation + pullback, then keep only the equations the cotangents need
+        # (early stop): the recomputed outputs serve only as avals for the check.
+        diff = [x for x, m in zip(dyn, mask) if m]
+        if determinism_check == "structure":
+            _check.compare_structure(name, state["jaxpr"], _check.jaxpr_fingerprint(flat_fn, *dyn))
+        closed, (out_shape, _) = jax.make_jaxpr(pullback, return_shape=True)(diff, g)
+        n_out = len(jax.tree.leaves(out_shape))
+        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [False] * n_out + [True] * (len(closed.out_avals) - n_out),
+                                instantiate=True)
+        flat_cts = jax.core.eval_jaxpr(jaxpr, closed.consts, *jax.tree.leaves((diff, g)))
+        cts = iter(flat_cts)
+        return tuple(next(cts) if m else None for m in mask)
+
+    region.defvjp(fwd, bwd)
+    return region(*dyn)
+
+
+def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, policy=None,
+               determinism_check: bool | str = True, static_argnums: Sequence[int] = (),
+               prevent_cse: bool = True, name: str | None = None):
+    """Run `fn(*args)` keeping less for the backward pass and recomputing the rest.
+
+    Args:
+      fn: the function; its arguments and outputs may be pytrees.
+      *args: arguments. Non-array leaves and `static_argnums` arguments are constants.
+      use_reentrant: False (default) uses `jax.checkpoint` with `policy`; True uses a
+        `jax.custom_vjp` that saves only the inputs and re-traces `fn` in the backward.
+      policy: a `remat.policies` name or a JAX policy callable (non-reentrant only); default saves
+        nothing inside the region.
+      determinism_check: (reentrant) compare the recomputation's output shapes, dtypes and
+        shardings with the forward's at trace time; `"structure"` also compares the traced programs.
+      static_argnums: positions of arguments passed through untraced.
+      prevent_cse: passed to `jax.checkpoint`.
+      name: region name used in error messages (default `fn.__name__`).
+    Returns:
+      `fn(*args)`; or, called without args (`checkpoint(use_reentrant=True)(fn)` or `@checkpoint`),
+      a wrapped function.
+    Example:
+      >>> y = remat.checkpoint(block, params, x)
+      >>> y = remat.checkpoint(block, params, x, use_reentrant=True)
+    """
+    opts = dict(use_reentrant=use_reentrant, policy=policy, determinism_check=determinism_check,
+                static_argnums=tuple(static_argnums), prevent_cse=prevent_cse, name=name)
+    if fn is None:
+        return lambda f: checkpoint(f, **opts)
+    if not args:
+        @functools.wraps(fn)
+        def wrapped(*a):
+            return _run(fn, a, **opts)
+        return wrapped
+    return _run(fn, args, **opts)
+
+
+def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, prevent_cse, name):
+    if use_reentrant and policy is not None:
+        raise ValueError(f"checkpoint(use_reentrant=True) saves only the inputs, so policy={policy!r} "
+                         f"has no effect; drop the policy or use use_reentrant=False")
+    if determinism_check not in (True, False, "structure"):
+        raise ValueError(f"determinism_check={determinism_check!r}: use True, False or 'structure'")
+    dyn, rebuild = _flatten(tuple(args), static_argnums)
+
+    def flat_fn(*dyn_vals):
+        return fn(*rebuild(dyn_vals))
+
+    if use_reentrant:
+        region = name or getattr(fn, "__name__", "checkpoint")
+        return _reentrant(flat_fn, dyn, name=region, determinism_check=determinism_check)
+    return jax.checkpoint(flat_fn, policy=_resolve_policy(policy), prevent_cse=prevent_cse)(*dyn)

@@ -1,0 +1,107 @@
+"""RecomputeConfig: Megatron-Core's activation-recompute settings, validated once."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Union
+
+from remat import names as _names
+from remat import policies as _policies
+
+GRANULARITIES = ("none", "full", "selective")
+METHODS = ("none", "uniform", "block")
+DETERMINISM_CHECKS = (True, False, "structure")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeConfig:
+    """How a stack of layers is rematerialized.
+
+    Args:
+      granularity: `none` (no remat), `full` (whole layers are recompute regions) or `selective`
+        (every layer saves its tagged activations except those of `modules`).
+      method: for `full` only. `none`: each layer is a region; `uniform`: each run of
+        `num_layers` consecutive layers is one region; `block`: the first `num_layers` layers are
+        regions, the rest are not rematerialized.
+      num_layers: the N of `uniform`/`block`.
+      policy: a `remat.policies` name for what a region saves; default `full` (nothing) for
+        granularity `full` and the `modules` preset for `selective`.
+      modules: selective sub-modules to recompute (`core_attn`, `mlp`, `norm`).
+      use_reentrant: recompute through a `jax.custom_vjp` that saves only region inputs, instead of
+        `jax.checkpoint`.
+      determinism_check: compare the recomputation's output shapes/dtypes/shardings with the
+        forward's at trace time (`True`), also its traced program (`"structure"`), or not (`False`).
+    Example:
+      >>> RecomputeConfig(granularity="full", method="uniform", num_layers=2)
+    """
+    granularity: Literal["none", "full", "selective"] = "none"
+    method: Literal["none", "uniform", "block"] = "none"
+    num_layers: int = 1
+    policy: str | None = None
+    modules: tuple[str, ...] = ("core_attn",)
+    use_reentrant: bool = False
+    determinism_check: Union[bool, str] = True
+
+    def __post_init__(self):
+        if isinstance(self.modules, str):  # accept "core_attn,mlp" from a CLI or a user
+            object.__setattr__(self, "modules", tuple(m.strip() for m in self.modules.split(",") if m.strip()))
+        else:
+            object.__setattr__(self, "modules", tuple(self.modules))
+        g, m = self.granularity, self.method
+        if g not in GRANULARITIES:
+            raise ValueError(f"recompute granularity={g!r} is not valid; use one of {', '.join(GRANULARITIES)}")
+        if m not in METHODS:
+            raise ValueError(f"recompute method={m!r} is not valid; use one of {', '.join(METHODS)}")
+        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool):
+            raise ValueError(f"recompute num_layers={self.num_layers!r} must be an int")
+        if m in ("uniform", "block") and self.num_layers < 1:
+            raise ValueError(f"recompute num_layers={self.num_layers} with method={m!r} must be >= 1 "
+                             f"(the number of layers per region for uniform, of checkpointed layers for block)")
+        if g == "none" and m != "none":
+            raise ValueError(f"recompute method={m!r} was given but granularity='none' turns recompute off; "
+                             f"set granularity='full' (--activation_recompute --recompute_granularity full) "
+                             f"or drop the method")
+        if g == "selective" and m != "none":
+            raise ValueError(f"recompute method={m!r} applies to granularity='full' only; selective "
+                             f"recompute acts inside every layer: use method='none'")
+        unknown = [x for x in self.modules if x not in _names.MODULES]
+        if unknown or (g == "selective" and not self.modules):
+            raise ValueError(f"recompute modules={self.modules!r}: unknown {unknown or 'empty list'}; "
+                             f"valid modules: {', '.join(_names.MODULES)}")
+        if self.policy is not None:
+            try:
+                _policies.validate(self.policy)
+            except ValueError as e:
+                raise ValueError(f"recompute policy: {e}") from None
+        if self.use_reentrant and g == "selective":
+            raise ValueError("use_reentrant=True cannot be combined with granularity='selective': the "
+                             "reentrant path saves only each region's inputs, so selective saving means "
+                             "nothing there; use granularity='full' with use_reentrant, or drop use_reentrant")
+        if self.use_reentrant and self.policy is not None:
+            raise ValueError(f"use_reentrant=True ignores policy={self.policy!r} (a reentrant region "
+                             f"saves only its inputs); drop the policy or use_reentrant")
+        if self.determinism_check not in DETERMINISM_CHECKS:
+            raise ValueError(f"determinism_check={self.determinism_check!r} is not valid; use True, False "
+                             f"or 'structure'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.granularity != "none"
+
+    def effective_policy(self) -> str | None:
+        """The policy name a checkpointed region uses (None when recompute is off or reentrant)."""
+        if self.granularity == "none" or self.use_reentrant:
+            return None
+        if self.policy is not None:
+            return self.policy
+        return "full" if self.granularity == "full" else "+".join(self.modules)
+
+    def validate_for(self, n_layers: int) -> "RecomputeConfig":
+        """Check the config against a model with `n_layers` layers; returns self.
+
+        Example:
+          >>> RecomputeConfig(granularity="full", method="block", num_layers=2).validate_for(4)
+        """
+        if self.method in ("uniform", "block") and self.num_layers > n_layers:
+            raise ValueError(f"recompute_num_layers={self.num_layers} exceeds n_layer={n_layers}; "
+                             f"use 1..{n_layers}")
+        return self

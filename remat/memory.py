@@ -1,0 +1,144 @@
+"""What is saved for the backward pass, and what XLA compiled.
+
+# NOTE: `saved_residuals` wraps JAX's internal `jax._src.ad_checkpoint.saved_residuals` (jax 0.10
+# exports only `print_saved_residuals`). This module is the one place that touches it, so a JAX
+# upgrade that moves it breaks this function, loudly, and nothing else (tests/test_memory.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+import jax
+import numpy as np
+
+try:
+    from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals
+except ImportError as e:  # pragma: no cover - exercised only on an incompatible JAX
+    raise ImportError(f"remat.memory needs jax._src.ad_checkpoint.saved_residuals ({e}); "
+                      f"this JAX version moved it: update remat/memory.py") from e
+
+_NAMED = re.compile(r"named '([^']+)'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One saved value: tag name (or its source), shape, dtype, bytes, JAX's description, kind."""
+    name: str
+    shape: tuple
+    dtype: str
+    bytes: int
+    source: str
+    kind: str  # "argument", "named", "intermediate", "constant"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedResiduals:
+    """Rows of saved values with totals. `total` counts arguments too; `intermediates` does not."""
+    rows: tuple
+
+    @property
+    def total(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def intermediates(self) -> int:
+        return sum(r.bytes for r in self.rows if r.kind != "argument")
+
+    def by_name(self) -> dict:
+        """{tag name or source kind: (count, bytes)}, largest first."""
+        acc = defaultdict(lambda: [0, 0])
+        for r in self.rows:
+            key = r.name if r.kind == "named" else f"<{r.kind}:{r.name}>" if r.kind != "argument" else "<arguments>"
+            acc[key][0] += 1
+            acc[key][1] += r.bytes
+        return dict(sorted(((k, tuple(v)) for k, v in acc.items()), key=lambda kv: -kv[1][1]))
+
+    def __getitem__(self, key):  # dict-style access for programs: res["total"], res["rows"]
+        return self.as_dict()[key]
+
+    def as_dict(self) -> dict:
+        return {"rows": [dataclasses.asdict(r) for r in self.rows], "by_name": self.by_name(),
+                "total": self.total, "intermediates": self.intermediates}
+
+    def table(self) -> str:
+        """A pretty-printed table grouped by tag name."""
+        lines = [f"{'saved value':<36} {'count':>5} {'MiB':>10}"]
+        for k, (c, b) in self.by_name().items():
+            lines.append(f"{k[:36]:<36} {c:>5} {b / 2**20:>10.2f}")
+        lines.append(f"{'total (intermediates)':<36} {'':>5} {self.intermediates / 2**20:>10.2f}")
+        lines.append(f"{'total (with arguments)':<36} {'':>5} {self.total / 2**20:>10.2f}")
+        return "\n".join(lines)
+
+
+def _nbytes(aval) -> int:
+    try:
+        return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys)
+        return int(np.prod(aval.shape, dtype=np.int64)) * 8
+
+
+def saved_residuals(fn, *args) -> SavedResiduals:
+    """List what `jax.vjp(fn, *args)` keeps for the backward pass.
+
+    Args:
+      fn: a function of arrays/pytrees (closed-over constants allowed).
+      *args: example arguments (arrays or `jax.ShapeDtypeStruct`s are not accepted: use arrays).
+    Returns:
+      SavedResiduals with `.rows`, `.total`, `.intermediates`, `.by_name()`, `.table()`.
+    Example:
+      >>> r = saved_residuals(lambda p, x: loss(p, x), params, x)
+      >>> print(r.table()); r.total
+    """
+    rows = []
+    for aval, src in _jax_saved_residuals(fn, *args):
+        m = _NAMED.search(src)
+        if m:
+            kind, name = "named", m.group(1)
+        elif src.startswith("from the argument"):
+            kind, name = "argument", src.removeprefix("from the argument ").strip()
+        elif src.startswith("from a") :
+            kind, name = "constant", src.removeprefix("from ").strip()
+        else:
+            kind = "intermediate"
+            name = src.split(" from ")[0].removeprefix("output of ").strip()
+        dtype = str(aval.dtype) if hasattr(aval, "dtype") else "?"
+        rows.append(Residual(name, tuple(getattr(aval, "shape", ())), dtype, _nbytes(aval), src, kind))
+    return SavedResiduals(tuple(rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's memory analysis and cost analysis of one compiled function (bytes, FLOPs)."""
+    temp: int
+    argument: int
+    output: int
+    alias: int
+    generated_code: int
+    host_temp: int
+    flops: float
+
+    @property
+    def peak_estimate(self) -> int:
+        """argument + output + temp - alias: what the program needs live at once, at most."""
+        return self.argument + self.output + self.temp - self.alias
+
+
+def compiled_memory(fn, *args, static_argnums=()) -> CompiledMemory:
+    """Compile `fn(*args)` with jit and read XLA's memory and cost analysis.
+
+    Example:
+      >>> compiled_memory(jax.grad(loss), params, x).temp
+    """
+    compiled = jax.jit(fn, static_argnums=static_argnums).lower(*args).compile()
+    ma = compiled.memory_analysis()
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    g = lambda k: int(getattr(ma, k, 0) or 0)
+    return CompiledMemory(temp=g("temp_size_in_bytes"), argument=g("argument_size_in_bytes"),
+                          output=g("output_size_in_bytes"), alias=g("alias_size_in_bytes"),
+                          generated_code=g("generated_code_size_in_bytes"),
+                          host_temp=g("host_temp_size_in_bytes"),
+                          flops=float((ca or {}).get("flops", 0.0)))

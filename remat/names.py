@@ -1,0 +1,41 @@
+"""Activation names that models tag with `jax.ad_checkpoint.checkpoint_name`.
+
+Every activation a policy may refer to is tagged exactly once, at the point listed here, with one
+of these constants. Policies (`remat.policies`) refer only to these names.
+
+| name            | where it is tagged                                               |
+|-----------------|------------------------------------------------------------------|
+| `block_input`   | the input of each transformer layer (the residual stream)       |
+| `ln_1`          | output of the norm before attention                              |
+| `qkv`           | the q, k, v projections (after RoPE for LLaMA)                   |
+| `attn_probs`    | the softmax probabilities inside the attention core (B,H,T,T)    |
+| `attn_context`  | the attention core's output, heads merged (B,T,C)                |
+| `attn_out`      | the attention output projection                                  |
+| `ln_2`          | output of the norm before the MLP                                |
+| `mlp_up`        | the MLP up projection (`c_fc`)                                   |
+| `mlp_gate`      | the gate projection of a gated MLP (`c_fc2`, LLaMA only)         |
+| `mlp_act`       | the MLP activation (GELU, or silu(gate)·up)                      |
+| `mlp_out`       | the MLP down projection (`c_proj`)                               |
+"""
+BLOCK_INPUT = "block_input"
+LN_1 = "ln_1"
+QKV = "qkv"
+ATTN_PROBS = "attn_probs"
+ATTN_CONTEXT = "attn_context"
+ATTN_OUT = "attn_out"
+LN_2 = "ln_2"
+MLP_UP = "mlp_up"
+MLP_GATE = "mlp_gate"
+MLP_ACT = "mlp_act"
+MLP_OUT = "mlp_out"
+
+ALL = (BLOCK_INPUT, LN_1, QKV, ATTN_PROBS, ATTN_CONTEXT, ATTN_OUT, LN_2, MLP_UP, MLP_GATE,
+       MLP_ACT, MLP_OUT)
+
+# Selective recompute modules (Megatron's `recompute_modules`): the tagged names each one drops
+# from the saved set, so that they (and every untagged value computed from them) are recomputed.
+MODULES = {
+    "core_attn": (ATTN_PROBS,),
+    "mlp": (MLP_UP, MLP_GATE, MLP_ACT),
+    "norm": (LN_1, LN_2),
+}

@@ -1,0 +1,210 @@
+"""The one registry of remat policy names.
+
+A policy decides, for each primitive inside a checkpointed region, whether its output is saved for
+the backward pass, offloaded to host memory, or recomputed. `get(name)` turns a registry name into
+a JAX policy callable; `names()` lists what `get` accepts; the CLI's choices, the README's table
+and the tests' parametrization all derive from `REGISTRY`.
+
+Example:
+    >>> from remat import policies
+    >>> pol = policies.get("core_attn")
+    >>> f = jax.checkpoint(layer, policy=pol)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.interpreters import partial_eval as pe  # Saveable/Recompute/Offloadable markers
+
+from remat import names as N
+
+cp = jax.checkpoint_policies
+
+OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveNames:
+    """Save only values tagged with one of `names`; recompute everything else."""
+    names: frozenset
+
+    def __call__(self, prim, *avals, **params):
+        return prim.name == "name" and params["name"] in self.names
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadNames:
+    """Offload values tagged with one of `offload` to host memory, save those in `save`,
+    recompute the rest (MaxText's per-tensor remat|device|offload)."""
+    offload: frozenset
+    save: frozenset = frozenset()
+    src: str = OFFLOAD_SRC
+    dst: str = OFFLOAD_DST
+
+    def __call__(self, prim, *avals, **params):
+        if prim.name == "name":
+            if params["name"] in self.save:
+                return pe.Saveable
+            if params["name"] in self.offload:
+                return pe.Offloadable(src=self.src, dst=self.dst)
+        return pe.Recompute
+
+
+def _wide_float(prim, avals, params) -> bool:
+    """True when `prim` returns a float of 32 bits or more."""
+    if prim.name == "name":
+        dt = avals[0].dtype
+    elif prim is lax.convert_element_type_p:
+        dt = params.get("new_dtype")
+    elif prim is lax.dot_general_p:
+        dt = params.get("preferred_element_type") or jnp.result_type(*(a.dtype for a in avals))
+    else:
+        floats = [a.dtype for a in avals if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
+        dt = jnp.result_type(*floats) if floats else None
+    return dt is not None and jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize >= 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypePreserving:
+    """Wrap `base` so that the backward never gets a float32 copy of a value the forward used in bf16.
+
+    Meant for bf16 compute. There every unnamed float32 intermediate is an upcast: norm statistics,
+    a float32 softmax, a matmul accumulated in float32 before its cast to bf16. Whatever `base`
+    would save, such a value is recomputed instead from the bf16 values that are saved (the bf16
+    cast of a matmul is saved, never its float32 accumulator). Values the model tagged by name are
+    kept as `base` decides, in the dtype the forward computed them in. (In a float32 model this
+    keeps only named values.)
+    """
+    base: Callable
+
+    def __call__(self, prim, *avals, **params):
+        decision = self.base(prim, *avals, **params)
+        if decision is False or decision is pe.Recompute or prim.name == "name":
+            return decision
+        return pe.Recompute if _wide_float(prim, avals, params) else decision
+
+
+def _everything(*_, **__):
+    return True
+
+
+def _nothing(*_, **__):
+    return False
+
+
+def _names_arg(arg: str, name: str) -> frozenset:
+    got = tuple(a.strip() for a in arg.split(",") if a.strip())
+    bad = [a for a in got if a not in N.ALL]
+    if not got or bad:
+        raise ValueError(f"policy {name!r}: unknown activation name(s) {bad or [arg]}; "
+                         f"tagged names are {', '.join(N.ALL)}")
+    return frozenset(got)
+
+
+def selective(modules) -> SaveNames:
+    """Save every tagged activation except the internals of `modules` (Megatron's
+    `recompute_modules`); untagged values are recomputed."""
+    unknown = [m for m in modules if m not in N.MODULES]
+    if unknown:
+        raise ValueError(f"unknown recompute module(s) {unknown}; valid: {', '.join(N.MODULES)}")
+    dropped = {n for m in modules for n in N.MODULES[m]}
+    return SaveNames(frozenset(n for n in N.ALL if n not in dropped))
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A registry row: `factory(arg)` builds the policy; `template` shows the argument form."""
+    factory: Callable
+    help: str
+    template: str | None = None   # e.g. "save_names:<a,b,...>"
+    example: str | None = None    # a concrete instance used by tests and docs
+
+
+REGISTRY: dict[str, Entry] = {
+    "full": Entry(lambda: _nothing, "save nothing inside a region; only its inputs are kept"),
+    "everything": Entry(lambda: _everything, "save everything: remat becomes a no-op (baseline)"),
+    "dots": Entry(lambda: cp.dots_saveable, "save matmul outputs, recompute the rest"),
+    "dots_no_batch": Entry(lambda: cp.dots_with_no_batch_dims_saveable,
+                           "save matmuls without batch dims (projections, not attention scores)"),
+    **{m: Entry(functools.partial(selective, (m,)),
+                f"selective: save every tagged activation except {'/'.join(N.MODULES[m])}; "
+                f"combine with '+', e.g. core_attn+mlp")
+       for m in N.MODULES},
+    "bf16": Entry(lambda: DtypePreserving(_everything),
+                  "dtype-preserving save-everything: no float32 copies of bf16 values",
+                  template="bf16:<policy>", example="bf16:core_attn"),
+    "save_names": Entry(lambda arg: SaveNames(_names_arg(arg, "save_names")),
+                        "save only the listed tagged names",
+                        template="save_names:<name,...>", example=f"save_names:{N.QKV},{N.ATTN_CONTEXT}"),
+    "offload_names": Entry(lambda arg: OffloadNames(_names_arg(arg, "offload_names")),
+                           "offload the listed tagged names to pinned host memory, recompute the rest",
+                           template="offload_names:<name,...>", example=f"offload_names:{N.MLP_UP},{N.QKV}"),
+}
+_NEEDS_ARG = ("save_names", "offload_names")
+
+
+def names() -> tuple[str, ...]:
+    """Every name `get` accepts: plain names and argument templates (`save_names:<name,...>`)."""
+    out = []
+    for k, e in REGISTRY.items():
+        if k not in _NEEDS_ARG:
+            out.append(k)
+        if e.template:
+            out.append(e.template)
+    return tuple(out)
+
+
+def examples() -> tuple[str, ...]:
+    """One concrete, valid name per registry row and form (for tests and docs)."""
+    out = [k for k in REGISTRY if k not in _NEEDS_ARG]
+    out += [e.example for e in REGISTRY.values() if e.example]
+    out.append("core_attn+mlp")
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def get(name: str) -> Callable:
+    """Return the JAX policy for a registry name.
+
+    Args:
+      name: a plain name (`full`, `core_attn`, ...), a '+'-combination of selective modules
+        (`core_attn+mlp`), or an argument form (`save_names:qkv,mlp_up`, `offload_names:mlp_up`,
+        `bf16:<policy>`).
+    Example:
+      >>> jax.checkpoint(f, policy=policies.get("save_names:qkv"))
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"policy must be a non-empty name; valid: {', '.join(names())}")
+    head, sep, arg = name.partition(":")
+    if head == "bf16" and sep:
+        return DtypePreserving(get(arg))
+    if head in _NEEDS_ARG:
+        if not sep or not arg:
+            raise ValueError(f"policy {name!r} needs an argument: {REGISTRY[head].template}")
+        return REGISTRY[head].factory(arg)
+    if sep:
+        raise ValueError(f"policy {head!r} takes no argument (got {name!r})")
+    if "+" in name:
+        return selective(tuple(p.strip() for p in name.split("+")))
+    if name not in REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(names())} "
+                         f"(selective modules combine with '+', e.g. core_attn+mlp)")
+    return REGISTRY[name].factory()
+
+
+def validate(name: str) -> None:
+    """Raise ValueError with the valid choices if `name` is not a usable policy name."""
+    get(name)
+
+
+def table_markdown() -> str:
+    """The README's policy table, generated from the registry."""
+    rows = ["| policy | what it does |", "|---|---|"]
+    for k, e in REGISTRY.items():
+        rows.append(f"| `{e.template or k}` | {e.help} |")
+    return "\n".join(rows)

@@ -1,0 +1,90 @@
+"""apply_layers(): run a stack of layers grouped and rematerialized per a RecomputeConfig.
+
+This is the one place where layers are grouped into recompute regions; the Linen and NNX helpers
+and plain-JAX users all call it.
+
+# NOTE: scan layout. With `scan=True` the parameters carry a leading layer axis. Segments from
+# `plan()` are split into runs of equal size and kind (for `uniform` N: ⌊L/N⌋ regions of N layers,
+# then one of L mod N), and each run is one `lax.scan` whose body is a region of `size` layers.
+# So every method keeps its meaning under scan, and the traced program grows with the number of
+# runs (at most 3), not with depth.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+from jax import lax
+
+from remat.checkpoint import checkpoint
+from remat.config import RecomputeConfig
+from remat.plan import plan
+
+
+def _runs(n_layers: int, cfg: RecomputeConfig):
+    """(start, count, size, checkpointed) runs of equal segments, for the scan layout."""
+    units = []
+    for s in plan(n_layers, cfg):
+        if s.checkpointed:
+            units.append((s.start, s.stop - s.start, True))
+        else:
+            units += [(i, 1, False) for i in range(s.start, s.stop)]
+    runs = []
+    for start, size, ck in units:
+        if runs and runs[-1][2:] == (size, ck):
+            runs[-1][1] += 1
+        else:
+            runs.append([start, 1, size, ck])
+    return [tuple(r) for r in runs]
+
+
+def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys=None, args: tuple = (),
+                 scan: bool = False, prevent_cse: bool = True):
+    """Apply `apply_layer` layer after layer, with regions rematerialized per `cfg`.
+
+    Args:
+      apply_layer: `(layer_params, x, key, *args) -> x`; `key` is None when `keys` is None.
+      params: a sequence of per-layer parameter pytrees, or (`scan=True`) one pytree whose leaves
+        have a leading layer axis.
+      x: the input activation (any pytree carried from layer to layer).
+      cfg: the recompute config.
+      keys: optional per-layer PRNG keys (leading layer axis), e.g. for dropout.
+      args: extra arguments given to every layer (arrays are traced; other values are constants).
+      scan: run the layers under `lax.scan` (constant compile time in depth).
+    Example:
+      >>> y = apply_layers(lambda p, h, k: h + jnp.tanh(h @ p), [w1, w2, w3], x,
+      ...                  RecomputeConfig(granularity="full"))
+    """
+    n_layers = jax.tree.leaves(params)[0].shape[0] if scan else len(params)
+    policy = cfg.effective_policy()
+
+    def run(ps, h, ks, *a):
+        for i, p in enumerate(ps):
+            h = apply_layer(p, h, None if ks is None else ks[i], *a)
+        return h
+
+    def region(start, stop, ps, h, ks):
+        return checkpoint(run, ps, h, ks, *args, use_reentrant=cfg.use_reentrant, policy=policy,
+                          determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
+                          name=f"layers[{start}:{stop}]")
+
+    if not scan:
+        for s in plan(n_layers, cfg):
+            ps = list(params[s.start:s.stop])
+            ks = None if keys is None else keys[s.start:s.stop]
+            x = region(s.start, s.stop, ps, x, ks) if s.checkpointed else run(ps, x, ks, *args)
+        return x
+
+    for start, count, size, ck in _runs(n_layers, cfg):
+        stop = start + count * size
+        grouped = jax.tree.map(lambda a: a[start:stop].reshape((count, size) + a.shape[1:]), params)
+        kgrouped = None if keys is None else keys[start:stop].reshape((count, size) + keys.shape[1:])
+
+        def body(h, pk, start=start, size=size, ck=ck):
+            p, k = pk
+            ps = [jax.tree.map(lambda a: a[j], p) for j in range(size)]
+            ks = None if k is None else [k[j] for j in range(size)]
+            return (region(start, start + size, ps, h, ks) if ck else run(ps, h, ks, *args)), None
+
+        x, _ = lax.scan(body, x, (grouped, kgrouped))
+    return x

@@ -1,0 +1,393 @@
+"""GPT-2 and LLaMA-3: gradients under every recompute setting equal the no-remat model's.
+
+Tiny presets (C=32, 4 heads, 2 or 3 layers), B=2, T=16, float32 unless a test says otherwise.
+Every setting compiles once (`_value_and_grad` is cached); gradients are compared in llm.c's
+tensor layout so loop and scan models line up name by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import gpt2, layers, llama3
+from remat import RecomputeConfig, memory
+
+MODELS = {"gpt2": gpt2, "llama3": llama3}
+CONFIGS = {"gpt2": gpt2.GPT2Config, "llama3": llama3.Llama3Config}
+B, T = 2, 16
+
+# Tolerance for recompute vs no recompute in float32: a recomputation repeats the forward's
+# operations, but XLA may fuse the copies differently, which moves float32 rounding (~1e-7
+# relative per op) around; 1e-5 of the leaf's largest entry leaves room for that and nothing else.
+GRAD_TOL = 1e-5
+
+FULL = dict(granularity="full")
+SETTINGS = {  # id: (n_layer, RecomputeConfig kwargs); adding a row adds its tests
+    "full-none": (2, dict(FULL)),
+    "full-uniform1": (2, dict(FULL, method="uniform", num_layers=1)),
+    "full-uniform2": (2, dict(FULL, method="uniform", num_layers=2)),
+    "full-block1": (2, dict(FULL, method="block", num_layers=1)),
+    "full-block2": (2, dict(FULL, method="block", num_layers=2)),
+    "full-uniform2-L3": (3, dict(FULL, method="uniform", num_layers=2)),  # a 2 + 1 remainder
+    "full-block2-L3": (3, dict(FULL, method="block", num_layers=2)),      # 2 regions + 1 plain
+    "selective-core_attn": (2, dict(granularity="selective", modules=("core_attn",))),
+    "selective-mlp": (2, dict(granularity="selective", modules=("mlp",))),
+    "selective-core_attn+mlp+norm": (2, dict(granularity="selective", modules=("core_attn", "mlp", "norm"))),
+}
+# Reentrant (custom_vjp) recompute applies to granularity full only.
+SETTINGS.update({f"{k}-reentrant": (n, dict(kw, use_reentrant=True))
+                 for k, (n, kw) in list(SETTINGS.items()) if kw["granularity"] == "full"})
+
+# NOTE: test time. Each setting costs one XLA:CPU compilation (~1 s for the tiny model at
+# backend optimization level 0, twice that at the default level). The fast run covers every
+# setting with the Python loop of layers, and under scan the settings whose scan layout differs
+# (uniform with a remainder, block, reentrant, selective); the other combinations are `slow`.
+FAST_REENTRANT = ("full-none-reentrant", "full-uniform2-L3-reentrant", "full-block2-L3-reentrant")
+FAST_SCAN = ("full-none", "full-uniform2-L3", "full-block2-L3", "full-none-reentrant", "selective-core_attn")
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def _cases():
+    for setting in SETTINGS:
+        for scan in (False, True):
+            fast = (setting in FAST_SCAN) if scan else (not setting.endswith("-reentrant") or setting in FAST_REENTRANT)
+            yield pytest.param(setting, scan, id=f"{setting}-{'scan' if scan else 'loop'}",
+                               marks=() if fast else pytest.mark.slow)
+
+
+def _config(model: str, n_layer: int = 2, **kw):
+    return CONFIGS[model].preset("tiny", n_layer=n_layer, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _tensors(model: str, n_layer: int):
+    """Fixed float32 weights in llm.c layout (shared by loop and scan models)."""
+    cfg = _config(model, n_layer)
+    return MODELS[model].to_llmc(cfg, MODELS[model].init_params(cfg, jax.random.key(0)))
+
+
+def _batch(cfg):
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return (jax.random.randint(k1, (B, T), 0, cfg.vocab_size), jax.random.randint(k2, (B, T), 0, cfg.vocab_size))
+
+
+@functools.lru_cache(maxsize=None)
+def _value_and_grad(model: str, cfg, dropout_seed: int | None = None):
+    """(loss, {llm.c name: gradient}) for `cfg`, jitted; one compilation per distinct config."""
+    mod = MODELS[model]
+    params = mod.from_llmc(cfg, _tensors(model, cfg.n_layer))
+    key = None if dropout_seed is None else jax.random.key(dropout_seed)
+    x, y = _batch(cfg)
+    step = jax.jit(jax.value_and_grad(mod.loss_fn), static_argnums=1).lower(params, cfg, x, y, key)
+    loss, grads = step.compile(COMPILER_OPTIONS)(params, x, y, key)
+    return np.asarray(loss), mod.to_llmc(cfg, grads)
+
+
+def _assert_grads_close(got, want, tol=GRAD_TOL):
+    assert got.keys() == want.keys()
+    for k in want:
+        scale = np.abs(want[k]).max()
+        err = np.abs(got[k].astype(np.float64) - want[k]).max()
+        assert err <= tol * scale, f"{k}: max|Δg| = {err:.3e} > {tol:g}·max|g| = {tol * scale:.3e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Recompute settings: loss and every gradient equal the no-remat model's.
+
+@pytest.mark.parametrize("setting, scan", list(_cases()))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_recompute_matches_no_remat(model, setting, scan):
+    n_layer, kw = SETTINGS[setting]
+    loss0, g0 = _value_and_grad(model, _config(model, n_layer, scan_layers=scan))
+    loss, g = _value_and_grad(model, _config(model, n_layer, scan_layers=scan, recompute=RecomputeConfig(**kw)))
+    np.testing.assert_allclose(loss, loss0, rtol=1e-6)  # the same forward; only fusion may differ
+    _assert_grads_close(g, g0)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_scan_matches_loop(model):
+    loss0, g0 = _value_and_grad(model, _config(model))
+    loss, g = _value_and_grad(model, _config(model, scan_layers=True))
+    np.testing.assert_allclose(loss, loss0, rtol=1e-6)
+    _assert_grads_close(g, g0)
+
+
+@pytest.mark.parametrize("recompute", [dict(FULL), dict(FULL, use_reentrant=True)], ids=["full", "reentrant"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_dropout_recompute_is_bit_exact(model, recompute):
+    # Dropout masks come from the same per-layer keys in the forward and the recomputation
+    # (threefry is deterministic), and the float32 arithmetic is the same, so gradients are
+    # expected bit-equal; XLA is free to fuse the two programs differently, so the fallback
+    # bound is 1e-6 relative, still far below what a wrong mask would give (O(1)).
+    loss0, g0 = _value_and_grad(model, _config(model, dropout=0.1), dropout_seed=7)
+    loss, g = _value_and_grad(model, _config(model, dropout=0.1, recompute=RecomputeConfig(**recompute)),
+                              dropout_seed=7)
+    nodrop, _ = _value_and_grad(model, _config(model))
+    assert abs(float(loss0) - float(nodrop)) > 1e-4, "dropout had no effect"
+    np.testing.assert_allclose(loss, loss0, rtol=1e-6)
+    _assert_grads_close(g, g0, tol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Structure: what each setting saves for the backward pass.
+
+def _saved(model: str, n_layer: int, **recompute):
+    cfg = _config(model, n_layer, recompute=RecomputeConfig(**recompute))
+    mod = MODELS[model]
+    params = mod.from_llmc(cfg, _tensors(model, n_layer))
+    return memory.saved_residuals(lambda p, x, y: mod.loss_fn(p, cfg, x, y), params, *_batch(cfg)).intermediates
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_saved_residual_ordering(model):
+    none = _saved(model, 4)
+    full = _saved(model, 4, **FULL)
+    core_attn = _saved(model, 4, granularity="selective", modules=("core_attn",))
+    uniform2 = _saved(model, 4, **FULL, method="uniform", num_layers=2)
+    block2 = _saved(model, 4, **FULL, method="block", num_layers=2)
+    assert full < core_attn < none
+    assert uniform2 < full
+    assert full < block2 < none
+
+
+def test_gpt2_no_remat_saves_what_pytorch_does_or_less():
+    # The reference shape of MEASUREMENTS.md: PyTorch eager keeps 333 MiB, a plain JAX model ~800.
+    cfg = gpt2.GPT2Config(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_embd=256)
+    params = jax.eval_shape(lambda: gpt2.init_params(cfg, jax.random.key(0)))
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
+    idx = jnp.zeros((8, 256), jnp.int32)
+    saved = memory.saved_residuals(lambda p, x, y: gpt2.loss_fn(p, cfg, x, y), params, idx, idx)
+    assert saved.intermediates <= 333 * 2**20, saved.table()
+    names = saved.by_name()
+    # flash-style attention: no (B, H, T, T) tensor is kept
+    assert not any(len(r.shape) >= 4 and r.shape[-2:] == (256, 256) for r in saved.rows), saved.table()
+    assert names["qkv"][1] == 8 * 3 * 8 * 256 * 256 * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# Lean pieces against a plain JAX formulation (float32).
+
+def _plain_ln(x, w, b):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + 1e-5) * w + b
+
+
+def _plain_rms(x, w):
+    return x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w
+
+
+def _plain_attention(q, k, v, H, K, rate=0.0, key=None):
+    Bq, Tq, _ = q.shape
+    D, G = q.shape[-1] // H, H // K
+    qh = q.reshape(Bq, Tq, K, G, D)
+    kh, vh = k.reshape(Bq, Tq, K, D), v.reshape(Bq, Tq, K, D)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qh, kh) / math.sqrt(D)
+    s = jnp.where(jnp.tril(jnp.ones((Tq, Tq), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    if rate:
+        p = jnp.where(layers.attention_dropout_mask(key, rate, p.shape), p / (1 - rate), 0.0)
+    return jnp.einsum("bkgqs,bskd->bqkgd", p, vh).reshape(q.shape)
+
+
+def _plain_ce(logits, y, n_valid):
+    logp = jax.nn.log_softmax(logits[..., :n_valid], axis=-1)
+    return -jnp.take_along_axis(logp, y[..., None], -1).mean()
+
+
+def _rand(i, shape, scale=1.0):
+    return jax.random.normal(jax.random.key(i), shape, jnp.float32) * scale
+
+
+_C, _H = 32, 4
+LEAN = {  # id: (lean fn, plain fn, args)
+    "layer_norm": (lambda x, w, b: layers.layer_norm(x, w, b, 1e-5), _plain_ln,
+                   (_rand(0, (B, T, _C), 3.0) + 1.0, 1.0 + _rand(1, (_C,), 0.1), _rand(2, (_C,), 0.1))),
+    "rms_norm": (lambda x, w: layers.rms_norm(x, w, 1e-5), _plain_rms, (_rand(3, (B, T, _C), 3.0), 1.0 + _rand(4, (_C,), 0.1))),
+    "gelu_tanh": (layers.gelu_tanh, functools.partial(jax.nn.gelu, approximate=True), (_rand(5, (B, T, 4 * _C), 3.0),)),
+    "swiglu": (layers.swiglu, lambda g, u: jax.nn.silu(g) * u, (_rand(6, (B, T, 96), 3.0), _rand(7, (B, T, 96)))),
+    "attention_mha": (lambda q, k, v: layers.causal_attention(q, k, v, _H, _H),
+                      lambda q, k, v: _plain_attention(q, k, v, _H, _H),
+                      (_rand(8, (B, T, _C)), _rand(9, (B, T, _C)), _rand(10, (B, T, _C)))),
+    "attention_gqa": (lambda q, k, v: layers.causal_attention(q, k, v, _H, 2),
+                      lambda q, k, v: _plain_attention(q, k, v, _H, 2),
+                      (_rand(11, (B, T, _C)), _rand(12, (B, T, _C // 2)), _rand(13, (B, T, _C // 2)))),
+    "attention_dropout": (lambda q, k, v: layers.causal_attention(q, k, v, _H, 2, dropout_rate=0.2, key=jax.random.key(3)),
+                          lambda q, k, v: _plain_attention(q, k, v, _H, 2, 0.2, jax.random.key(3)),
+                          (_rand(14, (B, T, _C)), _rand(15, (B, T, _C // 2)), _rand(16, (B, T, _C // 2)))),
+    "cross_entropy": (lambda z: layers.cross_entropy(z, _rand(17, (B, T)).astype(jnp.int32) % 100 + 100, 200),
+                      lambda z: _plain_ce(z, _rand(17, (B, T)).astype(jnp.int32) % 100 + 100, 200),
+                      (_rand(18, (B, T, 256), 3.0),)),
+}
+
+
+@pytest.mark.parametrize("piece", list(LEAN))
+def test_lean_piece_matches_plain(piece):
+    lean, plain, args = LEAN[piece]
+    cot = _rand(99, jax.eval_shape(plain, *args).shape)
+    f = lambda fn: (lambda *a: jnp.sum(fn(*a) * cot))
+    y0, y = jax.jit(plain)(*args), jax.jit(lean)(*args)
+    np.testing.assert_allclose(y, y0, rtol=0, atol=1e-6 * float(jnp.abs(y0).max()))
+    g0 = jax.jit(jax.grad(f(plain), argnums=tuple(range(len(args)))))(*args)
+    g = jax.jit(jax.grad(f(lean), argnums=tuple(range(len(args)))))(*args)
+    for i, (a, b) in enumerate(zip(g, g0)):
+        err, scale = float(jnp.abs(a - b).max()), float(jnp.abs(b).max())
+        assert err <= 1e-6 * scale, f"{piece} argument {i}: max|Δg| {err:.3e} vs max|g| {scale:.3e}"
+
+
+def test_lean_attention_keeps_no_square_tensors():
+    q, k, v = LEAN["attention_gqa"][2]
+    saved = memory.saved_residuals(lambda q, k, v: layers.causal_attention(q, k, v, _H, 2).sum(), q, k, v)
+    assert not any(len(r.shape) >= 4 and r.shape[-2:] == (T, T) for r in saved.rows), saved.table()
+    assert saved.intermediates <= 4 * B * _H * T, saved.table()  # only the log-sum-exp
+
+
+def test_rope_scaling_branches():
+    freqs = layers.rope_frequencies(8, 500000.0, False)
+    scaled = layers.rope_frequencies(8, 500000.0, True)
+    wavelen = 2 * np.pi / freqs
+    assert wavelen[0] < 2048 and scaled[0] == freqs[0]                       # high frequency: kept
+    assert wavelen[-1] > 8192 and np.isclose(scaled[-1], freqs[-1] / 8)       # low frequency: / 8
+    mid = (2048 < wavelen) & (wavelen < 8192)
+    assert mid.any() and np.all((scaled[mid] > freqs[mid] / 8) & (scaled[mid] < freqs[mid]))
+
+
+# ------------------------------------------------------------------------------------------------
+# llm.c layout, presets, configs.
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_llmc_round_trip(model, scan):
+    mod = MODELS[model]
+    cfg = _config(model, 3, scan_layers=scan)
+    shapes = mod.llmc_shapes(cfg)
+    rng = np.random.default_rng(0)
+    tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    params = mod.from_llmc(cfg, tensors)
+    init = jax.eval_shape(lambda: mod.init_params(cfg, jax.random.key(0)))  # the model's own layout
+    assert jax.tree.structure(params) == jax.tree.structure(init)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(lambda a: (a.shape, a.dtype), init)
+    back = mod.to_llmc(cfg, params)
+    assert list(back) == list(shapes)  # the model file's order
+    assert all(v.dtype == np.float32 and v.shape == shapes[k] for k, v in back.items())
+    jax.tree.map(np.testing.assert_array_equal, back, tensors)
+    jax.tree.map(np.testing.assert_array_equal, mod.from_llmc(cfg, back), params)
+    other = dataclasses.replace(cfg, scan_layers=not scan)  # the other layout reads the same tensors
+    jax.tree.map(np.testing.assert_array_equal, mod.to_llmc(other, mod.from_llmc(other, tensors)), tensors)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_from_llmc_rejects_wrong_tensors(model):
+    mod, cfg = MODELS[model], _config(model)
+    tensors = dict(_tensors(model, 2))
+    with pytest.raises(ValueError, match="ln_f.w"):
+        mod.from_llmc(cfg, {k: v for k, v in tensors.items() if k != "ln_f.w"})
+    tensors["attn.c_proj.w"] = tensors["attn.c_proj.w"][:, :, :-1]
+    with pytest.raises(ValueError, match="attn.c_proj.w"):
+        mod.from_llmc(cfg, tensors)
+
+
+def _preset_comment_counts(mod) -> dict:
+    src = inspect.getsource(mod)
+    return {name: int(count.replace(",", ""))
+            for name, count in re.findall(r'"(\w+)": dict\([^#]*#\s*([\d,]+)', src)}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_preset_parameter_counts(model):
+    mod, cls = MODELS[model], CONFIGS[model]
+    counts = _preset_comment_counts(mod)
+    assert set(counts) == set(mod.PRESETS)
+    for name, count in counts.items():
+        cfg = cls.preset(name)
+        assert mod.num_params(cfg) == count == sum(math.prod(s) for s in mod.llmc_shapes(cfg).values()), name
+    tiny = cls.preset("tiny")
+    shapes = jax.eval_shape(lambda: mod.init_params(tiny, jax.random.key(0)))
+    assert sum(math.prod(s.shape) for s in jax.tree.leaves(shapes)) == counts["tiny"]
+    assert mod.flops_per_token(tiny) > 6 * (counts["tiny"] - tiny.vocab_size * tiny.n_embd)
+
+
+def test_preset_shapes():
+    assert gpt2.GPT2Config.preset("d12").padded_vocab_size == 50304
+    assert llama3.Llama3Config.preset("8b").ffn_hidden == 14336
+    assert llama3.Llama3Config.preset("1b").ffn_hidden == 8192
+    assert llama3.Llama3Config.preset("tiny").ffn_hidden == 96
+
+
+@pytest.mark.parametrize("model, kwargs, match", [
+    ("gpt2", dict(dtype="float16"), "dtype='float16'.*float32, bfloat16"),
+    ("gpt2", dict(n_embd=30), "n_embd=30 is not divisible by n_head=4"),
+    ("gpt2", dict(padded_vocab_size=100), "padded_vocab_size=100"),
+    ("gpt2", dict(dropout=1.0), "dropout"),
+    ("gpt2", dict(n_layer=0), "n_layer=0"),
+    ("gpt2", dict(recompute=RecomputeConfig(granularity="full", method="block", num_layers=3)),
+     "recompute_num_layers=3 exceeds n_layer=2; use 1..2"),
+    ("gpt2", dict(recompute="full"), "RecomputeConfig"),
+    ("llama3", dict(dtype="fp32"), "dtype='fp32'"),
+    ("llama3", dict(n_kv_head=3), "n_kv_head=3 must divide n_head=4"),
+    ("llama3", dict(n_embd=36, n_head=4), "even"),
+    ("llama3", dict(norm_eps=0.0), "norm_eps"),
+    ("llama3", dict(recompute=RecomputeConfig(granularity="full", method="uniform", num_layers=5)),
+     "recompute_num_layers=5 exceeds n_layer=2"),
+])
+def test_config_validation(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CONFIGS[model].preset("tiny", **kwargs)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="valid: d12"):
+        gpt2.GPT2Config.preset("d13")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_call_without_targets(model):
+    mod, cfg = MODELS[model], _config(model)
+    net = {"gpt2": gpt2.GPT2, "llama3": llama3.Llama3}[model](cfg)
+    logits, loss = net.apply({"params": mod.from_llmc(cfg, _tensors(model, 2))}, _batch(cfg)[0])
+    vp = getattr(cfg, "padded_vocab_size", cfg.vocab_size)
+    assert loss is None and logits.shape == (B, T, vp) and logits.dtype == jnp.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# bfloat16 compute.
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_bf16(model):
+    # Tolerance: bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per op). Recompute
+    # re-runs the same bf16 operations, but XLA fuses (and on CPU upcasts) the copies
+    # differently, so single roundings land on different sides; across ~20 ops between a gradient
+    # and the loss that gives ~1e-2 of the largest entry at worst (MEASUREMENTS.md saw 5e-4
+    # typical). A wrong recomputation gives O(1).
+    mod = MODELS[model]
+    loss0, g0 = _value_and_grad(model, _config(model, dtype="bfloat16"))
+    loss, g = _value_and_grad(model, _config(model, dtype="bfloat16", recompute=RecomputeConfig(**FULL)))
+    assert loss.dtype == np.float32 and all(v.dtype == np.float32 for v in g.values())
+    np.testing.assert_allclose(loss, loss0, rtol=1e-2)
+    _assert_grads_close(g, g0, tol=2e-2)
+    # and bf16 stays close to float32 (a sanity bound on the casts, not an exactness claim)
+    loss32, _ = _value_and_grad(model, _config(model))
+    np.testing.assert_allclose(loss0, loss32, rtol=2e-2)
+    cfg = _config(model, dtype="bfloat16")
+    params = mod.from_llmc(cfg, _tensors(model, 2))
+    net = {"gpt2": gpt2.GPT2, "llama3": llama3.Llama3}[model](cfg)
+    jaxpr = jax.make_jaxpr(lambda p: net.apply({"params": p}, *_batch(cfg)))(params)
+    logits, loss_out = jaxpr.out_avals
+    assert logits.dtype == jnp.float32 and loss_out.dtype == jnp.float32
+    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)

@@ -1,0 +1,113 @@
+"""The policy registry, the selective presets and the dtype-preserving bf16 policy."""
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import remat
+from remat import memory, names as N, policies
+from tinyblocks import B, C, T, block, init_block
+
+KEY = jax.random.PRNGKey(0)
+
+
+def test_names_cover_the_required_policies_and_all_resolve():
+    ns = policies.names()
+    for need in ("full", "everything", "dots", "dots_no_batch", "core_attn", "mlp", "norm", "bf16",
+                 "save_names:<name,...>", "offload_names:<name,...>", "bf16:<policy>"):
+        assert need in ns
+    for n in ns:
+        if ":" not in n:
+            assert callable(policies.get(n))
+    for n in policies.examples():
+        assert callable(policies.get(n))
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ("nope", "unknown policy 'nope'"), ("save_names", "needs an argument"),
+    ("save_names:", "needs an argument"), ("save_names:qkv,bogus", "bogus"),
+    ("full:qkv", "takes no argument"), ("core_attn+bogus", "bogus"), ("", "non-empty"),
+    ("bf16:nope", "unknown policy 'nope'"),
+])
+def test_bad_policy_names_say_what_is_valid(bad, needle):
+    with pytest.raises(ValueError) as e:
+        policies.get(bad)
+    assert needle in str(e.value)
+
+
+def test_policies_are_hashable_and_cached():
+    assert policies.get("core_attn+mlp") is policies.get("core_attn+mlp")
+    hash(policies.get("bf16:save_names:qkv")); hash(policies.get("offload_names:mlp_up"))
+
+
+def test_selective_presets_drop_their_module_names():
+    assert policies.get("core_attn").names == frozenset(N.ALL) - {N.ATTN_PROBS}
+    assert policies.get("mlp").names == frozenset(N.ALL) - {N.MLP_UP, N.MLP_GATE, N.MLP_ACT}
+    assert policies.get("core_attn+norm").names == frozenset(N.ALL) - {N.ATTN_PROBS, N.LN_1, N.LN_2}
+
+
+def test_readme_policy_table_is_generated_from_the_registry():
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    assert policies.table_markdown() in readme, "regenerate README's table: python -m remat.policies"
+
+
+def _saved(policy, n_layers=4, method="none", num_layers=1, dtype=jnp.float32, compute=None):
+    ps = [init_block(k, dtype=dtype) for k in jax.random.split(KEY, n_layers)]
+    x = jax.random.normal(KEY, (B, T, C), dtype)
+    cfg = remat.RecomputeConfig(granularity="full", method=method, num_layers=num_layers, policy=policy)
+    # a linear loss keeps nothing itself, so every saved value comes from the layers
+    f = lambda ps, x: jnp.sum(remat.apply_layers(lambda p, h, k: block(p, h, compute_dtype=compute),
+                                                 ps, x, cfg).astype(jnp.float32))
+    return memory.saved_residuals(f, ps, x)
+
+
+def test_saved_bytes_strictly_ordered_full_core_attn_everything():
+    full, core, every = (_saved(p).total for p in ("full", "core_attn", "everything"))
+    assert full < core < every, (full, core, every)
+    assert _saved("full", method="uniform", num_layers=2).total < full
+
+
+def test_save_names_saves_exactly_those_names():
+    r = _saved("save_names:qkv,mlp_up")
+    named = {row.name for row in r.rows if row.kind == "named"}
+    assert named == {N.QKV, N.MLP_UP}
+    # besides the names, only the region inputs are kept: the outputs of layers 0..2 (x is an argument)
+    others = [row for row in r.rows if row.kind not in ("argument", "named") and row.bytes > 0]
+    assert [(row.name, row.shape) for row in others] == [("add", (B, T, C))] * 3
+
+
+def _bf16_rows(policy):
+    # bf16 compute: activations (the residual stream too) in bf16, params cast at use.
+    return _saved(policy, dtype=jnp.bfloat16, compute=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("base", ["everything", "dots", "core_attn"])
+def test_bf16_policy_saves_no_float32_copy_of_a_bf16_value(base):
+    plain, bf = _bf16_rows(base), _bf16_rows(f"bf16:{base}")
+    # In this block every float32 intermediate is an upcast of bf16 compute (norm statistics,
+    # softmax, matmul accumulators): none may be saved, while the plain policy does save some
+    # (for `everything`), so the assertion can fail.
+    f32 = [r for r in bf.rows if r.kind == "intermediate" and r.dtype == "float32" and r.bytes > 0]
+    assert not f32, f32
+    if base == "everything":
+        assert any(r.kind == "intermediate" and r.dtype == "float32" for r in plain.rows)
+    assert bf.total <= plain.total
+    # the bf16 values are kept: at least one bf16 intermediate or name is saved by every base
+    assert any(r.dtype == "bfloat16" and r.kind != "argument" for r in bf.rows)
+
+
+def test_bf16_policy_keeps_the_bf16_cast_of_a_float32_accumulated_matmul():
+    w = jax.random.normal(KEY, (C, C), jnp.bfloat16)
+    x = jax.random.normal(KEY, (B, C), jnp.bfloat16)
+
+    def f(w, x):
+        y = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        y = y.astype(jnp.bfloat16)
+        return jnp.sum((y * y).astype(jnp.float32))  # the backward needs y
+
+    every = memory.saved_residuals(jax.checkpoint(f, policy=policies.get("everything")), w, x)
+    bf = memory.saved_residuals(jax.checkpoint(f, policy=policies.get("bf16")), w, x)
+    assert not any(r.dtype == "float32" and r.kind == "intermediate" for r in bf.rows)
+    assert any(r.name == "convert_element_type" and r.dtype == "bfloat16" for r in bf.rows)
+    assert bf.total <= every.total

@@ -1,0 +1,51 @@
+"""Train GPT-2 or LLaMA-3 with configurable activation recompute (rematerialization).
+
+    python train.py                                   # small GPT-2 on the Python stdlib's source, CPU, minutes
+    python train.py --model gpt2 --preset tiny --num_iterations 3 --activation_recompute \\
+        --recompute_method uniform --recompute_num_layers 2
+    python train.py --model llama3 --preset tiny --num_iterations 3 --activation_recompute \\
+        --recompute_granularity selective --recompute_modules core_attn,mlp
+    python train.py --activation_recompute --use_reentrant --scan_layers --dtype bfloat16
+    python train.py --preset d12 --activation_recompute --recompute_method uniform,block \\
+        --recompute_num_layers 4 --memory_report        # side-by-side memory of two methods, no training
+    python train.py --data "fineweb_train_*.bin" --val_data fineweb_val_000000.bin --preset d12 \\
+        --batch_size 8 --sequence_length 1024 --grad_accum_steps 8 --checkpoint_dir runs/d12 \\
+        --checkpoint_every 500 --log_jsonl runs/d12.jsonl --mesh data=2,fsdp=4
+    python train.py ... --checkpoint_dir runs/d12 --resume   # continue bit-identically
+
+Flags are generated from `training.TrainConfig` (`python train.py --help`). Bad input (an unknown
+value, inconsistent recompute flags, a missing or malformed data file, a mismatched --init_from,
+--resume without a checkpoint, a mesh that does not fit) exits with status 2 and one line on
+stderr, before anything is written. A NaN/inf loss stops the run with status 1.
+"""
+from __future__ import annotations
+
+import sys
+
+PROG = "train.py"
+
+
+def main(argv=None) -> int:
+    from training.config import UsageError, config_from_args, usage_exit
+
+    try:
+        cfg = config_from_args(argv, prog=PROG, description=__doc__)
+    except UsageError as e:
+        usage_exit(str(e), PROG)
+    import training
+
+    try:
+        training.run(cfg)
+    except UsageError as e:
+        usage_exit(str(e), PROG)
+    except training.TrainingDiverged as e:
+        sys.stderr.write(f"{PROG}: stopped: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

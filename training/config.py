@@ -1,0 +1,332 @@
+"""TrainConfig: every training setting, validated once; the CLI flags are generated from its fields.
+
+Each field's `metadata` carries its help text (and `choices` where the set is closed), so the flag
+name, type, default and help cannot drift apart (`build_parser`). Validation that needs only the
+values lives in `TrainConfig.__post_init__`; validation that needs files, devices or the model
+(data, `--init_from`, `--resume`, `--mesh` against the device count) happens in
+`training.run.prepare`, still before anything is written.
+
+Example:
+    >>> cfg = TrainConfig(preset="tiny", num_iterations=3, activation_recompute=True,
+    ...                   recompute_method="uniform", recompute_num_layers=2)
+    >>> cfg.recompute_configs()[0][1].granularity
+    'full'
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import typing
+from typing import Sequence
+
+from remat import RecomputeConfig, policies
+from remat import names as remat_names
+from remat.config import GRANULARITIES, METHODS
+
+MODELS = ("gpt2", "llama3")
+DTYPES = ("float32", "bfloat16")
+MESH_AXES = ("data", "fsdp")
+DEFAULT_PRESET = "tiny"
+
+
+class UsageError(ValueError):
+    """A bad flag value or bad input file: `train.py` prints its one-line message and exits 2."""
+
+
+def _f(default, help: str, **meta):
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def model_presets(model: str) -> tuple[str, ...]:
+    """The preset names of `model` ("gpt2" or "llama3")."""
+    if model == "gpt2":
+        from models.gpt2 import PRESETS
+    else:
+        from models.llama3 import PRESETS
+    return tuple(PRESETS)
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """'data=2,fsdp=4' → {'data': 2, 'fsdp': 4}; a missing axis is 1.
+
+    Example:
+      >>> parse_mesh("fsdp=8")
+      {'data': 1, 'fsdp': 8}
+    """
+    out = {a: 1 for a in MESH_AXES}
+    seen = set()
+    for part in (p.strip() for p in spec.split(",")):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in MESH_AXES or name in seen or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh {spec!r}: expected AXIS=N[,AXIS=N] with axes {' and '.join(MESH_AXES)} "
+                             f"and N >= 1, e.g. --mesh data=2,fsdp=4")
+        seen.add(name)
+        out[name] = int(value)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a training run; one CLI flag per field (`--<field name>`)."""
+    # -- model
+    model: str = _f("gpt2", "model family", choices=MODELS)
+    preset: str = _f(DEFAULT_PRESET, "model preset: gpt2 tiny|d12|d24|d36|d48, llama3 tiny|1b|8b")
+    n_layer: int | None = _f(None, "override the preset's number of layers")
+    n_head: int | None = _f(None, "override the preset's number of attention heads")
+    n_embd: int | None = _f(None, "override the preset's width")
+    block_size: int | None = _f(None, "override the preset's maximum sequence length (default: the preset's, "
+                                      "raised to --sequence_length when that is longer and no --init_from)")
+    vocab_size: int | None = _f(None, "vocabulary size (default: 256 for byte-level text data, else the preset's)")
+    init_from: str | None = _f(None, "initialize from an llm.c model .bin file or an orbax checkpoint "
+                                     "directory written by this script (shapes must match the preset)")
+    dtype: str = _f("float32", "compute dtype (parameters and optimizer state stay float32)", choices=DTYPES)
+    dropout: float = _f(0.0, "dropout probability")
+    # -- activation recompute (remat.RecomputeConfig)
+    activation_recompute: bool = _f(False, "turn activation recompute on; without --recompute_granularity it "
+                                           "means granularity full")
+    recompute_granularity: str | None = _f(None, "none | full (whole layers) | selective (sub-modules inside "
+                                                 "every layer); default: full with --activation_recompute, else "
+                                                 "none", choices=GRANULARITIES)
+    recompute_method: str = _f("none", "for granularity full: none (each layer a region) | uniform (runs of "
+                                       "--recompute_num_layers layers) | block (first --recompute_num_layers "
+                                       "layers); with --memory_report a comma list gives one row per method",
+                               metavar="{" + ",".join(METHODS) + "}")
+    recompute_num_layers: int = _f(1, "the N of --recompute_method uniform/block (1..n_layer)")
+    recompute_modules: str | None = _f(None, "selective granularity: comma list of sub-modules to recompute, "
+                                             f"from {','.join(remat_names.MODULES)} (default core_attn)")
+    remat_policy: str | None = _f(None, "what a recompute region saves, a remat.policies name: "
+                                        + ", ".join(policies.names())
+                                        + " (selective modules combine with '+', e.g. core_attn+mlp)")
+    use_reentrant: bool = _f(False, "recompute through a custom_vjp that saves only region inputs "
+                                    "(full granularity only)")
+    scan_layers: bool = _f(False, "run the layers under lax.scan (constant compile time in depth)")
+    # -- optimization
+    batch_size: int = _f(16, "micro-batch size (sequences per forward/backward)")
+    sequence_length: int = _f(64, "tokens per sequence T")
+    grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step (tokens per step = "
+                                  "batch_size * sequence_length * grad_accum_steps)")
+    num_iterations: int = _f(600, "optimizer steps to train for (the step count to stop at when resuming)")
+    learning_rate: float = _f(3e-3, "peak learning rate (AdamW)")
+    warmup_iters: int = _f(30, "linear warmup steps")
+    lr_decay: float = _f(0.1, "cosine-decay the learning rate to this fraction of its peak")
+    lr_decay_iters: int | None = _f(None, "steps of the warmup+cosine schedule (default --num_iterations)")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
+    grad_clip: float = _f(1.0, "clip gradients to this global norm (0: no clipping)")
+    seed: int = _f(1337, "seed for initialization, data order and dropout")
+    # -- data
+    data: tuple[str, ...] = _f((), "training data: llm.c token shards (*.bin, magic 20240520) or text files "
+                                    "(byte-level tokens); glob patterns allowed; default: the Python "
+                                    "standard library's source files")
+    val_data: tuple[str, ...] = _f((), "validation data, as --data (default: the last 2%% of the training "
+                                        "tokens are held out)")
+    val_every: int = _f(100, "evaluate every N steps and at the last step (0: never)")
+    val_steps: int = _f(8, "batches per evaluation")
+    # -- checkpoints and logs
+    checkpoint_dir: str | None = _f(None, "orbax checkpoint directory (asynchronous, atomic saves)")
+    checkpoint_every: int = _f(0, "save every N steps (0: only at the end); needs --checkpoint_dir")
+    keep_checkpoints: int = _f(3, "how many of the latest checkpoints to keep")
+    resume: bool = _f(False, "continue from the latest complete checkpoint in --checkpoint_dir")
+    log_jsonl: str | None = _f(None, "append one JSON object per step to this file")
+    mesh: str = _f("data=1,fsdp=1", "device mesh: batch sharded over data x fsdp, parameters and optimizer "
+                                    "state over fsdp, e.g. data=2,fsdp=4")
+    memory_report: bool = _f(False, "print what the backward keeps (by tagged name) and XLA's compiled "
+                                    "memory for the train step, then exit without training")
+    dry_run: bool = _f(False, "validate everything, build and compile the train step, print a summary, "
+                              "and exit without training or writing")
+    progress: bool = _f(True, "show a tqdm progress bar (on stderr)")
+
+    def __post_init__(self):
+        if isinstance(self.data, str):
+            object.__setattr__(self, "data", (self.data,))
+        if isinstance(self.val_data, str):
+            object.__setattr__(self, "val_data", (self.val_data,))
+        object.__setattr__(self, "data", tuple(self.data))
+        object.__setattr__(self, "val_data", tuple(self.val_data))
+        if self.model not in MODELS:
+            raise UsageError(f"--model {self.model!r} is not valid; use one of {', '.join(MODELS)}")
+        presets = model_presets(self.model)
+        if self.preset not in presets:
+            raise UsageError(f"--preset {self.preset!r} is not a {self.model} preset; use one of {', '.join(presets)}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise UsageError(f"--{name} {v!r} must be a positive integer (or left unset for the default)")
+        for name, lo in (("batch_size", 1), ("sequence_length", 1), ("grad_accum_steps", 1),
+                         ("num_iterations", 1), ("warmup_iters", 0), ("val_every", 0), ("val_steps", 1),
+                         ("checkpoint_every", 0), ("keep_checkpoints", 1), ("recompute_num_layers", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < lo:
+                raise UsageError(f"--{name} {v!r} must be an integer >= {lo}")
+        for name, lo, hi, closed in (("learning_rate", 0.0, math.inf, False), ("lr_decay", 0.0, 1.0, True),
+                                     ("weight_decay", 0.0, math.inf, True), ("grad_clip", 0.0, math.inf, True),
+                                     ("dropout", 0.0, 1.0, "left")):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+                (lo <= v <= hi) if closed is True else (lo <= v < hi) if closed == "left" else (lo < v <= hi))
+            if not ok:
+                rng = {True: f"[{lo}, {hi}]", "left": f"[{lo}, {hi})", False: f"({lo}, {hi}]"}[closed]
+                raise UsageError(f"--{name} {v!r} must be a finite number in {rng}")
+        if self.resume and not self.checkpoint_dir:
+            raise UsageError("--resume needs --checkpoint_dir DIR (the directory to continue from)")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise UsageError("--checkpoint_every needs --checkpoint_dir DIR")
+        if self.resume and self.init_from:
+            raise UsageError("--resume and --init_from both choose the starting weights; pass only one")
+        if self.memory_report and self.dry_run:
+            raise UsageError("--memory_report and --dry_run are two different exits; pass only one")
+        try:
+            parse_mesh(self.mesh)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        self.recompute_configs()  # validates the recompute flags
+
+    # -- derived settings
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.recompute_method.split(","))
+
+    @property
+    def granularity(self) -> str:
+        """The effective granularity (see `--activation_recompute`)."""
+        if self.recompute_granularity is None:
+            return "full" if self.activation_recompute else "none"
+        return self.recompute_granularity
+
+    def recompute_configs(self) -> list[tuple[str, RecomputeConfig]]:
+        """[(label, RecomputeConfig)]: one entry, or one per method of a `--recompute_method` comma list.
+
+        Raises UsageError naming the flag and the fix for every inconsistent combination.
+        """
+        methods = self.methods
+        bad = [m for m in methods if m not in METHODS]
+        if bad or not methods:
+            raise UsageError(f"--recompute_method {self.recompute_method!r}: {bad[0] if bad else 'empty'!r} is not "
+                             f"valid; use one of {', '.join(METHODS)}")
+        if len(methods) > 1 and not self.memory_report:
+            raise UsageError(f"--recompute_method {self.recompute_method!r}: a comma list compares methods and "
+                             f"needs --memory_report; pass one method to train")
+        g = self.granularity
+        if self.activation_recompute and g == "none":
+            raise UsageError("--activation_recompute contradicts --recompute_granularity none; drop one of them")
+        if g == "none":
+            if any(m != "none" for m in methods):
+                raise UsageError(f"--recompute_method {self.recompute_method} needs recompute turned on; add "
+                                 f"--activation_recompute (granularity full), or drop --recompute_method")
+            for flag, value in (("--remat_policy", self.remat_policy), ("--recompute_modules", self.recompute_modules)):
+                if value is not None:
+                    raise UsageError(f"{flag} {value} needs recompute turned on; add --activation_recompute "
+                                     f"(with --recompute_granularity selective for modules)")
+            if self.use_reentrant:
+                raise UsageError("--use_reentrant needs recompute turned on; add --activation_recompute")
+        if g == "selective" and any(m != "none" for m in methods):
+            raise UsageError(f"--recompute_method {self.recompute_method} applies to --recompute_granularity full "
+                             f"only (selective recomputes inside every layer); drop --recompute_method")
+        if g == "selective" and self.use_reentrant:
+            raise UsageError("--use_reentrant cannot be combined with --recompute_granularity selective (a "
+                             "reentrant region saves only its inputs); use granularity full or drop --use_reentrant")
+        if g == "full" and self.recompute_modules is not None:
+            raise UsageError("--recompute_modules applies to --recompute_granularity selective; for full "
+                             "granularity choose what a region saves with --remat_policy")
+        if self.remat_policy is not None:
+            try:
+                policies.validate(self.remat_policy)
+            except ValueError as e:
+                raise UsageError(f"--remat_policy: {e}") from None
+        if any(m in ("uniform", "block") for m in methods) and self.recompute_num_layers < 1:
+            raise UsageError(f"--recompute_num_layers {self.recompute_num_layers} must be >= 1 with "
+                             f"--recompute_method uniform/block")
+        out = []
+        for m in methods:
+            kw = dict(granularity=g, method=m, num_layers=self.recompute_num_layers, policy=self.remat_policy,
+                      use_reentrant=self.use_reentrant)
+            if self.recompute_modules is not None:
+                kw["modules"] = self.recompute_modules
+            try:
+                rc = RecomputeConfig(**kw)
+            except ValueError as e:
+                raise UsageError(f"recompute flags: {e}") from None
+            label = g if g != "full" else f"full/{m}" + (f"/{self.recompute_num_layers}" if m != "none" else "")
+            out.append((label, rc))
+        return out
+
+    @property
+    def recompute(self) -> RecomputeConfig:
+        """The RecomputeConfig of a training run (a single method)."""
+        return self.recompute_configs()[0][1]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.sequence_length * self.grad_accum_steps
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ------------------------------------------------------------------------------------------------
+# The CLI, generated from the fields.
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): `train.py: error: ...`, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _flag_spec(f: dataclasses.Field, tp) -> dict:
+    meta = dict(f.metadata)
+    kw: dict = {"help": meta.pop("help")}
+    kw.update(meta)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), tp) if optional else tp
+    if base is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(base) is tuple:
+        kw.update(nargs="+", type=str, metavar="PATH")
+    else:
+        kw["type"] = base
+    kw["default"] = f.default
+    if kw.get("action") is None and "metavar" not in kw and "choices" not in kw:
+        kw["metavar"] = {int: "N", float: "X", str: "STR"}.get(base, None)
+    if f.default not in (None, (), False) and kw.get("action") is None:
+        kw["help"] += " (default: %(default)s)"
+    return kw
+
+
+def build_parser(prog: str = "train.py", description: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser: one `--<field>` per TrainConfig field, with its type, default and help."""
+    p = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        p.add_argument(f"--{f.name}", **_flag_spec(f, hints[f.name]))
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None, prog: str = "train.py",
+                     description: str | None = None) -> TrainConfig:
+    """Parse flags into a TrainConfig. Raises UsageError for invalid values; argparse itself exits 2
+    (one line) for unknown flags and values outside a flag's choices.
+
+    Example:
+      >>> config_from_args(["--preset", "tiny", "--num_iterations", "3"]).num_iterations
+      3
+    """
+    ns = build_parser(prog, description).parse_args(argv)
+    return TrainConfig(**vars(ns))
+
+
+def usage_exit(message: str, prog: str = "train.py") -> typing.NoReturn:
+    """Print `prog: error: message` on one line to stderr and exit 2."""
+    one_line = " ".join(str(message).split())
+    sys.stderr.write(f"{prog}: error: {one_line}\n")
+    raise SystemExit(2)

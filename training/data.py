@@ -1,0 +1,175 @@
+"""Training data: llm.c token shards or byte-level text, sampled deterministically by batch index.
+
+A dataset is a list of token streams. Token shards (`*.bin`, magic 20240520) are each one stream
+(read through a memory map after `models.llmc_io.read_tokens` has validated them); text files are
+concatenated into one stream of bytes (vocabulary 256). A batch is `batch_size` windows of
+`sequence_length + 1` tokens that never cross a stream boundary; batch `i` depends only on
+`(seed, i)`, so the data position of a run is the single integer `i` and a resumed run sees
+exactly the batches an uninterrupted run would.
+
+The default corpus, which needs no download, is the text of the Python standard library's own
+source files (`sysconfig.get_paths()["stdlib"]`, `*.py`, without tests and site-packages).
+
+Example:
+    >>> ds = load(["shard_000.bin"])
+    >>> x, y = ds.batch(index=0, seed=1337, batch_size=8, seq_len=64, accum=1)  # (1, 8, 64) each
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import sysconfig
+
+import numpy as np
+
+from models.llmc_io import HEADER_BYTES, LlmcFormatError, read_tokens
+from training.config import UsageError
+
+BYTE_VOCAB = 256
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+
+
+def default_corpus() -> list[str]:
+    """The Python standard library's `*.py` files (no tests, no site-packages), sorted."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+        out += [os.path.join(dirpath, f) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Token streams plus what they are. `vocab_needed` is max token id + 1."""
+    streams: tuple  # 1-D integer arrays (np.memmap for shards)
+    kind: str       # "tokens" (llm.c shards) or "text" (bytes)
+    vocab_needed: int
+    description: str
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s) for s in self.streams)
+
+    def check(self, vocab_size: int, seq_len: int, what: str = "--data") -> None:
+        """Raise UsageError unless every token id is < vocab_size and a window of seq_len+1 fits."""
+        if self.vocab_needed > vocab_size:
+            raise UsageError(f"{what} ({self.description}) holds token ids up to {self.vocab_needed - 1}, but the "
+                             f"model's vocab_size is {vocab_size}; use a preset/--vocab_size >= {self.vocab_needed}")
+        longest = max(len(s) for s in self.streams)
+        if longest < seq_len + 1:
+            raise UsageError(f"{what} ({self.description}): the longest token stream has {longest} tokens but "
+                             f"--sequence_length {seq_len} needs at least {seq_len + 1}; pass more data or a "
+                             f"shorter --sequence_length")
+
+    def split_tail(self, fraction: float, min_tokens: int) -> tuple["Dataset", "Dataset"]:
+        """(train, held-out): the last `fraction` of the last stream becomes the held-out set."""
+        last = self.streams[-1]
+        n_val = max(int(len(last) * fraction), min_tokens)
+        if len(last) - n_val < min_tokens:
+            raise UsageError(f"--data ({self.description}) is too short to hold out {n_val} tokens for validation "
+                             f"and still train on windows of {min_tokens}; pass --val_data or --val_every 0")
+        train = dataclasses.replace(self, streams=self.streams[:-1] + (last[:len(last) - n_val],))
+        val = dataclasses.replace(self, streams=(last[len(last) - n_val:],),
+                                  description=f"last {n_val:,} tokens of {self.description}")
+        return train, val
+
+    def _windows(self, seq_len: int):
+        starts = np.array([max(len(s) - seq_len, 0) for s in self.streams], np.int64)  # valid starts per stream
+        return starts, np.concatenate([[0], np.cumsum(starts)])
+
+    def _gather(self, flat_starts, seq_len: int):
+        counts, offsets = self._windows(seq_len)
+        which = np.searchsorted(offsets, flat_starts, side="right") - 1
+        out = np.empty((len(flat_starts), seq_len + 1), np.int32)
+        for row, (w, s) in enumerate(zip(which, flat_starts - offsets[which])):
+            out[row] = self.streams[w][s:s + seq_len + 1]
+        return out
+
+    def batch(self, index: int, seed: int, batch_size: int, seq_len: int, accum: int = 1):
+        """Training batch number `index`: random windows drawn from `(seed, index)`.
+
+        Returns:
+          x, y: int32 arrays (accum, batch_size, seq_len); y is x shifted by one token.
+        """
+        counts, offsets = self._windows(seq_len)
+        rng = np.random.default_rng([seed, index])
+        flat = rng.integers(0, offsets[-1], size=accum * batch_size)
+        w = self._gather(flat, seq_len).reshape(accum, batch_size, seq_len + 1)
+        return w[..., :-1], w[..., 1:]
+
+    def eval_batch(self, index: int, batch_size: int, seq_len: int):
+        """Validation batch number `index`: consecutive non-overlapping windows (wrapping around).
+
+        Returns:
+          x, y: int32 arrays (batch_size, seq_len).
+        """
+        counts, offsets = self._windows(seq_len)
+        stride = np.array([(index * batch_size + b) * seq_len for b in range(batch_size)], np.int64)
+        w = self._gather(stride % offsets[-1], seq_len)
+        return w[:, :-1], w[:, 1:]
+
+
+def _expand(paths, what: str) -> list[str]:
+    out = []
+    for p in paths:
+        if any(c in p for c in "*?["):
+            hits = sorted(glob.glob(p))
+            if not hits:
+                raise UsageError(f"{what} {p}: the pattern matches no file; check the path")
+            out += hits
+        else:
+            out.append(p)
+    for p in out:
+        if not os.path.exists(p):
+            raise UsageError(f"{what} {p}: no such file; check the path")
+        if not os.path.isfile(p):
+            raise UsageError(f"{what} {p}: not a regular file; pass token shards (*.bin) or text files")
+        if os.path.getsize(p) == 0:
+            raise UsageError(f"{what} {p}: the file is empty; drop it or pass a file with data")
+    return out
+
+
+def load(paths, what: str = "--data") -> Dataset:
+    """Load token shards (`*.bin`) or text files. Raises UsageError / LlmcFormatError on bad input.
+
+    Args:
+      paths: file paths or glob patterns; empty means the default corpus (the stdlib's source).
+      what: the flag name used in error messages.
+    Example:
+      >>> load(["notes.txt"]).kind
+      'text'
+    """
+    default = not paths
+    files = default_corpus() if default else _expand(paths, what)
+    if not files:
+        raise UsageError(f"{what}: no files found (the default corpus needs the Python standard library's "
+                         f"sources); pass --data PATH")
+    shards = [f for f in files if f.endswith(".bin")]
+    if shards and len(shards) != len(files):
+        raise UsageError(f"{what} mixes token shards (*.bin) and text files ({files[0]}, ...): their token ids "
+                         f"mean different things; pass one kind")
+    if shards:
+        streams, top = [], 0
+        for path in shards:
+            tokens = read_tokens(path)  # validates magic, version, count and size (LlmcFormatError)
+            top = max(top, int(tokens.max()))
+            del tokens
+            n = (os.path.getsize(path) - HEADER_BYTES) // 2
+            streams.append(np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)))
+        desc = shards[0] if len(shards) == 1 else f"{len(shards)} token shards ({shards[0]}, ...)"
+        return Dataset(tuple(streams), "tokens", top + 1, desc)
+    parts = []
+    for path in files:
+        with open(path, "rb") as fh:
+            parts.append(np.frombuffer(fh.read(), np.uint8))
+    stream = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    if default:
+        desc = f"default corpus: {len(files)} Python stdlib source files"
+    else:
+        desc = files[0] if len(files) == 1 else f"{len(files)} text files ({files[0]}, ...)"
+    return Dataset((stream,), "text", int(stream.max()) + 1, desc)
+
+
+__all__ = ["BYTE_VOCAB", "Dataset", "LlmcFormatError", "default_corpus", "load"]

@@ -1,0 +1,115 @@
+"""Per-step logging: the dense llm.c-style line, the JSONL record, MFU and memory.
+
+    step 12/200 | loss 3.4102 | norm 0.83 | lr 3.0e-04 | 412 ms | 9,950 tok/s | mfu n/a | mem 1.2 GiB
+
+MFU is model FLOPs per token (the model's `flops_per_token`, which does not count recomputation)
+times tokens per second, over the peak of the devices in use from `PEAK_FLOPS`; devices not in
+the table (every CPU) report "n/a". Memory is the device's `peak_bytes_in_use` when the backend
+reports `memory_stats()`, else XLA's compiled estimate of the step (arguments + outputs +
+temporaries - aliased), shown as `mem 1.2 GiB (compiled est.)`.
+
+Example:
+    >>> print(format_line(12, 200, dict(loss=3.41, grad_norm=0.83, lr=3e-4, step_ms=412.0,
+    ...                                 tokens_per_s=9950, mfu=None, memory_bytes=None)))
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+
+# Dense peak FLOP/s per device (no sparsity) for bfloat16 and float32 matmuls (TF32 on NVIDIA).
+# Keys are matched as substrings of `device.device_kind`, first match wins.
+PEAK_FLOPS = {
+    "H200": (989e12, 495e12),
+    "H100": (989e12, 495e12),
+    "GH200": (989e12, 495e12),
+    "A100": (312e12, 156e12),
+    "A10G": (70e12, 35e12),
+    "L40S": (362e12, 183e12),
+    "L4": (121e12, 60e12),
+    "V100": (125e12, 15.7e12),
+    "TPU v6": (918e12, 918e12),
+    "TPU v5p": (459e12, 459e12),
+    "TPU v5 lite": (197e12, 197e12),
+    "TPU v5e": (197e12, 197e12),
+    "TPU v4": (275e12, 275e12),
+}
+
+
+def peak_flops(device, dtype: str) -> float | None:
+    """Peak FLOP/s of one device for `dtype` ("bfloat16" or "float32"), or None if unknown (CPU)."""
+    if device.platform == "cpu":
+        return None
+    kind = getattr(device, "device_kind", "")
+    for key, (bf16, f32) in PEAK_FLOPS.items():
+        if key in kind:
+            return bf16 if dtype == "bfloat16" else f32
+    return None
+
+
+def device_memory(devices) -> int | None:
+    """Peak bytes in use, the maximum over `devices`, from `memory_stats()`; None if unsupported."""
+    best = None
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if stats:
+            v = stats.get("peak_bytes_in_use", stats.get("bytes_in_use"))
+            if v is not None:
+                best = max(best or 0, int(v))
+    return best
+
+
+def compiled_estimate(compiled) -> int | None:
+    """XLA's estimate of the bytes a compiled program needs live at once (per device)."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:
+        return None
+    if ma is None:
+        return None
+    g = lambda k: int(getattr(ma, k, 0) or 0)
+    return g("argument_size_in_bytes") + g("output_size_in_bytes") + g("temp_size_in_bytes") - g(
+        "alias_size_in_bytes")
+
+
+def gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 * 0.1 else f"{n / 2**20:.1f} MiB"
+
+
+def format_line(step: int, total: int, m: dict) -> str:
+    """The one dense line per step."""
+    mfu = "n/a" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
+    mem = gib(m.get("memory_bytes"))
+    if m.get("memory_source") == "compiled_estimate":
+        mem += " (compiled est.)"
+    line = (f"step {step:{len(str(total))}d}/{total} | loss {m['loss']:.4f} | norm {m['grad_norm']:.2f} | "
+            f"lr {m['lr']:.1e} | {m['step_ms']:.0f} ms | {m['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {mem}")
+    if m.get("val_loss") is not None:
+        line += f" | val {m['val_loss']:.4f}"
+    return line
+
+
+class JsonlWriter:
+    """Appends one JSON object per step to a file (flushed per line, so a killed run keeps its log)."""
+
+    def __init__(self, path: str | None, append: bool):
+        self.fh = None
+        if path and jax.process_index() == 0:
+            parent = os.path.dirname(os.path.abspath(path))
+            os.makedirs(parent, exist_ok=True)
+            self.fh = open(path, "a" if append else "w")
+
+    def write(self, record: dict) -> None:
+        if self.fh:
+            self.fh.write(json.dumps(record) + "\n")
+            self.fh.flush()
+
+    def close(self) -> None:
+        if self.fh:
+            self.fh.close()
+            self.fh = None

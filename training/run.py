@@ -1,0 +1,448 @@
+"""The training run: validate everything (`prepare`), then train, report memory, or dry-run.
+
+`prepare` does every check that can fail on user input (flags against the model, data files,
+`--init_from`, `--resume`, the mesh against the devices and the batch) and raises UsageError
+before anything is written. `run` then trains: a tqdm bar, one dense line per step, optional
+JSONL, validation, asynchronous orbax checkpoints, and a stop with a clear message on a
+non-finite loss.
+
+Example:
+    >>> from training import TrainConfig, run
+    >>> result = run(TrainConfig(preset="tiny", num_iterations=3, progress=False))
+    >>> result.history[-1]["loss"]
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import remat
+from models.llmc_io import LlmcFormatError, read_model
+from training import checkpoint as ckpt
+from training import data as data_lib
+from training import log as log_lib
+from training import sharding as sh
+from training.config import TrainConfig, UsageError, parse_mesh
+from training.model import Family, config_dict, family
+from training.optim import make_optimizer
+from training.step import init_state, make_eval_step, make_train_step
+
+VAL_FRACTION = 0.02
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the message says which step and what was kept."""
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything `prepare` validated and built; nothing has been written yet."""
+    cfg: TrainConfig
+    fam: Family
+    mcfg: Any                      # the model config of the run (first recompute config)
+    mcfgs: list                    # [(label, model config)] one per --recompute_method entry
+    train_ds: data_lib.Dataset
+    val_ds: data_lib.Dataset | None
+    mesh: Any
+    tx: Any
+    schedule: Any
+    abstract_state: Any
+    state_sharding: Any
+    x_sharding: Any
+    start_step: int = 0
+    resume_meta: dict | None = None
+    init_tensors: dict | None = None   # llm.c tensors for --init_from FILE.bin
+    init_dir_step: int | None = None   # step to read params from for --init_from DIR
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run produced: one record per step (the JSONL objects) and the final state."""
+    history: list
+    state: Any = None
+    setup: Setup | None = None
+    stopped: str | None = None
+
+
+def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, block_size: int):
+    over = dict(vocab_size=vocab_size, block_size=block_size, dtype=cfg.dtype, dropout=cfg.dropout,
+                scan_layers=cfg.scan_layers, recompute=recompute)
+    for k in ("n_layer", "n_head", "n_embd"):
+        if getattr(cfg, k) is not None:
+            over[k] = getattr(cfg, k)
+    try:
+        return fam.config(cfg.preset, **over)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _load_data(paths, what):
+    try:
+        return data_lib.load(paths, what)
+    except LlmcFormatError as e:
+        raise UsageError(str(e)) from None
+
+
+def prepare(cfg: TrainConfig) -> Setup:
+    """Validate the run against files, devices and the model; build what training needs.
+
+    Raises UsageError (one line, naming the fix) for every bad input. Writes nothing.
+    """
+    sh.maybe_initialize_distributed()
+    fam = family(cfg.model)
+    recomputes = cfg.recompute_configs()
+    train_ds = _load_data(cfg.data, "--data")
+
+    base = fam.config(cfg.preset)
+    init_is_file = bool(cfg.init_from) and not os.path.isdir(cfg.init_from)
+    if cfg.init_from and not os.path.exists(cfg.init_from):
+        raise UsageError(f"--init_from {cfg.init_from}: no such file or directory; pass an llm.c .bin model "
+                         f"file or a train.py checkpoint directory")
+    if cfg.vocab_size is not None:
+        vocab = cfg.vocab_size
+    elif train_ds.kind == "text" and not cfg.init_from:
+        vocab = data_lib.BYTE_VOCAB
+    else:
+        vocab = base.vocab_size
+    if cfg.block_size is not None:
+        block = cfg.block_size
+    elif cfg.init_from:
+        block = base.block_size
+    else:
+        block = max(base.block_size, cfg.sequence_length)
+    mcfgs = [(label, _model_config(cfg, fam, rc, vocab, block)) for label, rc in recomputes]
+    mcfg = mcfgs[0][1]
+    if cfg.sequence_length > mcfg.block_size:
+        raise UsageError(f"--sequence_length {cfg.sequence_length} exceeds the model's block_size "
+                         f"{mcfg.block_size}; use --sequence_length <= {mcfg.block_size}")
+
+    train_ds.check(mcfg.vocab_size, cfg.sequence_length, "--data")
+    val_ds = None
+    if cfg.val_data:
+        val_ds = _load_data(cfg.val_data, "--val_data")
+        val_ds.check(mcfg.vocab_size, cfg.sequence_length, "--val_data")
+        if val_ds.kind != train_ds.kind:
+            raise UsageError(f"--val_data is {val_ds.kind} but --data is {train_ds.kind}; pass the same kind")
+    elif cfg.val_every > 0:
+        train_ds, val_ds = train_ds.split_tail(VAL_FRACTION, cfg.sequence_length + 1)
+
+    mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
+    tx, schedule = make_optimizer(cfg)
+    abstract_state = jax.eval_shape(lambda: init_state(fam, mcfg, tx, cfg.seed))
+    state_sharding = sh.state_shardings(mesh, abstract_state)
+    setup = Setup(cfg, fam, mcfg, mcfgs, train_ds, val_ds, mesh, tx, schedule, abstract_state, state_sharding,
+                  sh.batch_sharding(mesh, 3, 1))
+    if cfg.memory_report:
+        return setup
+
+    mcfg_dict = config_dict(mcfg)
+    if cfg.checkpoint_dir:
+        info = ckpt.inspect_dir(cfg.checkpoint_dir)
+        if cfg.resume:
+            if info.step is None:
+                raise UsageError(f"--resume: {cfg.checkpoint_dir} holds no complete checkpoint (it is empty or "
+                                 f"missing); run without --resume to start fresh")
+            ckpt.check_compatible(info, cfg.checkpoint_dir, cfg.model, mcfg_dict, "--resume")
+            if info.step >= cfg.num_iterations:
+                raise UsageError(f"--resume: {cfg.checkpoint_dir} is already at step {info.step} >= "
+                                 f"--num_iterations {cfg.num_iterations}; raise --num_iterations to train on")
+            setup.start_step, setup.resume_meta = info.step, info.meta
+        elif info.step is not None:
+            raise UsageError(f"--checkpoint_dir {cfg.checkpoint_dir} already holds checkpoints (latest step "
+                             f"{info.step}); pass --resume to continue, or choose a new directory")
+
+    if cfg.init_from and init_is_file:
+        try:
+            kind, _header, tensors, _dtype = read_model(cfg.init_from)
+        except LlmcFormatError as e:
+            raise UsageError(str(e)) from None
+        if kind != cfg.model:
+            raise UsageError(f"--init_from {cfg.init_from} is an llm.c {kind} model but this run is --model "
+                             f"{cfg.model}; pass --model {kind}")
+        want = fam.llmc_shapes(mcfg)
+        bad = [f"{k} {tuple(np.shape(tensors[k]))} vs {want[k]}" for k in want
+               if k in tensors and tuple(np.shape(tensors[k])) != tuple(want[k])]
+        if bad or set(want) != set(tensors):
+            raise UsageError(f"--init_from {cfg.init_from}: its shapes do not match --preset {cfg.preset}"
+                             f"{' (' + ', '.join(bad[:3]) + ')' if bad else ''}; pass the preset (and "
+                             f"--vocab_size/--block_size) the file was written for")
+        setup.init_tensors = tensors
+    elif cfg.init_from:
+        info = ckpt.inspect_dir(cfg.init_from)
+        if info.step is None:
+            raise UsageError(f"--init_from {cfg.init_from}: the directory holds no complete checkpoint; pass an "
+                             f"llm.c .bin file or a train.py --checkpoint_dir")
+        if info.meta.get("model") != cfg.model:
+            raise UsageError(f"--init_from {cfg.init_from} holds a {info.meta.get('model')} model but this run is "
+                             f"--model {cfg.model}; pass --model {info.meta.get('model')}")
+        saved = {k: v for k, v in ckpt.saved_shapes(cfg.init_from, info.step).items() if k.startswith("['params']")}
+        flat = jax.tree_util.tree_flatten_with_path(abstract_state["params"])[0]
+        want = {"['params']" + jax.tree_util.keystr(p): tuple(a.shape) for p, a in flat}
+        if saved != want:
+            diff = sorted(set(saved.items()) ^ set(want.items()))[:2]
+            raise UsageError(f"--init_from {cfg.init_from}: its parameter shapes do not match --preset {cfg.preset} "
+                             f"(e.g. {diff}); pass the preset and --scan_layers setting it was trained with")
+        setup.init_dir_step = info.step
+    return setup
+
+
+# ------------------------------------------------------------------------------------------------
+# Compilation
+
+
+def _jit_train_step(setup: Setup, mcfg=None):
+    mcfg = setup.mcfg if mcfg is None else mcfg
+    cfg = setup.cfg
+    fn = make_train_step(setup.fam, mcfg, setup.tx, setup.schedule, cfg.dropout)
+    rep = sh.replicated(setup.mesh)
+    return jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
+                   out_shardings=(setup.state_sharding, rep), donate_argnums=(0,))
+
+
+def _batch_struct(setup: Setup):
+    c = setup.cfg
+    return jax.ShapeDtypeStruct((c.grad_accum_steps, c.batch_size, c.sequence_length), jnp.int32,
+                                sharding=setup.x_sharding)
+
+
+def _abstract_with_sharding(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def compile_train_step(setup: Setup, mcfg=None):
+    """AOT-compile the train step for the run's shapes and shardings."""
+    b = _batch_struct(setup)
+    return _jit_train_step(setup, mcfg).lower(
+        _abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b).compile()
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory report and dry run
+
+
+def memory_report(setup: Setup) -> str:
+    """What the backward keeps (by tagged name) and XLA's compiled memory, one column per config."""
+    cfg = setup.cfg
+    params = setup.abstract_state["params"]
+    xy = jax.ShapeDtypeStruct((cfg.batch_size, cfg.sequence_length), jnp.int32)
+    cols = []
+    for label, mcfg in setup.mcfgs:
+        res = remat.memory.saved_residuals(lambda p, x, y, m=mcfg: setup.fam.loss_fn(p, m, x, y), params, xy, xy)
+        ma = compile_train_step(setup, mcfg).memory_analysis()
+        g = lambda k: int(getattr(ma, k, 0) or 0) if ma is not None else 0
+        comp = {"temp": g("temp_size_in_bytes"), "arguments": g("argument_size_in_bytes"),
+                "outputs": g("output_size_in_bytes"), "aliased": g("alias_size_in_bytes")}
+        comp["peak estimate"] = comp["arguments"] + comp["outputs"] + comp["temp"] - comp["aliased"]
+        cols.append((label, res, comp))
+    names = []
+    for _, res, _ in cols:
+        names += [k for k in res.by_name() if k not in names]
+    w0, w = 36, max(18, *(len(c[0]) + 2 for c in cols))
+    mib = lambda b: f"{b / 2**20:,.2f} MiB"
+    dev = setup.mesh.devices.flat[0]
+    lines = [f"memory report: {cfg.model} {cfg.preset} ({setup.fam.num_params(setup.mcfg):,} params), micro-batch "
+             f"{cfg.batch_size}x{cfg.sequence_length}, {cfg.dtype}, mesh {cfg.mesh} on {setup.mesh.size} "
+             f"{dev.platform} device(s)",
+             "",
+             "saved for the backward of one micro-batch (count, size)".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
+    for n in names:
+        cells = []
+        for _, res, _ in cols:
+            c, b = res.by_name().get(n, (0, 0))
+            cells.append(f"{c} x {mib(b)}" if c else "-")
+        lines.append(f"  {n[:w0 - 2]}".ljust(w0) + "".join(x.rjust(w) for x in cells))
+    lines.append("  total (intermediates)".ljust(w0) + "".join(mib(r.intermediates).rjust(w) for _, r, _ in cols))
+    lines.append("  total (with arguments)".ljust(w0) + "".join(mib(r.total).rjust(w) for _, r, _ in cols))
+    lines += ["", "XLA compiled train step (per device)".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
+    for k in ("temp", "arguments", "outputs", "aliased", "peak estimate"):
+        lines.append(f"  {k}".ljust(w0) + "".join(mib(comp[k]).rjust(w) for _, _, comp in cols))
+    return "\n".join(lines)
+
+
+def describe(setup: Setup, compiled=None) -> str:
+    """A summary of the run (printed at the start and by --dry_run)."""
+    cfg, m = setup.cfg, setup.mcfg
+    rc = m.recompute
+    segs = remat.plan(m.n_layer, rc) if rc.enabled else ()
+    regions = sum(1 for s in segs if s.checkpointed)
+    lines = [
+        f"model    {cfg.model} {cfg.preset}: {setup.fam.num_params(m):,} params, {m.n_layer} layers, "
+        f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
+        + (", scan" if m.scan_layers else ""),
+        f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy()}"
+                                            f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else ""),
+        f"data     {setup.train_ds.description}: {setup.train_ds.n_tokens:,} tokens"
+        + (f"; val {setup.val_ds.description}: {setup.val_ds.n_tokens:,} tokens" if setup.val_ds else ""),
+        f"batch    {cfg.batch_size} x {cfg.sequence_length} x {cfg.grad_accum_steps} accum = "
+        f"{cfg.tokens_per_step:,} tokens/step, {setup.fam.flops_per_token(m, cfg.sequence_length) / 1e6:,.1f} "
+        f"MFLOP/token",
+        f"mesh     {cfg.mesh} over {setup.mesh.size} {setup.mesh.devices.flat[0].platform} device(s)",
+    ]
+    if compiled is not None:
+        lines.append(f"memory   {log_lib.gib(log_lib.compiled_estimate(compiled))} per device (compiled est.)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+
+
+def _initial_state(setup: Setup):
+    cfg = setup.cfg
+    if setup.resume_meta is not None:
+        abstract = _abstract_with_sharding(setup.abstract_state, setup.state_sharding)
+        state, meta = ckpt.restore(cfg.checkpoint_dir, setup.start_step, abstract)
+        return state, int(meta["data_position"])
+    make = jax.jit(lambda: init_state(setup.fam, setup.mcfg, setup.tx, cfg.seed), out_shardings=setup.state_sharding)
+    state = make()
+    params = None
+    if setup.init_tensors is not None:
+        params = setup.fam.from_llmc(setup.mcfg, setup.init_tensors)
+    elif setup.init_dir_step is not None:
+        abstract = {"params": _abstract_with_sharding(setup.abstract_state["params"], setup.state_sharding["params"])}
+        restored, _ = ckpt.restore(cfg.init_from, setup.init_dir_step, abstract, partial=True)
+        params = restored["params"]
+    if params is not None:
+        del state
+        state = _fresh_with_params(setup, jax.device_put(params, setup.state_sharding["params"]))
+    return state, 0
+
+
+def _fresh_with_params(setup: Setup, params):
+    tx = setup.tx
+    cfg = setup.cfg
+
+    def build(p):
+        rng = jax.random.split(jax.random.PRNGKey(cfg.seed))[1]
+        return {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32), "rng": rng}
+
+    return jax.jit(build, out_shardings=setup.state_sharding)(params)
+
+
+def _finite(*xs) -> bool:
+    return all(math.isfinite(float(x)) for x in xs)
+
+
+def run(cfg: TrainConfig, out=None) -> RunResult:
+    """Validate, then train (or report memory, or dry-run) as `cfg` says.
+
+    Args:
+      cfg: the TrainConfig.
+      out: where the summary and per-step lines go (default sys.stdout).
+    Returns:
+      RunResult with `history` (one dict per step, as written to --log_jsonl) and the final state.
+    Raises:
+      UsageError for bad input (before writing anything); TrainingDiverged on a non-finite loss.
+    """
+    out = sys.stdout if out is None else out
+    setup = prepare(cfg)
+    if cfg.memory_report:
+        print(memory_report(setup), file=out)
+        return RunResult([], None, setup, stopped="memory_report")
+    t_compile = time.perf_counter()
+    compiled = compile_train_step(setup)
+    t_compile = time.perf_counter() - t_compile
+    if cfg.dry_run:
+        print(describe(setup, compiled), file=out)
+        print(f"dry run: the train step compiled in {t_compile:.1f} s; nothing was trained or written", file=out)
+        return RunResult([], None, setup, stopped="dry_run")
+    return _train(setup, compiled, out, t_compile)
+
+
+def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
+    cfg, mesh = setup.cfg, setup.mesh
+    devices = list(mesh.devices.flat)
+    print(describe(setup, compiled), file=out)
+    print(f"compile  {t_compile:.1f} s", file=out)
+    state, position = _initial_state(setup)
+    start = setup.start_step
+    if start:
+        print(f"resume   from step {start} of {cfg.checkpoint_dir} (data position {position})", file=out)
+
+    eval_fn = None
+    if setup.val_ds is not None and cfg.val_every > 0:
+        xs = sh.batch_sharding(mesh, 2, 0)
+        eval_fn = jax.jit(make_eval_step(setup.fam, setup.mcfg),
+                          in_shardings=(setup.state_sharding["params"], xs, xs), out_shardings=sh.replicated(mesh))
+
+    def evaluate(params):
+        xs = sh.batch_sharding(mesh, 2, 0)
+        losses = []
+        for i in range(cfg.val_steps):
+            x, y = setup.val_ds.eval_batch(i, cfg.batch_size, cfg.sequence_length)
+            losses.append(float(eval_fn(params, sh.put_batch(x, xs), sh.put_batch(y, xs))))
+        return float(np.mean(losses))
+
+    peak = log_lib.peak_flops(devices[0], cfg.dtype)
+    flops_step = setup.fam.flops_per_token(setup.mcfg, cfg.sequence_length) * cfg.tokens_per_step
+    est = log_lib.compiled_estimate(compiled)
+    checkpointer = ckpt.Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
+    writer = log_lib.JsonlWriter(cfg.log_jsonl, append=start > 0)
+    history, times, last_saved = [], [], (start if start else None)
+    bar = tqdm(total=cfg.num_iterations, initial=start, desc="train", unit="step", file=sys.stderr,
+               disable=(not cfg.progress) or None, dynamic_ncols=True, leave=False)
+    t_run = time.perf_counter()
+    stopped = None
+    try:
+        for step in range(start, cfg.num_iterations):
+            x, y = setup.train_ds.batch(position, cfg.seed, cfg.batch_size, cfg.sequence_length,
+                                        cfg.grad_accum_steps)
+            xd, yd = sh.put_batch(x, setup.x_sharding), sh.put_batch(y, setup.x_sharding)
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, xd, yd)
+            metrics = jax.device_get(metrics)
+            dt = time.perf_counter() - t0
+            position += 1
+            loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            if not _finite(loss, norm):
+                kept = (f"the last good checkpoint is step {last_saved} in {cfg.checkpoint_dir} (continue with "
+                        f"--resume and a lower --learning_rate)" if last_saved is not None
+                        else "no checkpoint was written" + ("" if cfg.checkpoint_dir else " (no --checkpoint_dir)"))
+                stopped = (f"step {step + 1}: loss is {loss} (grad norm {norm}); stopping without saving this "
+                           f"step; {kept}")
+                break
+            n = step + 1
+            if step > start:  # the first step of a process warms up caches: left out of timing
+                times.append(dt)
+            mem = log_lib.device_memory(devices)
+            rec = {"step": n, "loss": loss, "grad_norm": norm, "lr": float(metrics["lr"]), "step_ms": 1000 * dt,
+                   "tokens_per_s": cfg.tokens_per_step / dt,
+                   "mfu": None if peak is None else flops_step / dt / (peak * len(devices)),
+                   "memory_bytes": mem if mem is not None else est,
+                   "memory_source": "device" if mem is not None else "compiled_estimate"}
+            if eval_fn is not None and (n % cfg.val_every == 0 or n == cfg.num_iterations):
+                rec["val_loss"] = evaluate(state["params"])
+            history.append(rec)
+            writer.write(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            tqdm.write(log_lib.format_line(n, cfg.num_iterations, rec), file=out)
+            if checkpointer and (n == cfg.num_iterations or (cfg.checkpoint_every and n % cfg.checkpoint_every == 0)):
+                checkpointer.save(n, state, {"step": n, "data_position": position, "model": cfg.model,
+                                             "model_config": config_dict(setup.mcfg), "train_config": cfg.to_dict()})
+                last_saved = n
+    finally:
+        bar.close()
+        writer.close()
+        if checkpointer:
+            checkpointer.close()  # waits for in-flight saves: the last good checkpoint is complete
+    if stopped:
+        raise TrainingDiverged(stopped)
+    wall = time.perf_counter() - t_run
+    if history:
+        first, last = history[0]["loss"], history[-1]["loss"]
+        avg = f"{1000 * np.mean(times):.0f} ms/step (first step excluded)" if times else "n/a"
+        val = [h["val_loss"] for h in history if "val_loss" in h]
+        print(f"done     {len(history)} steps in {wall:.1f} s, {avg}; loss {first:.4f} -> {last:.4f}"
+              + (f", val loss {val[-1]:.4f}" if val else "")
+              + (f"; checkpoint step {last_saved} in {cfg.checkpoint_dir}" if checkpointer else ""), file=out)
+    return RunResult(history, state, setup)

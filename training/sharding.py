@@ -1,0 +1,94 @@
+"""Device mesh and shardings: the batch over `data` x `fsdp`, parameters and optimizer state over `fsdp`.
+
+# NOTE: FSDP (ZeRO-3) on JAX's own SPMD engine. Every array is placed with a NamedSharding and the
+# jitted step is compiled for those placements; XLA inserts the all-gathers of parameters and the
+# reduce-scatters of gradients. The `fsdp` axis is data-parallel too (each fsdp shard sees its own
+# part of the batch), so the batch is split over both axes; `data` alone replicates parameters.
+# A parameter is split along its largest axis that the fsdp size divides; a parameter with no
+# such axis (a scalar, a small bias) is replicated.
+
+Example:
+    >>> mesh = make_mesh({"data": 2, "fsdp": 4})
+    >>> shardings = param_shardings(mesh, params)
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from training.config import MESH_AXES, UsageError
+
+BATCH_AXES = ("data", "fsdp")
+_MULTIHOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
+
+
+def maybe_initialize_distributed() -> bool:
+    """Call `jax.distributed.initialize()` when the standard multi-host environment is present.
+
+    That is: `JAX_COORDINATOR_ADDRESS` (with `JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`), or a SLURM or
+    Open MPI job of more than one task (auto-detected by JAX). Returns True when it initialized.
+    """
+    multi = any(os.environ.get(k) for k in _MULTIHOST_ENV)
+    multi |= int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    multi |= int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
+    if not multi:
+        return False
+    kw = {}
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        kw["coordinator_address"] = os.environ["JAX_COORDINATOR_ADDRESS"]
+        if os.environ.get("JAX_NUM_PROCESSES"):
+            kw["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
+        if os.environ.get("JAX_PROCESS_ID"):
+            kw["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+    jax.distributed.initialize(**kw)
+    return True
+
+
+def make_mesh(shape: dict[str, int], global_batch: int | None = None) -> Mesh:
+    """A Mesh with axes ("data", "fsdp") of the given sizes over the first data·fsdp devices.
+
+    Raises UsageError when the mesh does not divide the device count or the batch.
+    """
+    n = int(np.prod([shape[a] for a in MESH_AXES]))
+    devices = jax.devices()
+    spec = ",".join(f"{a}={shape[a]}" for a in MESH_AXES)
+    if len(devices) % n:
+        raise UsageError(f"--mesh {spec} needs {n} devices, which does not divide the {len(devices)} available "
+                         f"({devices[0].platform}); use axis sizes whose product divides {len(devices)}")
+    if global_batch is not None and global_batch % n:
+        raise UsageError(f"--mesh {spec} splits the batch over {n} devices but --batch_size {global_batch} is not "
+                         f"divisible by {n}; use a batch size that is a multiple of {n}")
+    arr = np.array(devices[:n]).reshape([shape[a] for a in MESH_AXES])
+    return Mesh(arr, MESH_AXES)
+
+
+def spec_for(shape, fsdp: int) -> P:
+    """The PartitionSpec of one parameter: its largest fsdp-divisible axis over "fsdp"."""
+    if fsdp > 1:
+        for ax in sorted(range(len(shape)), key=lambda a: -shape[a]):
+            if shape[ax] % fsdp == 0 and shape[ax] >= fsdp:
+                return P(*[("fsdp" if a == ax else None) for a in range(len(shape))])
+    return P()
+
+
+def state_shardings(mesh: Mesh, abstract_state):
+    """NamedShardings for a pytree of arrays/ShapeDtypeStructs (parameters and optimizer state)."""
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree.map(lambda a: NamedSharding(mesh, spec_for(np.shape(a), fsdp)), abstract_state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int) -> NamedSharding:
+    """Shard axis `batch_axis` of an `ndim`-D batch over data x fsdp."""
+    return NamedSharding(mesh, P(*[(BATCH_AXES if a == batch_axis else None) for a in range(ndim)]))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def put_batch(array: np.ndarray, sharding: NamedSharding):
+    """Place a host batch (the same on every process) as one global array."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
