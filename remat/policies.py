@@ -208,3 +208,7 @@ def table_markdown() -> str:
     for k, e in REGISTRY.items():
         rows.append(f"| `{e.template or k}` | {e.help} |")
     return "\n".join(rows)
+
+
+if __name__ == "__main__":  # regenerate the README's table: python -m remat.policies
+    print(table_markdown())

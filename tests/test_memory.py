@@ -1,0 +1,56 @@
+"""remat.memory: the saved-residuals wrapper (the one place that touches JAX internals) and XLA's report."""
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from remat import memory
+
+KEY = jax.random.PRNGKey(0)
+
+
+def f(w, x):
+    h = checkpoint_name(jnp.tanh(x @ w), "qkv")
+    return jnp.sum(jnp.sin(h) @ w)
+
+
+W = jax.random.normal(KEY, (16, 32))
+W2 = jax.random.normal(KEY, (32, 16))
+X = jax.random.normal(KEY, (4, 16))
+
+
+def g(w, w2, x):
+    h = checkpoint_name(jnp.tanh(x @ w), "qkv")
+    return jnp.sum(jnp.sin(h) @ w2)
+
+
+G = jax.checkpoint(g, policy=jax.checkpoint_policies.save_only_these_names("qkv"))
+
+
+def test_rows_kinds_names_and_totals_match_jax():
+    r = memory.saved_residuals(G, W, W2, X)
+    kinds = {row.kind for row in r.rows}
+    assert "argument" in kinds and "named" in kinds
+    named = [row for row in r.rows if row.kind == "named"]
+    assert [(row.name, row.shape, row.dtype, row.bytes) for row in named] == [("qkv", (4, 32), "float32", 512)]
+    # the wrapper and JAX's printer agree row for row
+    from jax._src.ad_checkpoint import saved_residuals as jax_rows
+    ref = jax_rows(G, W, W2, X)
+    assert len(ref) == len(r.rows)
+    assert r.total == sum(a.size * a.dtype.itemsize for a, _ in ref)
+    assert r.intermediates == sum(row.bytes for row in r.rows if row.kind != "argument") < r.total
+    assert r["total"] == r.total and r.by_name()["qkv"] == (1, 512)
+    assert "qkv" in r.table() and "total" in r.table()
+
+
+def test_full_checkpoint_keeps_only_arguments():
+    r = memory.saved_residuals(jax.checkpoint(g), W, W2, X)
+    assert {row.kind for row in r.rows} == {"argument"}
+    assert r.intermediates == 0 < memory.saved_residuals(G, W, W2, X).intermediates
+
+
+def test_compiled_memory_reads_xla():
+    c = memory.compiled_memory(jax.grad(g), W, W2, X)
+    assert c.argument == (W.size + W2.size + X.size) * 4
+    assert c.output == W.size * 4
+    assert c.flops > 2 * 4 * 16 * 32  # at least the first matmul
+    assert c.peak_estimate >= c.argument + c.output - c.alias
