@@ -9,9 +9,14 @@ whose backward re-traces the function under `jax.vjp`, checked against the forwa
 # so callers never need `functools.partial`. In the reentrant path only inexact (floating) leaves
 # are differentiated; integer and PRNG-key leaves get no cotangent.
 #
-# NOTE: scheduling. In the reentrant backward each region's inputs are made to depend on the
-# arrival of its output cotangent (`_tie`, a `+ 0·g` that is exact and NaN-safe), so XLA cannot
-# hoist the recomputation into the forward pass; see docs/ for the measured effect.
+# NOTE: scheduling. XLA sees no data dependency between a recomputation and the backward that
+# consumes it, so its scheduler may run every recomputation during the forward pass (XLA:CPU's
+# default scheduler does: with plain `jax.checkpoint` on a loop of layers the compiled temp
+# memory does not fall at all, and optimization barriers are stripped before scheduling). So in
+# the backward each region's residuals are made to depend on the arrival of its output cotangent
+# (`_tie`: `x + 0·s`, s a finite-guarded reduction of the cotangent: exact, NaN-safe) before the
+# pullback runs. Both paths do it (non-reentrant: `_tied`, a custom_vjp around `jax.vjp` of
+# `jax.checkpoint`, so the policy still decides what is saved). Measured in docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -70,14 +75,22 @@ def _flatten(args: tuple, static_argnums: Sequence[int]):
     return dyn, rebuild
 
 
+def _on_device(x) -> bool:
+    space = getattr(jax.typeof(x), "memory_space", None)
+    return space is None or "host" not in str(space).lower()
+
+
 def _tie(dyn, g):
-    """Make every inexact leaf of `dyn` depend on the cotangent `g`, exactly and NaN-safely."""
+    """Make every inexact device leaf of `dyn` depend on the cotangent `g`, exactly and NaN-safely.
+
+    Host-offloaded residuals are left alone: they must stay where the policy put them.
+    """
     gl = [x for x in jax.tree.leaves(g) if _is_inexact(x) and jnp.size(x) > 0]
     if not gl:
         return dyn
     s = jnp.sum(gl[0])  # a full reduction: indexing one element is ambiguous under explicit sharding
     zero = jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s)) * 0
-    return [x + zero.astype(x.dtype) if _is_inexact(x) else x for x in dyn]
+    return [x + zero.astype(x.dtype) if _is_inexact(x) and _on_device(x) else x for x in dyn]
 
 
 def _reentrant(flat_fn, dyn, *, name: str, determinism_check):
@@ -129,9 +142,36 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check):
     return region(*dyn)
 
 
+def _tied(flat_fn, dyn, *, policy, prevent_cse):
+    """`jax.checkpoint` whose backward waits for the output cotangent before recomputing.
+
+    The forward runs `jax.vjp` of the checkpointed function and hands its residuals (what the
+    policy saved, plus the region inputs) to a `custom_vjp`; the backward makes them depend on
+    the cotangent (`_tie`) and only then calls the pullback, which recomputes the rest.
+    """
+    state: dict[str, Any] = {}
+    ck = jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)
+
+    @jax.custom_vjp
+    def region(*dyn):
+        return flat_fn(*dyn)
+
+    def fwd(*dyn):
+        out, pullback = jax.vjp(ck, *dyn)
+        leaves, state["tree"] = jax.tree.flatten(pullback)
+        return out, tuple(leaves)
+
+    def bwd(res, g):
+        pullback = jax.tree.unflatten(state["tree"], _tie(list(res), g))
+        return tuple(None if not _is_inexact(x) else ct for x, ct in zip(dyn, pullback(g)))
+
+    region.defvjp(fwd, bwd)
+    return region(*dyn)
+
+
 def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, policy=None,
                determinism_check: bool | str = True, static_argnums: Sequence[int] = (),
-               prevent_cse: bool = True, name: str | None = None):
+               prevent_cse: bool = True, name: str | None = None, tie_to_cotangent: bool = True):
     """Run `fn(*args)` keeping less for the backward pass and recomputing the rest.
 
     Args:
@@ -146,6 +186,9 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
       static_argnums: positions of arguments passed through untraced.
       prevent_cse: passed to `jax.checkpoint`.
       name: region name used in error messages (default `fn.__name__`).
+      tie_to_cotangent: (non-reentrant) make the recomputation wait for the region's output
+        cotangent, so XLA cannot schedule it early and the compiled peak really falls (see the
+        NOTE above). Set False for plain `jax.checkpoint` (e.g. for forward-mode `jax.jvp`).
     Returns:
       `fn(*args)`; or, called without args (`checkpoint(use_reentrant=True)(fn)` or `@checkpoint`),
       a wrapped function.
@@ -154,7 +197,8 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
       >>> y = remat.checkpoint(block, params, x, use_reentrant=True)
     """
     opts = dict(use_reentrant=use_reentrant, policy=policy, determinism_check=determinism_check,
-                static_argnums=tuple(static_argnums), prevent_cse=prevent_cse, name=name)
+                static_argnums=tuple(static_argnums), prevent_cse=prevent_cse, name=name,
+                tie_to_cotangent=tie_to_cotangent)
     if fn is None:
         return lambda f: checkpoint(f, **opts)
     if not args:
@@ -165,7 +209,8 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
     return _run(fn, args, **opts)
 
 
-def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, prevent_cse, name):
+def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, prevent_cse, name,
+         tie_to_cotangent):
     if use_reentrant and policy is not None:
         raise ValueError(f"checkpoint(use_reentrant=True) saves only the inputs, so policy={policy!r} "
                          f"has no effect; drop the policy or use use_reentrant=False")
@@ -179,4 +224,6 @@ def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, 
     if use_reentrant:
         region = name or getattr(fn, "__name__", "checkpoint")
         return _reentrant(flat_fn, dyn, name=region, determinism_check=determinism_check)
+    if tie_to_cotangent:
+        return _tied(flat_fn, dyn, policy=_resolve_policy(policy), prevent_cse=prevent_cse)
     return jax.checkpoint(flat_fn, policy=_resolve_policy(policy), prevent_cse=prevent_cse)(*dyn)

@@ -31,7 +31,7 @@ def _runs(n_layers: int, cfg: RecomputeConfig):
             units += [(i, 1, False) for i in range(s.start, s.stop)]
     runs = []
     for start, size, ck in units:
-        if runs and runs[-1][2:] == (size, ck):
+        if runs and tuple(runs[-1][2:]) == (size, ck):
             runs[-1][1] += 1
         else:
             runs.append([start, 1, size, ck])

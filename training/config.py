@@ -81,7 +81,7 @@ class TrainConfig:
                                       "raised to --sequence_length when that is longer and no --init_from)")
     vocab_size: int | None = _f(None, "vocabulary size (default: 256 for byte-level text data, else the preset's)")
     init_from: str | None = _f(None, "initialize from an llm.c model .bin file or an orbax checkpoint "
-                                     "directory written by this script (shapes must match the preset)")
+                                     "directory written by this script (shapes must match the preset)", metavar="PATH")
     dtype: str = _f("float32", "compute dtype (parameters and optimizer state stay float32)", choices=DTYPES)
     dropout: float = _f(0.0, "dropout probability")
     # -- activation recompute (remat.RecomputeConfig)
@@ -108,7 +108,7 @@ class TrainConfig:
     sequence_length: int = _f(64, "tokens per sequence T")
     grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step (tokens per step = "
                                   "batch_size * sequence_length * grad_accum_steps)")
-    num_iterations: int = _f(600, "optimizer steps to train for (the step count to stop at when resuming)")
+    num_iterations: int = _f(3000, "optimizer steps to train for (the step count to stop at when resuming)")
     learning_rate: float = _f(3e-3, "peak learning rate (AdamW)")
     warmup_iters: int = _f(30, "linear warmup steps")
     lr_decay: float = _f(0.1, "cosine-decay the learning rate to this fraction of its peak")
@@ -122,16 +122,17 @@ class TrainConfig:
                                     "standard library's source files")
     val_data: tuple[str, ...] = _f((), "validation data, as --data (default: the last 2%% of the training "
                                         "tokens are held out)")
-    val_every: int = _f(100, "evaluate every N steps and at the last step (0: never)")
+    val_every: int = _f(250, "evaluate every N steps and at the last step (0: never)")
     val_steps: int = _f(8, "batches per evaluation")
     # -- checkpoints and logs
-    checkpoint_dir: str | None = _f(None, "orbax checkpoint directory (asynchronous, atomic saves)")
+    checkpoint_dir: str | None = _f(None, "orbax checkpoint directory (asynchronous, atomic saves)", metavar="DIR")
     checkpoint_every: int = _f(0, "save every N steps (0: only at the end); needs --checkpoint_dir")
     keep_checkpoints: int = _f(3, "how many of the latest checkpoints to keep")
     resume: bool = _f(False, "continue from the latest complete checkpoint in --checkpoint_dir")
-    log_jsonl: str | None = _f(None, "append one JSON object per step to this file")
+    log_jsonl: str | None = _f(None, "write one JSON object per step to this file (appended to on --resume)",
+                                metavar="PATH")
     mesh: str = _f("data=1,fsdp=1", "device mesh: batch sharded over data x fsdp, parameters and optimizer "
-                                    "state over fsdp, e.g. data=2,fsdp=4")
+                                    "state over fsdp, e.g. data=2,fsdp=4", metavar="data=N,fsdp=M")
     memory_report: bool = _f(False, "print what the backward keeps (by tagged name) and XLA's compiled "
                                     "memory for the train step, then exit without training")
     dry_run: bool = _f(False, "validate everything, build and compile the train step, print a summary, "

@@ -72,7 +72,7 @@ class Dataset:
                              f"and still train on windows of {min_tokens}; pass --val_data or --val_every 0")
         train = dataclasses.replace(self, streams=self.streams[:-1] + (last[:len(last) - n_val],))
         val = dataclasses.replace(self, streams=(last[len(last) - n_val:],),
-                                  description=f"last {n_val:,} tokens of {self.description}")
+                                  description=f"held-out last {100 * fraction:g}%")
         return train, val
 
     def _windows(self, seq_len: int):

@@ -442,7 +442,9 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
         first, last = history[0]["loss"], history[-1]["loss"]
         avg = f"{1000 * np.mean(times):.0f} ms/step (first step excluded)" if times else "n/a"
         val = [h["val_loss"] for h in history if "val_loss" in h]
-        print(f"done     {len(history)} steps in {wall:.1f} s, {avg}; loss {first:.4f} -> {last:.4f}"
+        tail = np.mean([h["loss"] for h in history[-max(1, len(history) // 10):]])
+        print(f"done     {len(history)} steps in {wall:.1f} s, {avg}; loss {first:.4f} -> {last:.4f} "
+              f"(mean of the last 10% of steps {tail:.4f})"
               + (f", val loss {val[-1]:.4f}" if val else "")
               + (f"; checkpoint step {last_saved} in {cfg.checkpoint_dir}" if checkpointer else ""), file=out)
     return RunResult(history, state, setup)

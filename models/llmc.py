@@ -1,0 +1,200 @@
+"""llm.c `.bin` model and debug-state files for the Flax models, and the `verify` command.
+
+The byte layouts live in models/llmc_io.py (NumPy only); this module maps them to GPT2Config /
+Llama3Config and parameters, and checks the port against a reference state:
+
+    python -m models.llmc verify MODEL.bin STATE.bin [--activation_recompute
+        --recompute_granularity full --recompute_method uniform --recompute_num_layers 2
+        --use_reentrant --scan_layers]
+
+prints one row per tensor (max |Δ|, max |ref|) and exits 0 when everything is within tolerance,
+1 when something is not, 2 on a bad file or flag (one line, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import gpt2, llama3
+from models.llmc_io import GPT2Header, Llama3Header, LlmcFormatError, read_model, read_state, write_model
+from remat import RecomputeConfig
+
+# NOTE: tolerance. A float32 JAX port against a float32 (or float64-derived) reference differs by
+# rounding only: ~1e-6 for loss and gradients of the small models checked here. 1e-4 absolute
+# (the issue's bound) leaves room for reduction-order differences in deep models while catching
+# any real error (a wrong mask, scale or transpose moves values by 1e-2 or more).
+ATOL = 1e-4
+
+
+def _module(config):
+    return gpt2 if isinstance(config, gpt2.GPT2Config) else llama3
+
+
+def header_for(config):
+    """The llm.c header describing `config`."""
+    if isinstance(config, gpt2.GPT2Config):
+        return GPT2Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
+                          n_head=config.n_head, n_embd=config.n_embd, padded_vocab_size=config.padded_vocab_size)
+    return Llama3Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
+                        n_head=config.n_head, n_kv_head=config.n_kv_head, n_embd=config.n_embd,
+                        ffn_dim_multiplier=config.ffn_dim_multiplier, multiple_of=config.multiple_of,
+                        norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+                        use_scaled_rope=bool(config.use_scaled_rope), max_gen_batch_size=4)
+
+
+def config_for(kind: str, header, **fields):
+    """A model config for an llm.c header; `fields` (recompute, dtype, scan_layers...) are added."""
+    if kind == "gpt2":
+        return gpt2.GPT2Config(block_size=header.block_size, vocab_size=header.vocab_size,
+                               padded_vocab_size=header.padded_vocab_size, n_layer=header.n_layer,
+                               n_head=header.n_head, n_embd=header.n_embd, **fields)
+    return llama3.Llama3Config(block_size=header.block_size, vocab_size=header.vocab_size, n_layer=header.n_layer,
+                               n_head=header.n_head, n_kv_head=header.n_kv_head, n_embd=header.n_embd,
+                               ffn_dim_multiplier=header.ffn_dim_multiplier, multiple_of=header.multiple_of,
+                               norm_eps=header.norm_eps, rope_theta=header.rope_theta,
+                               use_scaled_rope=header.use_scaled_rope, **fields)
+
+
+def load(path, recompute: RecomputeConfig | None = None, *, scan_layers: bool = False, dtype: str = "float32",
+         norm_eps=None, rope_theta=None, ffn_dim_multiplier=None):
+    """Read an llm.c model file (GPT-2 or LLaMA-3, float32 or bf16) into (config, params).
+
+    Args:
+      path: the `.bin` file.
+      recompute: the runtime recompute settings (the file knows nothing of recompute).
+      scan_layers, dtype: model options applied to the loaded config.
+      norm_eps, rope_theta, ffn_dim_multiplier: overrides for LLaMA-3 headers whose float slots
+        were written as truncated integers (llm.c master).
+    Raises:
+      LlmcFormatError (a ValueError) naming the file and the problem; never returns a partial model.
+    Example:
+      >>> config, params = load("gpt2_124M.bin", RecomputeConfig(granularity="full"))
+    """
+    kind, header, tensors, _ = read_model(path, norm_eps=norm_eps, rope_theta=rope_theta,
+                                          ffn_dim_multiplier=ffn_dim_multiplier)
+    config = config_for(kind, header, recompute=recompute or RecomputeConfig(), scan_layers=scan_layers, dtype=dtype)
+    return config, _module(config).from_llmc(config, tensors)
+
+
+def save(path, config, params, dtype: str = "float32") -> None:
+    """Write `params` as an llm.c model file (version 3 float32 or 5 bfloat16), atomically.
+
+    Example:
+      >>> save("out.bin", config, params, dtype="bfloat16")
+    """
+    kind = "gpt2" if isinstance(config, gpt2.GPT2Config) else "llama3"
+    write_model(path, kind, header_for(config), _module(config).to_llmc(config, params), dtype=dtype)
+
+
+def load_state(path, config) -> dict:
+    """Read an llm.c debug state file for `config`: x, y, logits, loss, grads (llm.c names)."""
+    kind = "gpt2" if isinstance(config, gpt2.GPT2Config) else "llama3"
+    return read_state(path, kind, header_for(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    tensor: str
+    max_abs_diff: float
+    max_abs_ref: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= ATOL
+
+
+def verify(config, params, state) -> list[Row]:
+    """Run the model on the state's batch; compare logits, loss and every gradient with the state's."""
+    mod = _module(config)
+    x, y = jnp.asarray(state["x"]), jnp.asarray(state["y"])
+    model = mod.GPT2(config) if mod is gpt2 else mod.Llama3(config)
+
+    @jax.jit
+    def run(params):
+        def f(p):
+            logits, loss = model.apply({"params": p}, x, y)
+            return loss, logits
+        (loss, logits), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return loss, logits, grads
+
+    loss, logits, grads = run(params)
+    ref_logits = np.asarray(state["logits"])
+    width = min(ref_logits.shape[-1], config.vocab_size)
+    rows = [Row("logits", float(np.max(np.abs(np.asarray(logits)[..., :width] - ref_logits[..., :width]))),
+                float(np.max(np.abs(ref_logits[..., :width])))),
+            Row("loss", abs(float(loss) - float(state["loss"])), abs(float(state["loss"])))]
+    ours = mod.to_llmc(config, grads)
+    for name, ref in state["grads"].items():
+        ref = np.asarray(ref)
+        got = ours[name][: ref.shape[0]] if name == "wte" else ours[name]
+        rows.append(Row(name, float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref)))))
+    return rows
+
+
+def _recompute_flags(p: argparse.ArgumentParser) -> None:
+    from remat.config import GRANULARITIES, METHODS
+    p.add_argument("--activation_recompute", action=argparse.BooleanOptionalAction, default=False,
+                   help="turn activation recompute on (granularity full unless --recompute_granularity)")
+    p.add_argument("--recompute_granularity", choices=GRANULARITIES, default=None)
+    p.add_argument("--recompute_method", choices=METHODS, default="none")
+    p.add_argument("--recompute_num_layers", type=int, default=1)
+    p.add_argument("--recompute_modules", default=None, help="selective: comma list, e.g. core_attn,mlp")
+    p.add_argument("--remat_policy", default=None, help="a remat.policies name")
+    p.add_argument("--use_reentrant", action="store_true")
+
+
+def _recompute_from(a) -> RecomputeConfig:
+    g = a.recompute_granularity or ("full" if a.activation_recompute else "none")
+    if g == "none" and (a.recompute_method != "none" or a.use_reentrant or a.remat_policy):
+        raise ValueError("--recompute_method/--use_reentrant/--remat_policy need recompute turned on; "
+                         "add --activation_recompute")
+    kw = dict(granularity=g, method=a.recompute_method, num_layers=a.recompute_num_layers,
+              policy=a.remat_policy, use_reentrant=a.use_reentrant)
+    if a.recompute_modules:
+        kw["modules"] = a.recompute_modules
+    return RecomputeConfig(**kw)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv=None) -> int:
+    p = _Parser(prog="python -m models.llmc", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="compare the model with an llm.c debug state file")
+    v.error = lambda message: p.exit(2, f"{p.prog} verify: error: {message}\n")
+    v.add_argument("model", help="llm.c model file (.bin)")
+    v.add_argument("state", help="llm.c debug state file (.bin)")
+    _recompute_flags(v)
+    v.add_argument("--scan_layers", action="store_true")
+    for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
+        v.add_argument(f"--{f}", type=float, default=None, help="LLaMA-3 header override")
+    a = p.parse_args(argv)
+    try:
+        recompute = _recompute_from(a)
+        config, params = load(a.model, recompute, scan_layers=a.scan_layers, norm_eps=a.norm_eps,
+                              rope_theta=a.rope_theta, ffn_dim_multiplier=a.ffn_dim_multiplier)
+        recompute.validate_for(config.n_layer)
+        state = load_state(a.state, config)
+    except (LlmcFormatError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = verify(config, params, state)
+    print(f"{'tensor':<16} {'max |Δ|':>12} {'max |ref|':>12}  within {ATOL:g}")
+    for r in rows:
+        print(f"{r.tensor:<16} {r.max_abs_diff:>12.3e} {r.max_abs_ref:>12.3e}  {'ok' if r.ok else 'FAIL'}")
+    bad = [r.tensor for r in rows if not r.ok]
+    print(f"{len(rows) - len(bad)} of {len(rows)} tensors within tolerance"
+          + (f"; failing: {', '.join(bad)}" if bad else f" ({recompute.granularity} recompute)"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
