@@ -64,7 +64,7 @@ def layer_norm(x, w, b, eps=1e-5):
 def _ln_fwd(x, w, b, eps):
     xf, mean, rstd = _ln_stats(x, eps)
     y = ((xf - mean) * rstd * w.astype(F32) + b.astype(F32)).astype(x.dtype)
-    return y, (x, mean, rstd, w, jnp.zeros((0,), b.dtype))
+    return y, (x, mean, rstd, w, jnp.zeros((0,), b.dtype))  # the empty array carries b's dtype
 
 
 def _ln_bwd(eps, res, dy):
@@ -328,6 +328,9 @@ class Linear(nn.Module):
     Example:
       >>> y = Linear(96, name="c_attn").apply(variables, x)
     """
+    # NOTE: PyTorch's weight layout instead of Flax's (in, out) `kernel` makes the llm.c mapping
+    # (models/*.py to_llmc/from_llmc) names and stacking only, no transposes; dot_general takes
+    # either layout at the same cost.
     features: int
     use_bias: bool = True
     dtype: Any = F32

@@ -22,7 +22,6 @@ import functools
 import math
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name

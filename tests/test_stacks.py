@@ -36,8 +36,9 @@ def _settings():
 
 
 SETTINGS = _settings()
-# The fast default runs every setting on plain functions and the default policy of each setting on
-# Linen and NNX; the other policies on Linen/NNX run with `-m slow` (same code path: apply_layers).
+# The fast default runs, on plain functions, every method with the default policy and every policy
+# with method none, and on Linen and NNX every method with the default policy; the full product
+# runs with `-m slow` (make test-all). All of them go through the same code path (apply_layers).
 CORE = [c for c in SETTINGS if c.policy is None]
 REST = [c for c in SETTINGS if c.policy is not None]
 IDS = [f"{c.granularity}-{c.method}{c.num_layers}-{'re' if c.use_reentrant else c.policy or 'default'}"
@@ -53,7 +54,13 @@ def plain_loss(ps, x, cfg, scan=False):
 PLAIN_REF = jax.grad(plain_loss)(PS, X, RecomputeConfig())
 
 
-@pytest.mark.parametrize("cfg", SETTINGS, ids=IDS)
+def _plain_params():
+    # fast: every method with the default policy, every policy with method none; the rest slow
+    fast = lambda c: c.policy is None or c.method == "none"
+    return [pytest.param(c, id=i, marks=() if fast(c) else pytest.mark.slow) for c, i in zip(SETTINGS, IDS)]
+
+
+@pytest.mark.parametrize("cfg", _plain_params())
 def test_plain_functions(cfg):
     assert rel_err(jax.grad(plain_loss)(PS, X, cfg), PLAIN_REF) <= 1e-5
 

@@ -43,12 +43,27 @@ class DirInfo:
     steps: tuple = ()
 
 
-def _read_only(directory: str) -> ocp.CheckpointManager:
+def _read_only(directory: str, handlers: bool = True) -> ocp.CheckpointManager:
+    kw = dict(item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+              ) if handlers else {}
     return ocp.CheckpointManager(os.path.abspath(directory),
-                                 options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+                                 options=ocp.CheckpointManagerOptions(read_only=True, create=False), **kw)
 
 
-def inspect_dir(directory: str) -> DirInfo:
+def _key_name(k) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def leaf_shapes(tree, is_leaf=None) -> dict:
+    """{'a.b.0.c': shape} for the array leaves of a pytree (the naming orbax's metadata uses)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    return {".".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat if leaf is not None}
+
+
+def inspect_dir(directory: str, flag: str = "--checkpoint_dir") -> DirInfo:
     """The latest complete step and its metadata, without writing anything.
 
     Returns DirInfo(step=None) when the directory is missing or holds no complete step; raises
@@ -65,16 +80,16 @@ def inspect_dir(directory: str) -> DirInfo:
         items = set(os.listdir(os.path.join(directory, str(step)))) if os.path.isdir(
             os.path.join(directory, str(step))) else set()
         if not {"state", "meta"} <= items:
-            raise UsageError(f"{directory} step {step} is not a checkpoint written by train.py (it has "
+            raise UsageError(f"{flag} {directory}: step {step} is not a checkpoint written by train.py (it has "
                              f"{sorted(items) or 'no items'}, expected state and meta); pass the directory "
                              f"train.py --checkpoint_dir wrote")
         try:
             meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as e:  # a corrupt or foreign meta item
-            raise UsageError(f"{directory} step {step}: cannot read its metadata ({type(e).__name__}); pass a "
+            raise UsageError(f"{flag} {directory}: step {step}: cannot read its metadata ({type(e).__name__}); pass a "
                              f"directory train.py --checkpoint_dir wrote") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise UsageError(f"{directory} step {step} is not a train.py checkpoint (format "
+            raise UsageError(f"{flag} {directory}: step {step} is not a train.py checkpoint (format "
                              f"{meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}); "
                              f"pass a directory train.py --checkpoint_dir wrote")
         return DirInfo(step, meta, steps)
@@ -101,10 +116,11 @@ def restore(directory: str, step: int, abstract_state, partial: bool = False):
 
     With `partial=True` only the subtrees present in `abstract_state` are read (e.g. params).
     """
-    mngr = _read_only(directory)
+    mngr = _read_only(directory, handlers=not partial)
     try:
-        state_args = (ocp.args.PyTreeRestore(item=abstract_state, partial_restore=True) if partial
-                      else ocp.args.StandardRestore(abstract_state))
+        state_args = (ocp.args.PyTreeRestore(item=abstract_state, partial_restore=True,
+                                             restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+                      if partial else ocp.args.StandardRestore(abstract_state))
         out = mngr.restore(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()))
         return out.state, out.meta
     finally:
@@ -112,13 +128,12 @@ def restore(directory: str, step: int, abstract_state, partial: bool = False):
 
 
 def saved_shapes(directory: str, step: int) -> dict:
-    """{'params/...': shape} of a saved state, from orbax's metadata (nothing is read but headers)."""
+    """{'params.wte': shape, ...} of a saved state, from orbax's metadata (no array is read)."""
     mngr = _read_only(directory)
     try:
         tree = mngr.item_metadata(step)["state"]
         tree = getattr(tree, "tree", tree)
-        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-        return {jax.tree_util.keystr(p): tuple(leaf.shape) for p, leaf in flat}
+        return leaf_shapes(tree, is_leaf=lambda x: hasattr(x, "shape"))
     finally:
         mngr.close()
 

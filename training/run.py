@@ -13,7 +13,9 @@ Example:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -33,7 +35,7 @@ from training import log as log_lib
 from training import sharding as sh
 from training.config import TrainConfig, UsageError, parse_mesh
 from training.model import Family, config_dict, family
-from training.optim import make_optimizer
+from training.optim import make_optimizer, optimizer_settings
 from training.step import init_state, make_eval_step, make_train_step
 
 VAL_FRACTION = 0.02
@@ -89,7 +91,37 @@ def _load_data(paths, what):
     try:
         return data_lib.load(paths, what)
     except LlmcFormatError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"{what} {e}") from None
+
+
+def _read_llmc(cfg: TrainConfig, mcfg):
+    """read_model for --init_from FILE; LLaMA-3 files from llm.c master (float header slots
+    truncated) are read with the preset's values for those slots."""
+    path = cfg.init_from
+    try:
+        return read_model(path)
+    except LlmcFormatError as e:
+        first = e
+    if cfg.model == "llama3":
+        try:
+            return read_model(path, norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_theta,
+                              ffn_dim_multiplier=mcfg.ffn_dim_multiplier)
+        except (LlmcFormatError, ValueError):
+            pass
+    raise UsageError(f"--init_from {first}") from None
+
+
+def _check_llmc_header(cfg: TrainConfig, mcfg, header) -> None:
+    if cfg.model != "llama3":
+        return
+    for name in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
+        a, b = float(getattr(header, name)), float(getattr(mcfg, name))
+        if not math.isclose(a, b, rel_tol=1e-6):
+            raise UsageError(f"--init_from {cfg.init_from}: its {name} is {a:g} but --preset {cfg.preset} has {b:g}; "
+                             f"pass the preset the file was written for")
+    if bool(header.use_scaled_rope) != bool(mcfg.use_scaled_rope):
+        raise UsageError(f"--init_from {cfg.init_from}: use_scaled_rope differs from --preset {cfg.preset}; pass the "
+                         f"preset the file was written for")
 
 
 def prepare(cfg: TrainConfig) -> Setup:
@@ -136,7 +168,7 @@ def prepare(cfg: TrainConfig) -> Setup:
         train_ds, val_ds = train_ds.split_tail(VAL_FRACTION, cfg.sequence_length + 1)
 
     mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
-    tx, schedule = make_optimizer(cfg)
+    tx, schedule = _optimizer(optimizer_settings(cfg))
     abstract_state = jax.eval_shape(lambda: init_state(fam, mcfg, tx, cfg.seed))
     state_sharding = sh.state_shardings(mesh, abstract_state)
     setup = Setup(cfg, fam, mcfg, mcfgs, train_ds, val_ds, mesh, tx, schedule, abstract_state, state_sharding,
@@ -146,7 +178,7 @@ def prepare(cfg: TrainConfig) -> Setup:
 
     mcfg_dict = config_dict(mcfg)
     if cfg.checkpoint_dir:
-        info = ckpt.inspect_dir(cfg.checkpoint_dir)
+        info = ckpt.inspect_dir(cfg.checkpoint_dir, "--resume" if cfg.resume else "--checkpoint_dir")
         if cfg.resume:
             if info.step is None:
                 raise UsageError(f"--resume: {cfg.checkpoint_dir} holds no complete checkpoint (it is empty or "
@@ -155,16 +187,14 @@ def prepare(cfg: TrainConfig) -> Setup:
             if info.step >= cfg.num_iterations:
                 raise UsageError(f"--resume: {cfg.checkpoint_dir} is already at step {info.step} >= "
                                  f"--num_iterations {cfg.num_iterations}; raise --num_iterations to train on")
+            _check_saved_state(cfg.checkpoint_dir, info.step, abstract_state)
             setup.start_step, setup.resume_meta = info.step, info.meta
         elif info.step is not None:
             raise UsageError(f"--checkpoint_dir {cfg.checkpoint_dir} already holds checkpoints (latest step "
                              f"{info.step}); pass --resume to continue, or choose a new directory")
 
     if cfg.init_from and init_is_file:
-        try:
-            kind, _header, tensors, _dtype = read_model(cfg.init_from)
-        except LlmcFormatError as e:
-            raise UsageError(str(e)) from None
+        kind, header, tensors, _dtype = _read_llmc(cfg, mcfg)
         if kind != cfg.model:
             raise UsageError(f"--init_from {cfg.init_from} is an llm.c {kind} model but this run is --model "
                              f"{cfg.model}; pass --model {kind}")
@@ -175,18 +205,18 @@ def prepare(cfg: TrainConfig) -> Setup:
             raise UsageError(f"--init_from {cfg.init_from}: its shapes do not match --preset {cfg.preset}"
                              f"{' (' + ', '.join(bad[:3]) + ')' if bad else ''}; pass the preset (and "
                              f"--vocab_size/--block_size) the file was written for")
+        _check_llmc_header(cfg, mcfg, header)
         setup.init_tensors = tensors
     elif cfg.init_from:
-        info = ckpt.inspect_dir(cfg.init_from)
+        info = ckpt.inspect_dir(cfg.init_from, "--init_from")
         if info.step is None:
             raise UsageError(f"--init_from {cfg.init_from}: the directory holds no complete checkpoint; pass an "
                              f"llm.c .bin file or a train.py --checkpoint_dir")
         if info.meta.get("model") != cfg.model:
             raise UsageError(f"--init_from {cfg.init_from} holds a {info.meta.get('model')} model but this run is "
                              f"--model {cfg.model}; pass --model {info.meta.get('model')}")
-        saved = {k: v for k, v in ckpt.saved_shapes(cfg.init_from, info.step).items() if k.startswith("['params']")}
-        flat = jax.tree_util.tree_flatten_with_path(abstract_state["params"])[0]
-        want = {"['params']" + jax.tree_util.keystr(p): tuple(a.shape) for p, a in flat}
+        saved = {k: v for k, v in ckpt.saved_shapes(cfg.init_from, info.step).items() if k.startswith("params.")}
+        want = ckpt.leaf_shapes({"params": abstract_state["params"]})
         if saved != want:
             diff = sorted(set(saved.items()) ^ set(want.items()))[:2]
             raise UsageError(f"--init_from {cfg.init_from}: its parameter shapes do not match --preset {cfg.preset} "
@@ -195,17 +225,67 @@ def prepare(cfg: TrainConfig) -> Setup:
     return setup
 
 
+def _check_saved_state(directory: str, step: int, abstract_state) -> None:
+    """UsageError unless the saved state has exactly this run's leaves and shapes."""
+    saved, want = ckpt.saved_shapes(directory, step), ckpt.leaf_shapes(abstract_state)
+    if saved != want:
+        diff = sorted(set(saved.items()) ^ set(want.items()))[:2]
+        raise UsageError(f"--resume {directory}: step {step} holds a train state of another structure than this "
+                         f"run's (e.g. {diff}); resume with the flags it was written with")
+
+
 # ------------------------------------------------------------------------------------------------
 # Compilation
 
 
-def _jit_train_step(setup: Setup, mcfg=None):
+# NOTE: compiled programs are cached per process, keyed by everything they depend on, so that
+# runs in one process (notebooks, tests, a resume after a run) share compilations. A training
+# run from the CLI compiles each program once either way.
+
+@functools.lru_cache(maxsize=16)
+def _optimizer(settings: tuple):
+    return make_optimizer(*settings)
+
+
+def _init_config(mcfg):
+    """The model config with everything that does not change the initial parameters reset."""
+    return dataclasses.replace(mcfg, recompute=type(mcfg.recompute)(), dropout=0.0, dtype="float32")
+
+
+# The optimizer state's structure and initial values do not depend on the hyperparameters.
+_INIT_OPTIMIZER = (1.0, 0, 1, 0.0, 0.0, 1.0)
+
+
+@functools.lru_cache(maxsize=8)
+def _init_jit(fam_name: str, init_mcfg, mesh):
+    fam, (tx, _) = family(fam_name), _optimizer(_INIT_OPTIMIZER)
+    fn = lambda seed: init_state(fam, init_mcfg, tx, seed)
+    abstract = jax.eval_shape(fn, 0)
+    return jax.jit(fn, out_shardings=sh.state_shardings(mesh, abstract))
+
+
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_COMPILED_MAX = 8
+
+
+def compile_train_step(setup: Setup, mcfg=None):
+    """AOT-compile the train step for the run's shapes and shardings (cached per process)."""
     mcfg = setup.mcfg if mcfg is None else mcfg
     cfg = setup.cfg
+    key = (setup.fam.name, mcfg, optimizer_settings(cfg), cfg.dropout, setup.mesh, cfg.grad_accum_steps,
+           cfg.batch_size, cfg.sequence_length)
+    if key in _COMPILED:
+        _COMPILED.move_to_end(key)
+        return _COMPILED[key]
     fn = make_train_step(setup.fam, mcfg, setup.tx, setup.schedule, cfg.dropout)
-    rep = sh.replicated(setup.mesh)
-    return jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
-                   out_shardings=(setup.state_sharding, rep), donate_argnums=(0,))
+    jitted = jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
+                     out_shardings=(setup.state_sharding, sh.replicated(setup.mesh)), donate_argnums=(0,))
+    b = _batch_struct(setup)
+    compiled = jitted.lower(_abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b).compile()
+    _COMPILED[key] = compiled
+    while len(_COMPILED) > _COMPILED_MAX:
+        _COMPILED.popitem(last=False)
+    return compiled
 
 
 def _batch_struct(setup: Setup):
@@ -216,13 +296,6 @@ def _batch_struct(setup: Setup):
 
 def _abstract_with_sharding(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
-def compile_train_step(setup: Setup, mcfg=None):
-    """AOT-compile the train step for the run's shapes and shardings."""
-    b = _batch_struct(setup)
-    return _jit_train_step(setup, mcfg).lower(
-        _abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b).compile()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,8 +375,7 @@ def _initial_state(setup: Setup):
         abstract = _abstract_with_sharding(setup.abstract_state, setup.state_sharding)
         state, meta = ckpt.restore(cfg.checkpoint_dir, setup.start_step, abstract)
         return state, int(meta["data_position"])
-    make = jax.jit(lambda: init_state(setup.fam, setup.mcfg, setup.tx, cfg.seed), out_shardings=setup.state_sharding)
-    state = make()
+    state = _init_jit(setup.fam.name, _init_config(setup.mcfg), setup.mesh)(cfg.seed)
     params = None
     if setup.init_tensors is not None:
         params = setup.fam.from_llmc(setup.mcfg, setup.init_tensors)

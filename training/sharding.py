@@ -56,7 +56,7 @@ def make_mesh(shape: dict[str, int], global_batch: int | None = None) -> Mesh:
     devices = jax.devices()
     spec = ",".join(f"{a}={shape[a]}" for a in MESH_AXES)
     if len(devices) % n:
-        raise UsageError(f"--mesh {spec} needs {n} devices, which does not divide the {len(devices)} available "
+        raise UsageError(f"--mesh {spec} spans {n} devices, which does not divide the {len(devices)} available "
                          f"({devices[0].platform}); use axis sizes whose product divides {len(devices)}")
     if global_batch is not None and global_batch % n:
         raise UsageError(f"--mesh {spec} splits the batch over {n} devices but --batch_size {global_batch} is not "
