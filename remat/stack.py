@@ -75,16 +75,27 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
             x = region(s.start, s.stop, ps, x, ks) if s.checkpointed else run(ps, x, ks, *args)
         return x
 
+    def run_stacked(p, h, k, *a):  # p: params with a leading axis of `size` layers
+        size = jax.tree.leaves(p)[0].shape[0]
+        return run([jax.tree.map(lambda t: t[j], p) for j in range(size)], h,
+                   None if k is None else [k[j] for j in range(size)], *a)
+
+    # NOTE: each scan step hands its xs slice (the group's stacked params) to the region as is, so
+    # the residual is the scan's own input, which JAX forwards instead of saving a stacked copy of
+    # every layer's parameters.
     for start, count, size, ck in _runs(n_layers, cfg):
         stop = start + count * size
-        grouped = jax.tree.map(lambda a: a[start:stop].reshape((count, size) + a.shape[1:]), params)
-        kgrouped = None if keys is None else keys[start:stop].reshape((count, size) + keys.shape[1:])
+        group = lambda a: (a if (start, stop) == (0, n_layers) else a[start:stop]).reshape((count, size) + a.shape[1:])
+        grouped = jax.tree.map(group, params)
+        kgrouped = None if keys is None else group(keys)
 
         def body(h, pk, start=start, size=size, ck=ck):
             p, k = pk
-            ps = [jax.tree.map(lambda a: a[j], p) for j in range(size)]
-            ks = None if k is None else [k[j] for j in range(size)]
-            return (region(start, start + size, ps, h, ks) if ck else run(ps, h, ks, *args)), None
+            if not ck:
+                return run_stacked(p, h, k, *args), None
+            return checkpoint(run_stacked, p, h, k, *args, use_reentrant=cfg.use_reentrant, policy=policy,
+                              determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
+                              name=f"layers[{start}:{start + size}] (scanned)"), None
 
         x, _ = lax.scan(body, x, (grouped, kgrouped))
     return x
