@@ -34,9 +34,11 @@ def main(argv=None) -> int:
         usage_exit(str(e), PROG)
     import training
 
+    from models.llmc_io import LlmcFormatError
+
     try:
         training.run(cfg)
-    except UsageError as e:
+    except (UsageError, LlmcFormatError) as e:  # bad input found while preparing: nothing was written
         usage_exit(str(e), PROG)
     except training.TrainingDiverged as e:
         sys.stderr.write(f"{PROG}: stopped: {e}\n")

@@ -13,6 +13,11 @@ from collections import defaultdict
 import jax
 import numpy as np
 
+from remat import names as _names
+from remat import policies as _policies
+from remat.config import RecomputeConfig
+from remat.plan import plan as _plan
+
 try:
     from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals
 except ImportError as e:  # pragma: no cover - exercised only on an incompatible JAX
@@ -142,3 +147,60 @@ def compiled_memory(fn, *args, static_argnums=()) -> CompiledMemory:
                           generated_code=g("generated_code_size_in_bytes"),
                           host_temp=g("host_temp_size_in_bytes"),
                           flops=float((ca or {}).get("flops", 0.0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBytes:
+    """What one layer keeps for its backward pass without remat, in bytes.
+
+    `tagged` maps remat.names tags to bytes (block_input included); `untagged` counts the values
+    with no tag (norm statistics, the mid-layer residual sum, the attention log-sum-exp, bf16
+    casts of weights); `constants` are closed-over tables (RoPE) that `jax.checkpoint` keeps too;
+    `swaps` are tagged values that no-remat does not keep but a tag-saving policy does, in place
+    of an untagged value it then recomputes (the attention output instead of the residual sum).
+    """
+    tagged: dict
+    untagged: int
+    constants: int = 0
+    swaps: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.tagged.values()) + self.untagged + self.constants
+
+
+def predict_saved(layer: LayerBytes, n_layers: int, cfg: RecomputeConfig, head: int = 0) -> int | None:
+    """Analytic saved bytes of a layer stack under `cfg`, plus `head` bytes kept outside the stack.
+
+    A checkpointed region keeps its input (`block_input`) and, per layer, the tagged values its
+    policy saves; untagged values are recomputed. Returns None for policies that do not select by
+    tag name (`dots`, `dots_no_batch`, offload). Derivation: docs/memory-model.md.
+
+    Example:
+      >>> predict_saved(gpt2_layer_bytes, 8, RecomputeConfig(granularity="full"), head=head_bytes)
+    """
+    inp = layer.tagged.get(_names.BLOCK_INPUT, 0)
+    if cfg.granularity == "none":
+        return n_layers * layer.total + head
+    name = cfg.effective_policy()
+    untagged = 0
+    if name is None or name == "full":  # reentrant, or nothing saved inside a region
+        saved = frozenset()
+    elif name == "everything":
+        saved, untagged = frozenset(layer.tagged), layer.untagged
+    else:
+        pol = _policies.get(name)
+        while isinstance(pol, _policies.DtypePreserving):
+            pol = pol.base
+        if not isinstance(pol, _policies.SaveNames):
+            return None
+        saved = pol.names
+    inner = sum(b for n, b in layer.tagged.items() if n in saved and n != _names.BLOCK_INPUT) + untagged
+    inner += sum(b for n, b in layer.swaps.items() if n in saved) if name != "everything" else 0
+    inner += 0 if cfg.use_reentrant else layer.constants
+    inner_inputs = inp if _names.BLOCK_INPUT in saved else 0  # inputs of a region's later layers
+    total = head
+    for seg in _plan(n_layers, cfg):
+        k = seg.stop - seg.start
+        total += inp + k * inner + (k - 1) * inner_inputs if seg.checkpointed else k * layer.total
+    return total

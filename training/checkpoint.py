@@ -28,6 +28,8 @@ import orbax.checkpoint as ocp
 from training.config import UsageError
 
 FORMAT = "remat-train/1"
+# Model config fields that do not change the parameters: a run may resume with other values.
+RUNTIME_FIELDS = ("dtype", "dropout")
 
 # orbax logs through absl at WARNING for routine events (read-only managers, async threads):
 # keep stderr for the run's own messages.
@@ -98,13 +100,15 @@ def inspect_dir(directory: str, flag: str = "--checkpoint_dir") -> DirInfo:
 
 
 def check_compatible(info: DirInfo, directory: str, model: str, model_config: dict, flag: str) -> None:
-    """Raise UsageError unless the checkpoint's model family and config equal the run's."""
+    """Raise UsageError unless the checkpoint's model family and config equal the run's (the
+    recompute settings, dtype and dropout may differ: they do not change the parameters)."""
     meta = info.meta
     if meta.get("model") != model:
         raise UsageError(f"{flag} {directory}: the checkpoint is a {meta.get('model')} model but this run is "
                          f"--model {model}; pass --model {meta.get('model')} with its preset")
     saved = meta.get("model_config", {})
-    diff = [k for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k)]
+    diff = [k for k in sorted(set(saved) | set(model_config))
+            if k not in RUNTIME_FIELDS and saved.get(k) != model_config.get(k)]
     if diff:
         what = ", ".join(f"{k}={saved.get(k)!r} (run: {model_config.get(k)!r})" for k in diff)
         raise UsageError(f"{flag} {directory}: the checkpoint's model differs from this run's: {what}; pass the "

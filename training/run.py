@@ -319,14 +319,14 @@ def memory_report(setup: Setup) -> str:
     names = []
     for _, res, _ in cols:
         names += [k for k in res.by_name() if k not in names]
-    w0, w = 36, max(18, *(len(c[0]) + 2 for c in cols))
-    mib = lambda b: f"{b / 2**20:,.2f} MiB"
+    w0, w = 46, max(18, *(len(c[0]) + 2 for c in cols))
+    mib = lambda b: f"{b / 2**20:,.2f} MiB" if b >= 2**20 else f"{b / 2**10:,.1f} KiB"
     dev = setup.mesh.devices.flat[0]
     lines = [f"memory report: {cfg.model} {cfg.preset} ({setup.fam.num_params(setup.mcfg):,} params), micro-batch "
              f"{cfg.batch_size}x{cfg.sequence_length}, {cfg.dtype}, mesh {cfg.mesh} on {setup.mesh.size} "
              f"{dev.platform} device(s)",
-             "",
-             "saved for the backward of one micro-batch (count, size)".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
+             "", "saved for the backward of one micro-batch (count x size), by tagged name",
+             "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
     for n in names:
         cells = []
         for _, res, _ in cols:
@@ -335,9 +335,16 @@ def memory_report(setup: Setup) -> str:
         lines.append(f"  {n[:w0 - 2]}".ljust(w0) + "".join(x.rjust(w) for x in cells))
     lines.append("  total (intermediates)".ljust(w0) + "".join(mib(r.intermediates).rjust(w) for _, r, _ in cols))
     lines.append("  total (with arguments)".ljust(w0) + "".join(mib(r.total).rjust(w) for _, r, _ in cols))
-    lines += ["", "XLA compiled train step (per device)".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
+    lines += ["", "XLA's compiled train step, per device", "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
     for k in ("temp", "arguments", "outputs", "aliased", "peak estimate"):
         lines.append(f"  {k}".ljust(w0) + "".join(mib(comp[k]).rjust(w) for _, _, comp in cols))
+    wl = max(len(c[0]) for c in cols) + 2
+    lines += ["", "summary, one row per setting",
+              "  " + "setting".ljust(wl) + "saved (intermediates)".rjust(22) + "compiled temp".rjust(16)
+              + "peak estimate".rjust(16)]
+    for label, res, comp in cols:
+        lines.append("  " + label.ljust(wl) + mib(res.intermediates).rjust(22) + mib(comp["temp"]).rjust(16)
+                     + mib(comp["peak estimate"]).rjust(16))
     return "\n".join(lines)
 
 
@@ -370,31 +377,28 @@ def describe(setup: Setup, compiled=None) -> str:
 
 
 def _initial_state(setup: Setup):
+    """(train state, data position): restored (--resume), from --init_from weights, or fresh."""
     cfg = setup.cfg
     if setup.resume_meta is not None:
         abstract = _abstract_with_sharding(setup.abstract_state, setup.state_sharding)
         state, meta = ckpt.restore(cfg.checkpoint_dir, setup.start_step, abstract)
         return state, int(meta["data_position"])
-    state = _init_jit(setup.fam.name, _init_config(setup.mcfg), setup.mesh)(cfg.seed)
-    params = None
     if setup.init_tensors is not None:
         params = setup.fam.from_llmc(setup.mcfg, setup.init_tensors)
     elif setup.init_dir_step is not None:
         abstract = {"params": _abstract_with_sharding(setup.abstract_state["params"], setup.state_sharding["params"])}
-        restored, _ = ckpt.restore(cfg.init_from, setup.init_dir_step, abstract, partial=True)
-        params = restored["params"]
-    if params is not None:
-        del state
-        state = _fresh_with_params(setup, jax.device_put(params, setup.state_sharding["params"]))
-    return state, 0
+        params = ckpt.restore(cfg.init_from, setup.init_dir_step, abstract, partial=True)[0]["params"]
+    else:
+        return _init_jit(setup.fam.name, _init_config(setup.mcfg), setup.mesh)(cfg.seed), 0
+    return _fresh_with_params(setup, jax.device_put(params, setup.state_sharding["params"])), 0
 
 
 def _fresh_with_params(setup: Setup, params):
-    tx = setup.tx
-    cfg = setup.cfg
+    """A step-0 train state around given parameters (same rng as a fresh init with the seed)."""
+    tx, seed = setup.tx, setup.cfg.seed
 
     def build(p):
-        rng = jax.random.split(jax.random.PRNGKey(cfg.seed))[1]
+        rng = jax.random.split(jax.random.PRNGKey(seed))[1]
         return {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32), "rng": rng}
 
     return jax.jit(build, out_shardings=setup.state_sharding)(params)
@@ -432,6 +436,8 @@ def run(cfg: TrainConfig, out=None) -> RunResult:
 
 def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
     cfg, mesh = setup.cfg, setup.mesh
+    if jax.process_index() != 0:  # multi-host: one process reports
+        out = open(os.devnull, "w")
     devices = list(mesh.devices.flat)
     print(describe(setup, compiled), file=out)
     print(f"compile  {t_compile:.1f} s", file=out)
@@ -461,7 +467,8 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
     writer = log_lib.JsonlWriter(cfg.log_jsonl, append=start > 0)
     history, times, last_saved = [], [], (start if start else None)
     bar = tqdm(total=cfg.num_iterations, initial=start, desc="train", unit="step", file=sys.stderr,
-               disable=(not cfg.progress) or None, dynamic_ncols=True, leave=False)
+               disable=(not cfg.progress or jax.process_index() != 0) or None, dynamic_ncols=True,
+               leave=False)
     t_run = time.perf_counter()
     stopped = None
     try:

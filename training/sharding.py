@@ -23,6 +23,7 @@ from training.config import MESH_AXES, UsageError
 
 BATCH_AXES = ("data", "fsdp")
 _MULTIHOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
+_DISTRIBUTED = False
 
 
 def maybe_initialize_distributed() -> bool:
@@ -31,6 +32,9 @@ def maybe_initialize_distributed() -> bool:
     That is: `JAX_COORDINATOR_ADDRESS` (with `JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`), or a SLURM or
     Open MPI job of more than one task (auto-detected by JAX). Returns True when it initialized.
     """
+    global _DISTRIBUTED
+    if _DISTRIBUTED:
+        return True
     multi = any(os.environ.get(k) for k in _MULTIHOST_ENV)
     multi |= int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
     multi |= int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
@@ -44,6 +48,7 @@ def maybe_initialize_distributed() -> bool:
         if os.environ.get("JAX_PROCESS_ID"):
             kw["process_id"] = int(os.environ["JAX_PROCESS_ID"])
     jax.distributed.initialize(**kw)
+    _DISTRIBUTED = True
     return True
 
 

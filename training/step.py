@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from training.model import init_params
+
 
 def make_train_step(fam, mcfg, tx, schedule, dropout: float):
     """A pure `(state, x, y) -> (state, metrics)`; x and y are int32 (accum, B, T)."""
@@ -65,7 +67,6 @@ def make_eval_step(fam, mcfg):
 
 def init_state(fam, mcfg, tx, seed: int):
     """A fresh train state (call under jit with out_shardings to create it sharded)."""
-    from training.model import init_params
     key = jax.random.PRNGKey(seed)
     init_key, rng = jax.random.split(key)
     params = init_params(fam, mcfg, init_key)

@@ -1,0 +1,93 @@
+"""Shared benchmark helpers: interleaved timing, targets, markdown tables, run metadata."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Mapping, Sequence
+
+MiB = 2 ** 20
+
+
+def interleaved_ms(steps: Mapping[str, Callable[[], object]], n: int, warmup: int = 1) -> dict:
+    """Time every callable `n` times, round-robin, after `warmup` untimed rounds.
+
+    Each round runs every setting once; the order rotates from round to round so that no setting
+    always runs right after the same neighbour. On a shared 2-core machine a background job
+    slows whatever runs while it is active: interleaving spreads that over all settings instead
+    of charging it to one of them. The callables must block until their work is done.
+
+    Args:
+      steps: {name: zero-argument callable doing one step}.
+      n: timed rounds (the median of these is reported).
+      warmup: untimed rounds first (compilation caches, allocator growth).
+    Returns:
+      {name: [milliseconds per timed step, in round order]}.
+    Example:
+      >>> ms = interleaved_ms({"a": step_a, "b": step_b}, n=5)
+      >>> statistics.median(ms["a"])
+    """
+    names = list(steps)
+    for _ in range(warmup):
+        for k in names:
+            steps[k]()
+    out = {k: [] for k in names}
+    for r in range(n):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for k in order:
+            t0 = time.perf_counter()
+            steps[k]()
+            out[k].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A benchmark target: what is asked, what was measured, met or missed, and why if missed."""
+    name: str
+    measured: str
+    met: bool
+    note: str = ""
+
+    def line(self) -> str:
+        s = f"- {self.name}: {self.measured} → **{'met' if self.met else 'missed'}**"
+        return s + (f" ({self.note})" if self.note else "")
+
+
+def targets_markdown(targets: Sequence[Target]) -> str:
+    return "\n".join(t.line() for t in targets)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; floats are expected pre-formatted by the caller."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def machine() -> dict:
+    """Where and when: date, host CPU count, platform, jax version and devices."""
+    import jax
+    try:
+        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
+    except OSError:
+        cpu = platform.processor()
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "nproc": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend()}

@@ -1,0 +1,49 @@
+"""The analytic activation-memory model (models/memory_model.py, docs/memory-model.md) against what
+JAX actually saves, for both models, float32 and bf16, every granularity, method and tag policy."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models import gpt2, llama3, memory_model
+from remat import RecomputeConfig as R
+from remat import memory
+
+B, T = 4, 128
+BASES = {
+    "gpt2": (gpt2, gpt2.GPT2Config(block_size=T, vocab_size=512, n_layer=4, n_head=4, n_embd=128)),
+    "llama3": (llama3, llama3.Llama3Config.preset("tiny", block_size=T, vocab_size=512, n_layer=4, n_head=4,
+                                                  n_kv_head=2, n_embd=128)),
+}
+SETTINGS = {
+    "none": R(), "full": R(granularity="full"), "uniform2": R(granularity="full", method="uniform", num_layers=2),
+    "uniform3": R(granularity="full", method="uniform", num_layers=3),
+    "block2": R(granularity="full", method="block", num_layers=2),
+    "reentrant": R(granularity="full", use_reentrant=True),
+    "core_attn": R(granularity="selective"), "mlp": R(granularity="selective", modules="mlp"),
+    "all3": R(granularity="selective", modules="core_attn,mlp,norm"),
+    "everything": R(granularity="full", policy="everything"),
+    "save_qkv": R(granularity="full", method="uniform", num_layers=2, policy="save_names:qkv,mlp_up"),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("model", list(BASES))
+def test_prediction_within_1_percent(model, setting, dtype):
+    mod, base = BASES[model]
+    cfg = dataclasses.replace(base, recompute=SETTINGS[setting], dtype=dtype)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                          jax.eval_shape(lambda: mod.init_params(cfg, jax.random.PRNGKey(0))))
+    idx = jnp.zeros((B, T), jnp.int32)
+    measured = memory.saved_residuals(lambda p: mod.loss_fn(p, cfg, idx, idx), params).intermediates
+    layer, head = memory_model.activation_bytes(cfg, B, T)
+    predicted = memory.predict_saved(layer, cfg.n_layer, cfg.recompute, head)
+    # The issue asks for 5%; the model accounts for every saved value, so hold it to 1%.
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_unmodelled_policies_return_none():
+    layer, head = memory_model.activation_bytes(BASES["gpt2"][1], B, T)
+    assert memory.predict_saved(layer, 4, R(granularity="full", policy="dots"), head) is None
