@@ -44,10 +44,13 @@ class LayerStack(nn.Module):
         def init_one(rng):
             return template.init({"params": rng, "dropout": rng}, x, *args)["params"]
 
+        # One key per layer from the same stream in both layouts, so loop and scan initialize
+        # identical weights (h_i == h[i]).
+        layer_keys = jax.random.split(self.make_rng("params"), self.n_layers) if self.is_initializing() else None
         if self.scan:
-            params = self.param("h", lambda rng: jax.vmap(init_one)(jax.random.split(rng, self.n_layers)))
+            params = self.param("h", lambda _: jax.vmap(init_one)(layer_keys))
         else:
-            params = [self.param(f"h_{i}", init_one) for i in range(self.n_layers)]
+            params = [self.param(f"h_{i}", lambda _, i=i: init_one(layer_keys[i])) for i in range(self.n_layers)]
         keys = None
         if self.has_rng("dropout"):
             base = self.make_rng("dropout")

@@ -161,3 +161,10 @@ def test_uniform_keeps_fewer_region_inputs_than_method_none():
     saved = lambda cfg: remat.memory.saved_residuals(lambda ps, x: plain_loss(ps, x, cfg), PS, X).total
     assert saved(RecomputeConfig(granularity="full", method="uniform", num_layers=2)) < \
         saved(RecomputeConfig(granularity="full")) < saved(RecomputeConfig())
+
+
+def test_loop_and_scan_layouts_initialize_the_same_weights():
+    loop = _linen(RecomputeConfig()).init(KEY, X)["params"]
+    scan = _linen(RecomputeConfig(granularity="full"), scan=True).init(KEY, X)["params"]["h"]
+    for i in range(L):
+        assert rel_err(jax.tree.map(lambda a: a[i], scan), loop[f"h_{i}"]) == 0.0

@@ -1,9 +1,8 @@
 """The two model families behind one interface: config building, init, loss, FLOPs, llm.c I/O.
 
-# NOTE: layout-independent init. `LayerStack` initializes `h_0..h_{L-1}` (loop) and `h` (scan)
-# from different RNG streams, so the same seed would give different weights with and without
-# `--scan_layers`. Parameters here are always initialized in the loop layout and stacked for scan,
-# so every recompute and layout setting starts from the same weights (and the same first loss).
+# NOTE: layout-independent init. `remat.linen.LayerStack` draws one key per layer from the same
+# stream in both layouts (h_i == h[i]), so every recompute and layout setting starts from the same
+# weights (and the same first loss).
 
 Example:
     >>> fam = family("gpt2")
@@ -71,22 +70,13 @@ def config_dict(mcfg) -> dict:
     return out
 
 
-def _stack_blocks(params, n_layer: int):
-    """Loop layout (`blocks/h_i`) → scan layout (`blocks/h` with a leading layer axis)."""
-    blocks = params["blocks"]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[f"h_{i}"] for i in range(n_layer)])
-    return {**params, "blocks": {"h": stacked}}
-
-
 def init_params(fam: Family, mcfg, key) -> Any:
     """Fresh float32 parameters for `mcfg`, identical for every recompute and layout setting.
 
     Example:
       >>> params = init_params(family("gpt2"), cfg, jax.random.PRNGKey(0))
     """
-    loop = dataclasses.replace(mcfg, scan_layers=False, recompute=type(mcfg.recompute)(), dropout=0.0)
-    params = fam.module.init_params(loop, key)
-    return _stack_blocks(params, mcfg.n_layer) if mcfg.scan_layers else params
+    return fam.module.init_params(mcfg, key)
 
 
 def decay_mask(params) -> Any:
