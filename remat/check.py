@@ -88,3 +88,22 @@ def compare_structure(region: str, fwd: tuple, rec: tuple) -> None:
     raise CheckpointError(f"checkpoint region {region!r}: the recomputation traced to a different program "
                           f"than the forward ({len(fwd)} vs {len(rec)} equations; first difference at "
                           f"equation {i}: forward {a}, recompute {b}). Gradients would be wrong.")
+
+
+def compare_values(region: str, forward, recomputed, *, tolerance: float) -> None:
+    """At run time (debug callback): raise CheckpointError when a recomputed output leaf differs
+    from the forward's by more than `tolerance` relative to the leaf's max |forward|."""
+    diffs = [jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) if a.size else jnp.zeros(())
+             for a, b in zip(forward, recomputed)]
+    scales = [jnp.max(jnp.abs(a.astype(jnp.float32))) if a.size else jnp.zeros(()) for a in forward]
+
+    def report(diffs, scales):
+        for i, (d, s) in enumerate(zip(diffs, scales)):
+            if not float(d) <= tolerance * max(float(s), 1e-30):  # also catches NaN
+                raise CheckpointError(
+                    f"checkpoint region {region!r}, output leaf {i}: recomputed values differ from the "
+                    f"forward's by max |Δ| = {float(d):.3e} (max |forward| = {float(s):.3e}, allowed "
+                    f"{tolerance:g} relative). A nondeterministic op or an RNG key that changes between "
+                    f"the forward and the recomputation (pass keys as arguments) would do this.")
+
+    jax.debug.callback(report, diffs, scales)

@@ -32,6 +32,12 @@ from remat import check as _check
 from remat import policies as _policies
 
 
+# determinism_check="values": max |forward - recompute| allowed per output leaf, relative to the
+# leaf's max |forward|. Same-program float32 recomputation differs by at most a few ulps (XLA may
+# fuse it differently); a wrong dropout mask or RNG key moves values by O(1).
+VALUES_RTOL = 1e-5
+
+
 class _Static:
     """A leaf passed through untraced (hashable by identity is enough: it is only closed over)."""
     __slots__ = ("value",)
@@ -108,10 +114,11 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check):
             state["tree"] = jax.tree.structure(out)
             if determinism_check == "structure":
                 state["jaxpr"] = _check.jaxpr_fingerprint(flat_fn, *dyn)
-        return out, (tuple(dyn), marks)
+        saved = tuple(jax.tree.leaves(out)) if determinism_check == "values" else ()
+        return out, (tuple(dyn), marks, saved)
 
     def bwd(res, g):
-        dyn, marks = res
+        dyn, marks, saved = res
         dyn = _tie(list(dyn), g)
         mask = [_is_inexact(x) for x in dyn]
 
@@ -132,10 +139,14 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check):
             _check.compare_structure(name, state["jaxpr"], _check.jaxpr_fingerprint(flat_fn, *dyn))
         closed, (out_shape, _) = jax.make_jaxpr(pullback, return_shape=True)(diff, g)
         n_out = len(jax.tree.leaves(out_shape))
-        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [False] * n_out + [True] * (len(closed.out_avals) - n_out),
+        keep_out = determinism_check == "values"
+        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [keep_out] * n_out + [True] * (len(closed.out_avals) - n_out),
                                 instantiate=True)
-        flat_cts = jax.core.eval_jaxpr(jaxpr, closed.consts, *jax.tree.leaves((diff, g)))
-        cts = iter(flat_cts)
+        flat = jax.core.eval_jaxpr(jaxpr, closed.consts, *jax.tree.leaves((diff, g)))
+        if keep_out:
+            _check.compare_values(name, saved, flat[:n_out], tolerance=VALUES_RTOL)
+            flat = flat[n_out:]
+        cts = iter(flat)
         return tuple(next(cts) if m else None for m in mask)
 
     region.defvjp(fwd, bwd)
@@ -182,7 +193,9 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
       policy: a `remat.policies` name or a JAX policy callable (non-reentrant only); default saves
         nothing inside the region.
       determinism_check: (reentrant) compare the recomputation's output shapes, dtypes and
-        shardings with the forward's at trace time; `"structure"` also compares the traced programs.
+        shardings with the forward's at trace time; `"structure"` also compares the traced programs;
+        `"values"` (debugging, costs memory) also keeps the forward's outputs and compares the
+        recomputed values at run time, raising CheckpointError above VALUES_RTOL.
       static_argnums: positions of arguments passed through untraced.
       prevent_cse: passed to `jax.checkpoint`.
       name: region name used in error messages (default `fn.__name__`).
@@ -214,8 +227,11 @@ def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, 
     if use_reentrant and policy is not None:
         raise ValueError(f"checkpoint(use_reentrant=True) saves only the inputs, so policy={policy!r} "
                          f"has no effect; drop the policy or use use_reentrant=False")
-    if determinism_check not in (True, False, "structure"):
-        raise ValueError(f"determinism_check={determinism_check!r}: use True, False or 'structure'")
+    if determinism_check not in (True, False, "structure", "values"):
+        raise ValueError(f"determinism_check={determinism_check!r}: use True, False, 'structure' or 'values'")
+    if determinism_check == "values" and not use_reentrant:
+        raise ValueError("determinism_check='values' needs use_reentrant=True: jax.checkpoint traces the "
+                         "function once, so only the reentrant path can recompute different values")
     dyn, rebuild = _flatten(tuple(args), static_argnums)
 
     def flat_fn(*dyn_vals):

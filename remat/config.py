@@ -9,7 +9,7 @@ from remat import policies as _policies
 
 GRANULARITIES = ("none", "full", "selective")
 METHODS = ("none", "uniform", "block")
-DETERMINISM_CHECKS = (True, False, "structure")
+DETERMINISM_CHECKS = (True, False, "structure", "values")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,8 @@ class RecomputeConfig:
       use_reentrant: recompute through a `jax.custom_vjp` that saves only region inputs, instead of
         `jax.checkpoint`.
       determinism_check: compare the recomputation's output shapes/dtypes/shardings with the
-        forward's at trace time (`True`), also its traced program (`"structure"`), or not (`False`).
+        forward's at trace time (`True`), also its traced program (`"structure"`), also its values at
+        run time (`"values"`, reentrant only, for debugging), or not (`False`).
     Example:
       >>> RecomputeConfig(granularity="full", method="uniform", num_layers=2)
     """
@@ -80,8 +81,11 @@ class RecomputeConfig:
             raise ValueError(f"use_reentrant=True ignores policy={self.policy!r} (a reentrant region "
                              f"saves only its inputs); drop the policy or use_reentrant")
         if self.determinism_check not in DETERMINISM_CHECKS:
-            raise ValueError(f"determinism_check={self.determinism_check!r} is not valid; use True, False "
-                             f"or 'structure'")
+            raise ValueError(f"determinism_check={self.determinism_check!r} is not valid; use True, False, "
+                             f"'structure' or 'values'")
+        if self.determinism_check == "values" and self.enabled and not self.use_reentrant:
+            raise ValueError("determinism_check='values' needs use_reentrant=True (jax.checkpoint traces once, "
+                             "so only the reentrant path can recompute different values)")
 
     @property
     def enabled(self) -> bool:

@@ -205,3 +205,31 @@ def _loss_keys(ps, x, keys):
     for p, k in zip(ps, keys):
         x = block(p, x, k, 0.3)
     return jnp.mean(x ** 2)
+
+
+def test_values_check_catches_a_planted_rng_mismatch():
+    # The region draws its dropout key from Python-side state that advances on every trace:
+    # shapes and dtypes match, the recomputed mask does not.
+    counter = [0]
+
+    def layer(x):
+        counter[0] += 1
+        keep = jax.random.bernoulli(jax.random.PRNGKey(counter[0]), 0.5, x.shape)
+        return jnp.where(keep, x * 2, 0.0)
+
+    x = jax.random.normal(KEY, (B, C))
+    grad = lambda check: jax.grad(lambda x: jnp.sum(remat.checkpoint(
+        layer, x, use_reentrant=True, determinism_check=check, name="drop") ** 2))(x)
+    grad(True)  # the shape/dtype check cannot see it
+    with pytest.raises(Exception, match=r"region 'drop'.*recomputed values differ"):
+        jax.block_until_ready(grad("values"))
+
+
+def test_values_check_passes_a_deterministic_region_and_needs_reentrant():
+    g = jax.jit(jax.grad(_loss, argnums=(0, 1)), static_argnums=2)(
+        PS, X, lambda fn, *a: remat.checkpoint(fn, *a, use_reentrant=True, determinism_check="values"))
+    assert rel_err(g, REF) <= 1e-5
+    with pytest.raises(ValueError, match="needs use_reentrant=True"):
+        remat.checkpoint(jnp.sin, X, determinism_check="values")
+    with pytest.raises(ValueError, match="needs use_reentrant=True"):
+        remat.RecomputeConfig(granularity="full", determinism_check="values")

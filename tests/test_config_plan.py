@@ -74,6 +74,7 @@ BAD = [
     (dict(granularity="selective", modules=()), ["empty", "core_attn"]),
     (dict(granularity="full", use_reentrant=True, policy="dots"), ["policy='dots'", "reentrant"]),
     (dict(granularity="full", determinism_check="maybe"), ["determinism_check='maybe'"]),
+    (dict(granularity="full", determinism_check="values"), ["needs use_reentrant=True"]),
     (dict(granularity="full", policy="save_names:nope"), ["nope", "block_input"]),
 ]
 
