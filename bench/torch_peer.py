@@ -116,7 +116,7 @@ def torch_saved_bytes(model, idx, targets) -> tuple[int, float]:
 
 
 def run(*, n_layer=None, n_embd=None, n_head=None, seq=None, batch=None, vocab=None, steps: int = 5,
-        log=None) -> dict:
+        torch_threads: int | None = None, log=None) -> dict:
     """Measure JAX none/full and PyTorch eager with/without checkpointing, interleaved in one process.
 
     Example:
@@ -124,6 +124,8 @@ def run(*, n_layer=None, n_embd=None, n_head=None, seq=None, batch=None, vocab=N
       >>> [r["impl"] for r in res["rows"]]
     """
     import torch
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     config, seq = policies.build_config("gpt2", "ref", n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                                         seq=seq, vocab=vocab)
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     for k in ("n_layer", "n_embd", "n_head", "seq", "batch", "vocab"):
         p.add_argument(f"--{k}", type=int, default=None, help=f"override {k} of the reference shape")
     p.add_argument("--steps", type=int, default=5, help="timed interleaved rounds (median reported)")
+    p.add_argument("--torch_threads", type=int, default=None,
+                   help="torch.set_num_threads (default: PyTorch's own, one per core)")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
     a = p.parse_args(argv)
     try:
@@ -213,7 +217,7 @@ def main(argv=None) -> int:
     if a.steps < 1:
         raise SystemExit("--steps must be >= 1")
     res = run(n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq=a.seq, batch=a.batch, vocab=a.vocab,
-              steps=a.steps)
+              steps=a.steps, torch_threads=a.torch_threads)
     res["meta"]["command"] = "python -m bench.torch_peer " + " ".join(sys.argv[1:] if argv is None else argv)
     print(report(res))
     if a.json:

@@ -46,11 +46,13 @@ class LayerStack(nn.Module):
 
         # One key per layer from the same stream in both layouts, so loop and scan initialize
         # identical weights (h_i == h[i]).
-        layer_keys = jax.random.split(self.make_rng("params"), self.n_layers) if self.is_initializing() else None
+        # (Outside init, Flax still traces the init functions to check shapes: any key will do.)
+        keys = jax.random.split(self.make_rng("params"), self.n_layers) if self.is_initializing() else None
+        pick = lambda rng: keys if keys is not None else jax.random.split(rng, self.n_layers)
         if self.scan:
-            params = self.param("h", lambda _: jax.vmap(init_one)(layer_keys))
+            params = self.param("h", lambda rng: jax.vmap(init_one)(pick(rng)))
         else:
-            params = [self.param(f"h_{i}", lambda _, i=i: init_one(layer_keys[i])) for i in range(self.n_layers)]
+            params = [self.param(f"h_{i}", lambda rng, i=i: init_one(pick(rng)[i])) for i in range(self.n_layers)]
         keys = None
         if self.has_rng("dropout"):
             base = self.make_rng("dropout")

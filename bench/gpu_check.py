@@ -1,0 +1,352 @@
+"""GPU check: GPT-2 d12, T=1024, bf16 compute; memory, speed, MFU and the largest batch per setting.
+
+    bash bench/gpu_check.sh                      # on the GPU machine (make gpu-check)
+    python -m bench.gpu_check --smoke --out /tmp/gc   # tiny shape, any backend (the test runs this)
+
+For none / full / uniform 2 / block L/2 (6 for d12) / selective core_attn, each in its own
+process (so that `peak_bytes_in_use`, which only ever grows, belongs to that setting alone):
+  1. compile the step (`jax.value_and_grad(loss_fn)`, jitted) at `--batch`, run 2 warm-up steps
+     and `--steps` timed ones: median step ms, tokens/s, MFU against `--peak_tflops` (H200 bf16
+     dense: 989) with `models.gpt2.flops_per_token`, and the device's `peak_bytes_in_use`;
+  2. the largest batch that fits: double from `--batch` until a step fails with XLA's
+     RESOURCE_EXHAUSTED or `--max_batch` is reached, then bisect (`--bisect` steps). A search that
+     runs out of its share of `--budget_s` stops early and reports a lower bound.
+Results go to `$OUT` if set, else out/gpu_check (`--out` overrides): gpu_check.md (the table and
+the targets) and gpu_check.json, rewritten after every setting so a cut-off run keeps what it has.
+
+Sizing (default flags): 5 settings share a 450 s budget (compile, 12 steps, 3-6 search
+compiles each), under the 8 minutes a device session allows; the .sh sets
+XLA_PYTHON_CLIENT_PREALLOCATE=false so peak statistics are the program's own.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from bench.common import MiB, Target, fmt, markdown_table, targets_markdown
+
+H200_BF16_TFLOPS = 989.0  # dense bf16 peak (NVIDIA H200 SXM datasheet)
+
+GiB = 2 ** 30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the workers run from the repository root
+
+
+def settings(n_layer: int) -> dict:
+    """{name: RecomputeConfig kwargs}: none, full, uniform 2, block L/2, selective core_attn."""
+    u, b = min(2, n_layer), max(1, n_layer // 2)
+    return {"none": {}, "full": dict(granularity="full"),
+            f"uniform {u}": dict(granularity="full", method="uniform", num_layers=u),
+            f"block {b}": dict(granularity="full", method="block", num_layers=b),
+            "selective core_attn": dict(granularity="selective", modules=("core_attn",))}
+
+
+def is_oom(err: BaseException) -> bool:
+    """True for XLA's out-of-memory errors (at compile or run time), on any backend."""
+    msg = str(err)
+    return any(s in msg for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM when allocating"))
+
+
+def largest_batch(fits, start: int, cap: int, *, bisect: int = 3, deadline: float | None = None,
+                  clock=time.monotonic) -> dict:
+    """Doubling from `start` (known to fit), then bisection; stops at `cap` or `deadline`.
+
+    Args:
+      fits: batch -> bool (False when the step runs out of memory).
+      start: a batch known to fit; cap: the largest batch tried.
+      bisect: bisection steps after the first failure.
+      deadline: a `clock()` time after which no new trial starts (the result is then a lower bound).
+    Returns:
+      {"max_batch": largest batch seen to fit, "first_fail": smallest seen to fail (or None),
+       "capped": reached `cap`, "complete": the search ran to its end, "tried": [(batch, fit)]}.
+    Example:
+      >>> largest_batch(lambda b: b <= 40, 8, 512)["max_batch"]
+      40
+    """
+    tried, lo, hi = [], start, None
+    out_of_time = lambda: deadline is not None and clock() >= deadline
+    b = start
+    while hi is None and b < cap:
+        if out_of_time():
+            return dict(max_batch=lo, first_fail=None, capped=False, complete=False, tried=tried)
+        b = min(2 * b, cap)
+        ok = fits(b)
+        tried.append((b, ok))
+        if ok:
+            lo = b
+        else:
+            hi = b
+    if hi is None:
+        return dict(max_batch=lo, first_fail=None, capped=lo >= cap, complete=True, tried=tried)
+    for _ in range(bisect):
+        if hi - lo <= 1:
+            break
+        if out_of_time():
+            return dict(max_batch=lo, first_fail=hi, capped=False, complete=False, tried=tried)
+        mid = (lo + hi) // 2
+        ok = fits(mid)
+        tried.append((mid, ok))
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return dict(max_batch=lo, first_fail=hi, capped=False, complete=True, tried=tried)
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker: one setting, in its own process.
+
+def _model_config(a, recompute_kwargs):
+    from models import gpt2
+    from remat import RecomputeConfig
+    over = dict(dtype=a.dtype, recompute=RecomputeConfig(**recompute_kwargs))
+    if a.n_layer:
+        over["n_layer"] = a.n_layer
+    if a.n_embd:
+        over.update(n_embd=a.n_embd)
+    if a.n_head:
+        over.update(n_head=a.n_head)
+    cfg = gpt2.GPT2Config.preset(a.preset, **over)
+    if a.seq > cfg.block_size:
+        cfg = dataclasses.replace(cfg, block_size=a.seq)
+    return cfg
+
+
+def worker(a) -> dict:
+    """Measure one setting (`a.worker`) and return its row."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.policies import compiled_stats
+    from models import gpt2
+
+    t_start = time.monotonic()
+    deadline = t_start + a.seconds if a.seconds else None
+    n_layer = a.n_layer or gpt2.PRESETS[a.preset]["n_layer"]
+    cfg = _model_config(a, settings(n_layer)[a.worker])
+    dev = jax.local_devices()[0]
+    T = a.seq
+    params = jax.jit(lambda k: gpt2.init_params(cfg, k))(jax.random.key(0))
+    step = jax.jit(jax.value_and_grad(lambda p, i, t: gpt2.loss_fn(p, cfg, i, t)))
+
+    def tokens(b):
+        toks = jax.random.randint(jax.random.key(b), (b, T + 1), 0, cfg.vocab_size, jnp.int32)
+        return toks[:, :-1], toks[:, 1:]
+
+    row = dict(setting=a.worker, batch=a.batch, seq=T, device=str(dev), platform=dev.platform,
+               jax=jax.__version__, error=None)
+    idx, tgt = tokens(a.batch)
+    t0 = time.monotonic()
+    compiled = step.lower(params, idx, tgt).compile()
+    row["compile_s"] = time.monotonic() - t0
+    row["temp_bytes"], flops = compiled_stats(compiled)
+    for _ in range(2):
+        jax.block_until_ready(compiled(params, idx, tgt))
+    ms = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(params, idx, tgt))
+        ms.append((time.perf_counter() - t0) * 1e3)
+    stats = dev.memory_stats() or {}
+    row.update(step_ms=float(np.median(ms)), step_ms_all=ms,
+               peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
+    row["tokens_per_s"] = a.batch * T / (row["step_ms"] / 1e3)
+    row["flops_per_token"] = gpt2.flops_per_token(cfg, T)
+    row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / (a.peak_tflops * 1e12)
+    row["xla_flops_per_token"] = flops / (a.batch * T)
+    del compiled, idx, tgt
+
+    def fits(b):
+        i, t = tokens(b)
+        try:
+            c = step.lower(params, i, t).compile()
+            jax.block_until_ready(c(params, i, t))
+            return True
+        except Exception as e:  # XLA raises XlaRuntimeError / ValueError subclasses
+            if not is_oom(e):
+                raise
+            return False
+        finally:
+            del i, t
+            gc.collect()
+
+    # NOTE: no new trial starts once less time is left than the slowest trial so far (a compile
+    # plus one step), so the worker ends inside its share of the budget.
+    trial_s = [row["compile_s"]]
+
+    def timed_fits(b):
+        t0 = time.monotonic()
+        ok = fits(b)
+        trial_s.append(time.monotonic() - t0)
+        return ok
+
+    clock = lambda: time.monotonic() + max(trial_s)
+    row["search"] = largest_batch(timed_fits, a.batch, a.max_batch, bisect=a.bisect, deadline=deadline, clock=clock)
+    row["max_batch"] = row["search"]["max_batch"]
+    row["wall_s"] = time.monotonic() - t_start
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent: runs the workers, writes the table and the JSON.
+
+def evaluate(rows: dict) -> list[Target]:
+    """MFU ≥ 45% without remat; full ≥ 0.72× its throughput; full fits ≥ 4× its batch."""
+    n, f = rows.get("none"), rows.get("full")
+    out = []
+    if n and n.get("mfu") is not None:
+        out.append(Target("MFU ≥ 45% without remat", f"{100 * n['mfu']:.1f}%", n["mfu"] >= 0.45))
+    if n and f and n.get("tokens_per_s") and f.get("tokens_per_s"):
+        r = f["tokens_per_s"] / n["tokens_per_s"]
+        out.append(Target("full remat throughput ≥ 0.72× none", f"{r:.2f}×", r >= 0.72))
+    if n and f and n.get("max_batch") and f.get("max_batch"):
+        r = f["max_batch"] / n["max_batch"]
+        bound = ""
+        if f["search"]["capped"] or not f["search"]["complete"]:
+            bound = "full's search stopped at its cap or time budget: a lower bound"
+        if not n["search"]["complete"] or n["search"]["capped"]:
+            bound = (bound + "; " if bound else "") + "none's largest batch is a lower bound"
+        out.append(Target("full remat fits ≥ 4× the batch of none",
+                          f"{f['max_batch']} vs {n['max_batch']} ({r:.2f}×)", r >= 4.0, bound))
+    return out
+
+
+def report(meta: dict, rows: dict) -> str:
+    header = ["setting", "peak GiB", "temp GiB", "step ms", "tokens/s", "MFU", "largest batch", "compile s"]
+    body = []
+    for name, r in rows.items():
+        if r.get("error"):
+            body.append([name, "—", "—", "—", "—", "—", "—", f"error: {r['error'][:80]}"])
+            continue
+        s = r["search"]
+        mb = f"{r['max_batch']}" + (" (cap)" if s["capped"] else "" if s["complete"] else " (≥, out of time)")
+        body.append([name, fmt(None if r["peak_bytes_in_use"] is None else r["peak_bytes_in_use"] / GiB),
+                     fmt(r["temp_bytes"] / GiB), fmt(r["step_ms"], ".1f"), fmt(r["tokens_per_s"], ",.0f"),
+                     f"{100 * r['mfu']:.1f}%", mb, fmt(r["compile_s"], ".1f")])
+    lines = [f"GPT-2 {meta['preset']} ({meta['n_layer']} layers), T={meta['seq']}, B={meta['batch']}, "
+             f"{meta['dtype']} compute; {meta['steps']} timed steps after 2 warm-up; MFU against "
+             f"{meta['peak_tflops']:g} TFLOP/s; largest batch searched up to {meta['max_batch']}; "
+             f"device {meta.get('device', '?')}; {meta['date']}", "",
+             markdown_table(header, body), "",
+             "peak = `device.memory_stats()['peak_bytes_in_use']` of the setting's own process (params, grads, "
+             "activations, workspace); temp = XLA's compiled temp buffer; a step is jitted "
+             "`value_and_grad(loss_fn)` (no optimizer).", "", "Targets:",
+             targets_markdown(evaluate(rows)) or "- (no rows)"]
+    return "\n".join(lines)
+
+
+def _last_error(text: str, returncode: int) -> str:
+    """The last `SomethingError: message` line of a worker's output (JAX appends notes after it)."""
+    lines = [l.strip() for l in text.strip().splitlines()]
+    hits = [l for l in lines if re.match(r"^[\w.]+(Error|Exception|Exhausted)\b.*:", l)]
+    return (hits or lines or [f"exit {returncode}"])[-1]
+
+
+def _write(out_dir: str, meta: dict, rows: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}, f, indent=1)
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write(report(meta, rows) + "\n")
+
+
+def parent(a) -> int:
+    import datetime
+    out_dir = os.path.abspath(a.out or os.environ.get("OUT") or os.path.join("out", "gpu_check"))
+    from models.gpt2 import PRESETS  # models/ imports no device: the parent leaves the GPU to the workers
+    n_layer = a.n_layer or PRESETS[a.preset]["n_layer"]
+    names = list(settings(n_layer))
+    if a.settings:
+        names = [s.strip() for s in a.settings.split(",") if s.strip()]
+        bad = [s for s in names if s not in settings(n_layer)]
+        if bad:
+            raise SystemExit(f"unknown setting(s) {bad}; valid: {', '.join(settings(n_layer))}")
+    meta = dict(preset=a.preset, n_layer=n_layer, seq=a.seq, batch=a.batch, dtype=a.dtype, steps=a.steps,
+                max_batch=a.max_batch, bisect=a.bisect, peak_tflops=a.peak_tflops, budget_s=a.budget_s,
+                date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                command="bash bench/gpu_check.sh " + " ".join(sys.argv[1:]),
+                env={k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                                    "XLA_CLIENT_MEM_FRACTION", "XLA_FLAGS", "JAX_PLATFORMS")})
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    rows = {}
+    t_end = time.monotonic() + a.budget_s
+    passthrough = ["--preset", a.preset, "--seq", str(a.seq), "--batch", str(a.batch), "--dtype", a.dtype,
+                   "--steps", str(a.steps), "--max_batch", str(a.max_batch), "--bisect", str(a.bisect),
+                   "--peak_tflops", str(a.peak_tflops)]
+    for k in ("n_layer", "n_embd", "n_head"):
+        if getattr(a, k):
+            passthrough += [f"--{k}", str(getattr(a, k))]
+    for i, name in enumerate(names):
+        share = max(1.0, (t_end - time.monotonic()) / (len(names) - i))
+        res_path = os.path.join(out_dir, f".worker-{i}.json")
+        os.makedirs(out_dir, exist_ok=True)
+        cmd = [sys.executable, "-m", "bench.gpu_check", "--worker", name, "--seconds", f"{share:.1f}",
+               "--result", res_path] + passthrough
+        print(f"[{name}] {share:.0f} s budget ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        try:
+            # NOTE: the grace covers the worker's start and its last trial, which may begin just
+            # before its own deadline.
+            p = subprocess.run(cmd, env=env, cwd=ROOT, timeout=share + a.grace_s, capture_output=True, text=True)
+            if p.returncode == 0 and os.path.exists(res_path):
+                with open(res_path) as f:
+                    rows[name] = json.load(f)
+                os.remove(res_path)
+            else:
+                rows[name] = dict(setting=name, error=_last_error(p.stderr or p.stdout or "", p.returncode))
+                sys.stderr.write(p.stderr[-4000:])
+        except subprocess.TimeoutExpired:
+            rows[name] = dict(setting=name, error=f"timed out after {share + a.grace_s:.0f} s")
+        meta.setdefault("device", rows[name].get("device"))
+        print(f"[{name}] done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        _write(out_dir, meta, rows)
+    print(report(meta, rows))
+    print(f"\nwrote {os.path.join(out_dir, 'gpu_check.md')} and gpu_check.json", file=sys.stderr)
+    return 0 if rows and not any(r.get("error") for r in rows.values()) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shape for a CPU test: preset tiny, T=32, B=2, 2 steps, batch search up to 4")
+    p.add_argument("--out", default=None, help="output folder (default $OUT, else out/gpu_check)")
+    p.add_argument("--preset", default="d12")
+    p.add_argument("--n_layer", type=int, default=None)
+    p.add_argument("--n_embd", type=int, default=None)
+    p.add_argument("--n_head", type=int, default=None)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=32, help="batch for timing; the search starts here")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--max_batch", type=int, default=512, help="cap of the batch search")
+    p.add_argument("--bisect", type=int, default=2, help="bisection steps after the first failing batch")
+    p.add_argument("--peak_tflops", type=float, default=H200_BF16_TFLOPS, help="device peak for MFU")
+    p.add_argument("--budget_s", type=float, default=450.0, help="seconds for all settings together")
+    p.add_argument("--grace_s", type=float, default=60.0, help="extra seconds before a worker is killed")
+    p.add_argument("--settings", default=None, help="comma-separated subset of the settings")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    if a.smoke:
+        a.preset, a.seq, a.batch, a.steps, a.max_batch, a.bisect = "tiny", 32, 2, 2, 4, 1
+        a.budget_s = min(a.budget_s, 120.0)
+    if a.worker:
+        row = worker(a)
+        with open(a.result, "w") as f:
+            json.dump(row, f)
+        return 0
+    return parent(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""bench/: the policy table, the PyTorch peer and the GPU check, on tiny shapes (structure, not speed)."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from bench import gpu_check, policies
+from bench.common import interleaved_ms
+from remat.memory import compiled_memory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(n_layer=2, n_embd=32, n_head=4, seq=32, batch=2, vocab=256)
+# Five of the nine default rows: each is one XLA:CPU compile, and the pairs that carry the logic
+# (ratios to `none`, the bf16 rows' own base) are all here.
+SUBSET = ("none", "full", "selective core_attn", "none (bf16)", "policy bf16 (bf16)")
+
+
+@pytest.fixture(scope="module")
+def table():
+    settings = [s for s in policies.default_settings(TINY["n_layer"]) if s.name in SUBSET]
+    return policies.run("gpt2", "ref", steps=2, settings=settings, log=lambda _: None, **TINY)
+
+
+def test_default_rows_are_the_issues_settings():
+    got = [(s.name, policies.describe(s.recompute), s.dtype, s.base) for s in policies.default_settings(8)]
+    assert got == [
+        ("none", "none", "float32", "none"),
+        ("full", "full", "float32", "none"),
+        ("uniform 2", "full/uniform/2", "float32", "none"),
+        ("block 4", "full/block/4", "float32", "none"),
+        ("selective core_attn", "selective core_attn", "float32", "none"),
+        ("selective core_attn+mlp", "selective core_attn+mlp", "float32", "none"),
+        ("policy dots", "full policy=dots", "float32", "none"),
+        ("none (bf16)", "none", "bfloat16", "none (bf16)"),
+        ("policy bf16 (bf16)", "full policy=bf16", "bfloat16", "none (bf16)"),
+    ]
+
+
+def test_reference_shape_is_the_default():
+    cfg, seq = policies.build_config()
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size, seq, policies.REF_BATCH) == \
+        (8, 256, 4, 1024, 256, 256, 8)
+    assert cfg.dtype == "float32" and not cfg.recompute.enabled
+
+
+def test_policy_table_rows_columns_and_ratios(table):
+    rows = {r["setting"]: r for r in table["rows"]}
+    assert list(rows) == list(SUBSET)
+    for r in rows.values():
+        for k in ("saved_bytes", "temp_bytes", "step_ms", "flops", "saved_ratio", "temp_ratio", "time_ratio",
+                  "flops_ratio", "loss"):
+            assert r[k] is not None and r[k] > 0, (r["setting"], k)
+        assert len(r["step_ms_all"]) == 2
+        base = rows[r["base"]]
+        assert r["saved_ratio"] == pytest.approx(r["saved_bytes"] / base["saved_bytes"])
+        assert r["time_ratio"] == pytest.approx(r["step_ms"] / base["step_ms"])
+    for base in ("none", "none (bf16)"):
+        assert all(rows[base][k] == 1.0 for k in ("saved_ratio", "temp_ratio", "time_ratio", "flops_ratio"))
+    assert rows["policy bf16 (bf16)"]["base"] == "none (bf16)"
+    assert rows["full"]["saved_bytes"] < rows["none"]["saved_bytes"]
+    assert rows["full"]["flops"] > rows["none"]["flops"]  # the recomputation is in the compiled program
+    assert rows["full"]["loss"] == pytest.approx(rows["none"]["loss"], rel=1e-6)  # remat never changes the forward
+
+
+def test_policy_table_report_and_targets(table):
+    names = [t["name"] for t in table["targets"]]
+    assert names == ["full remat step time ≤ 1.30× none", "selective core_attn step time ≤ 1.05× none",
+                     "selective core_attn saves ≥ 40% fewer bytes than none"]
+    text = policies.report(table)
+    assert "| setting | recompute | dtype | saved MiB |" in text and "| none (bf16) |" in text
+    assert ("**met**" in text) or ("**missed**" in text)
+    json.dumps(table)  # the --json payload is serializable
+
+
+def test_temp_column_equals_compiled_memory_of_grad():
+    """The table reads temp bytes off the timed value_and_grad executable; it equals jax.grad's."""
+    cfg, seq = policies.build_config("gpt2", "ref", **{k: TINY[k] for k in ("n_layer", "n_embd", "n_head", "seq")},
+                                     vocab=TINY["vocab"])
+    params, idx, tgt = policies.inputs(cfg, TINY["batch"], seq)
+    case = policies.prepare("gpt2", cfg, policies.default_settings(2)[0], params, idx, tgt)
+    f = lambda p, i, t: policies.gpt2.loss_fn(p, cfg, i, t)
+    assert case.temp == compiled_memory(jax.grad(f), params, idx, tgt).temp
+
+
+def test_interleaved_ms_rotates_and_skips_warmup():
+    calls = []
+    out = interleaved_ms({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, n=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert [len(v) for v in out.values()] == [3, 3]
+
+
+def test_largest_batch_doubles_then_bisects():
+    r = gpu_check.largest_batch(lambda b: b <= 40, 8, 512, bisect=10)
+    assert (r["max_batch"], r["first_fail"], r["capped"], r["complete"]) == (40, 41, False, True)
+    assert [b for b, _ in r["tried"]][:3] == [16, 32, 64]
+    r = gpu_check.largest_batch(lambda b: True, 8, 100)
+    assert (r["max_batch"], r["capped"], [b for b, _ in r["tried"]]) == (100, True, [16, 32, 64, 100])
+    r = gpu_check.largest_batch(lambda b: b <= 40, 8, 512, bisect=1)
+    assert (r["max_batch"], r["first_fail"]) == (32, 48)
+    t = iter(range(100))
+    r = gpu_check.largest_batch(lambda b: True, 8, 512, deadline=2, clock=lambda: next(t))
+    assert (r["max_batch"], r["complete"]) == (32, False)
+
+
+def test_is_oom():
+    assert gpu_check.is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB"))
+    assert not gpu_check.is_oom(ValueError("shapes do not match"))
+
+
+def test_gpu_check_smoke_writes_table_and_json(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(res["rows"]) == ["none", "full", "uniform 2", "block 1", "selective core_attn"]
+    for r in res["rows"].values():
+        assert r["error"] is None and r["step_ms"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["max_batch"] >= 2 and r["search"]["tried"]
+    assert {t["name"] for t in res["targets"]} >= {"MFU ≥ 45% without remat", "full remat throughput ≥ 0.72× none"}
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| setting | peak GiB |" in md and "Targets:" in md
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".worker")]
+
+
+def test_gpu_check_sh_sets_preallocate_false():
+    sh = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in sh and "bench.gpu_check" in sh
+
+
+def test_torch_peer_without_torch_exits_2(monkeypatch, capsys):
+    from bench import torch_peer
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    assert torch_peer.main([]) == 2
+    assert "pip install -e '.[peer]'" in capsys.readouterr().err
+
+
+def test_torch_peer_tiny():
+    pytest.importorskip("torch")  # the optional `peer` extra
+    from bench import torch_peer
+    res = torch_peer.run(steps=2, log=lambda _: None, **TINY)
+    rows = {r["impl"]: r for r in res["rows"]}
+    assert list(rows) == ["JAX none", "JAX full", "PyTorch eager", "PyTorch checkpoint per block"]
+    # Same weights, same math: the initial losses agree (float32, different summation orders).
+    losses = [r["loss"] for r in rows.values()]
+    assert max(losses) - min(losses) < 1e-4
+    assert rows["PyTorch checkpoint per block"]["saved_bytes"] < rows["PyTorch eager"]["saved_bytes"]
+    assert rows["JAX none"]["time_ratio"] == 1.0 and rows["PyTorch eager"]["time_ratio"] == 1.0
+    assert len(res["targets"]) == 3
+    assert "| PyTorch eager |" in torch_peer.report(res)
