@@ -28,6 +28,8 @@ class RecomputeConfig:
       modules: selective sub-modules to recompute (`core_attn`, `mlp`, `norm`).
       use_reentrant: recompute through a `jax.custom_vjp` that saves only region inputs, instead of
         `jax.checkpoint`.
+      layer_policies: one policy name (or None: not rematerialized) per layer, for granularity
+        `full` with method `none`: what `remat.plan_for_budget` chooses. Overrides `policy`.
       determinism_check: compare the recomputation's output shapes/dtypes/shardings with the
         forward's at trace time (`True`), also its traced program (`"structure"`), also its values at
         run time (`"values"`, reentrant only, for debugging), or not (`False`).
@@ -41,6 +43,7 @@ class RecomputeConfig:
     modules: tuple[str, ...] = ("core_attn",)
     use_reentrant: bool = False
     determinism_check: Union[bool, str] = True
+    layer_policies: tuple | None = None
 
     def __post_init__(self):
         if isinstance(self.modules, str):  # accept "core_attn,mlp" from a CLI or a user
@@ -80,6 +83,17 @@ class RecomputeConfig:
         if self.use_reentrant and self.policy is not None:
             raise ValueError(f"use_reentrant=True ignores policy={self.policy!r} (a reentrant region "
                              f"saves only its inputs); drop the policy or use_reentrant")
+        if self.layer_policies is not None:
+            object.__setattr__(self, "layer_policies", tuple(self.layer_policies))
+            if g != "full" or m != "none" or self.use_reentrant or self.policy is not None:
+                raise ValueError("layer_policies (one policy per layer) needs granularity='full', method='none', "
+                                 "no policy and no use_reentrant: it already says what every layer does")
+            for i, p in enumerate(self.layer_policies):
+                if p is not None:
+                    try:
+                        _policies.validate(p)
+                    except ValueError as e:
+                        raise ValueError(f"layer_policies[{i}]: {e}") from None
         if self.determinism_check not in DETERMINISM_CHECKS:
             raise ValueError(f"determinism_check={self.determinism_check!r} is not valid; use True, False, "
                              f"'structure' or 'values'")
@@ -91,10 +105,12 @@ class RecomputeConfig:
     def enabled(self) -> bool:
         return self.granularity != "none"
 
-    def effective_policy(self) -> str | None:
-        """The policy name a checkpointed region uses (None when recompute is off or reentrant)."""
+    def effective_policy(self, layer: int | None = None) -> str | None:
+        """The policy name the region starting at `layer` uses (None when recompute is off or reentrant)."""
         if self.granularity == "none" or self.use_reentrant:
             return None
+        if self.layer_policies is not None:
+            return None if layer is None else self.layer_policies[layer]
         if self.policy is not None:
             return self.policy
         return "full" if self.granularity == "full" else "+".join(self.modules)
@@ -105,6 +121,9 @@ class RecomputeConfig:
         Example:
           >>> RecomputeConfig(granularity="full", method="block", num_layers=2).validate_for(4)
         """
+        if self.layer_policies is not None and len(self.layer_policies) != n_layers:
+            raise ValueError(f"layer_policies has {len(self.layer_policies)} entries for n_layer={n_layers}; "
+                             f"give one per layer")
         if self.method in ("uniform", "block") and self.num_layers > n_layers:
             raise ValueError(f"recompute_num_layers={self.num_layers} exceeds n_layer={n_layers}; "
                              f"use 1..{n_layers}")

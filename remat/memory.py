@@ -182,7 +182,23 @@ def predict_saved(layer: LayerBytes, n_layers: int, cfg: RecomputeConfig, head: 
     inp = layer.tagged.get(_names.BLOCK_INPUT, 0)
     if cfg.granularity == "none":
         return n_layers * layer.total + head
-    name = cfg.effective_policy()
+    total = head
+    for seg in _plan(n_layers, cfg):
+        k = seg.stop - seg.start
+        if not seg.checkpointed:
+            total += k * layer.total
+            continue
+        per = _region_bytes(layer, cfg.effective_policy(seg.start), cfg.use_reentrant)
+        if per is None:
+            return None
+        inner, inner_inputs = per
+        total += inp + k * inner + (k - 1) * inner_inputs
+    return total
+
+
+def _region_bytes(layer: LayerBytes, name: str | None, reentrant: bool):
+    """(bytes kept per layer inside a region besides its input, bytes per inner layer input)."""
+    inp = layer.tagged.get(_names.BLOCK_INPUT, 0)
     untagged = 0
     if name is None or name == "full":  # reentrant, or nothing saved inside a region
         saved = frozenset()
@@ -197,10 +213,5 @@ def predict_saved(layer: LayerBytes, n_layers: int, cfg: RecomputeConfig, head: 
         saved = pol.names
     inner = sum(b for n, b in layer.tagged.items() if n in saved and n != _names.BLOCK_INPUT) + untagged
     inner += sum(b for n, b in layer.swaps.items() if n in saved) if name != "everything" else 0
-    inner += 0 if cfg.use_reentrant else layer.constants
-    inner_inputs = inp if _names.BLOCK_INPUT in saved else 0  # inputs of a region's later layers
-    total = head
-    for seg in _plan(n_layers, cfg):
-        k = seg.stop - seg.start
-        total += inp + k * inner + (k - 1) * inner_inputs if seg.checkpointed else k * layer.total
-    return total
+    inner += 0 if reentrant else layer.constants
+    return inner, (inp if _names.BLOCK_INPUT in saved else 0)

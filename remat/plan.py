@@ -30,6 +30,8 @@ def plan(n_layers: int, cfg: RecomputeConfig) -> tuple[Segment, ...]:
     cfg.validate_for(n_layers)
     if cfg.granularity == "none":
         return (Segment(0, n_layers, False),)
+    if cfg.layer_policies is not None:
+        return tuple(Segment(i, i + 1, p is not None) for i, p in enumerate(cfg.layer_policies))
     if cfg.granularity == "selective" or cfg.method == "none":
         return tuple(Segment(i, i + 1, True) for i in range(n_layers))
     n = cfg.num_layers

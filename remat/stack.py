@@ -22,19 +22,19 @@ from remat.plan import plan
 
 
 def _runs(n_layers: int, cfg: RecomputeConfig):
-    """(start, count, size, checkpointed) runs of equal segments, for the scan layout."""
+    """(start, count, size, checkpointed, policy) runs of equal segments, for the scan layout."""
     units = []
     for s in plan(n_layers, cfg):
         if s.checkpointed:
-            units.append((s.start, s.stop - s.start, True))
+            units.append((s.start, s.stop - s.start, True, cfg.effective_policy(s.start)))
         else:
-            units += [(i, 1, False) for i in range(s.start, s.stop)]
+            units += [(i, 1, False, None) for i in range(s.start, s.stop)]
     runs = []
-    for start, size, ck in units:
-        if runs and tuple(runs[-1][2:]) == (size, ck):
+    for start, size, ck, pol in units:
+        if runs and tuple(runs[-1][2:]) == (size, ck, pol):
             runs[-1][1] += 1
         else:
-            runs.append([start, 1, size, ck])
+            runs.append([start, 1, size, ck, pol])
     return [tuple(r) for r in runs]
 
 
@@ -56,7 +56,6 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
       ...                  RecomputeConfig(granularity="full"))
     """
     n_layers = jax.tree.leaves(params)[0].shape[0] if scan else len(params)
-    policy = cfg.effective_policy()
 
     def run(ps, h, ks, *a):
         for i, p in enumerate(ps):
@@ -64,7 +63,7 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
         return h
 
     def region(start, stop, ps, h, ks):
-        return checkpoint(run, ps, h, ks, *args, use_reentrant=cfg.use_reentrant, policy=policy,
+        return checkpoint(run, ps, h, ks, *args, use_reentrant=cfg.use_reentrant, policy=cfg.effective_policy(start),
                           determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
                           name=f"layers[{start}:{stop}]")
 
@@ -83,13 +82,13 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
     # NOTE: each scan step hands its xs slice (the group's stacked params) to the region as is, so
     # the residual is the scan's own input, which JAX forwards instead of saving a stacked copy of
     # every layer's parameters.
-    for start, count, size, ck in _runs(n_layers, cfg):
+    for start, count, size, ck, policy in _runs(n_layers, cfg):
         stop = start + count * size
         group = lambda a: (a if (start, stop) == (0, n_layers) else a[start:stop]).reshape((count, size) + a.shape[1:])
         grouped = jax.tree.map(group, params)
         kgrouped = None if keys is None else group(keys)
 
-        def body(h, pk, start=start, size=size, ck=ck):
+        def body(h, pk, start=start, size=size, ck=ck, policy=policy):
             p, k = pk
             if not ck:
                 return run_stacked(p, h, k, *args), None

@@ -47,3 +47,16 @@ def test_prediction_within_1_percent(model, setting, dtype):
 def test_unmodelled_policies_return_none():
     layer, head = memory_model.activation_bytes(BASES["gpt2"][1], B, T)
     assert memory.predict_saved(layer, 4, R(granularity="full", policy="dots"), head) is None
+
+
+@pytest.mark.parametrize("model", list(BASES))
+def test_prediction_for_per_layer_policies(model):
+    mod, base = BASES[model]
+    rc = R(granularity="full", layer_policies=(None, "mlp", "full", "core_attn+norm"))
+    cfg = dataclasses.replace(base, recompute=rc)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                          jax.eval_shape(lambda: mod.init_params(cfg, jax.random.PRNGKey(0))))
+    idx = jnp.zeros((B, T), jnp.int32)
+    measured = memory.saved_residuals(lambda p: mod.loss_fn(p, cfg, idx, idx), params).intermediates
+    layer, head = memory_model.activation_bytes(cfg, B, T)
+    assert abs(memory.predict_saved(layer, cfg.n_layer, rc, head) - measured) <= 0.01 * measured

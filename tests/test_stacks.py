@@ -168,3 +168,16 @@ def test_loop_and_scan_layouts_initialize_the_same_weights():
     scan = _linen(RecomputeConfig(granularity="full"), scan=True).init(KEY, X)["params"]["h"]
     for i in range(L):
         assert rel_err(jax.tree.map(lambda a: a[i], scan), loop[f"h_{i}"]) == 0.0
+
+
+MIXED = RecomputeConfig(granularity="full", layer_policies=(None, "full", "mlp", "core_attn+mlp"))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_per_layer_policies(scan):
+    assert [s.checkpointed for s in remat.plan(L, MIXED)] == [False, True, True, True]
+    assert rel_err(jax.grad(plain_loss)(PS, X, MIXED, scan), PLAIN_REF) <= 1e-5
+    with pytest.raises(ValueError, match="one per layer"):
+        MIXED.validate_for(L + 1)
+    with pytest.raises(ValueError, match="layer_policies"):
+        RecomputeConfig(granularity="full", method="uniform", num_layers=2, layer_policies=(None,) * 4)
