@@ -36,6 +36,7 @@ class Residual:
     bytes: int
     source: str
     kind: str  # "argument", "named", "intermediate", "constant"
+    host: bool = False  # offloaded to host memory (a policy's `offload` choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +52,17 @@ class SavedResiduals:
     def intermediates(self) -> int:
         return sum(r.bytes for r in self.rows if r.kind != "argument")
 
+    @property
+    def offloaded(self) -> int:
+        """Bytes kept in host memory (offloaded); the rest stay on the device."""
+        return sum(r.bytes for r in self.rows if r.host)
+
     def by_name(self) -> dict:
         """{tag name or source kind: (count, bytes)}, largest first."""
         acc = defaultdict(lambda: [0, 0])
         for r in self.rows:
             key = r.name if r.kind == "named" else f"<{r.kind}:{r.name}>" if r.kind != "argument" else "<arguments>"
+            key += " (host)" if r.host else ""
             acc[key][0] += 1
             acc[key][1] += r.bytes
         return dict(sorted(((k, tuple(v)) for k, v in acc.items()), key=lambda kv: -kv[1][1]))
@@ -74,6 +81,11 @@ class SavedResiduals:
             lines.append(f"{k[:36]:<36} {c:>5} {b / 2**20:>10.2f}")
         lines.append(f"{'total (intermediates)':<36} {'':>5} {self.intermediates / 2**20:>10.2f}")
         lines.append(f"{'total (with arguments)':<36} {'':>5} {self.total / 2**20:>10.2f}")
+        if self.offloaded:
+            lines.append(f"{'of which offloaded to host':<36} {'':>5} {self.offloaded / 2**20:>10.2f}")
+            if jax.default_backend() == "cpu":
+                lines.append("note: on CPU, offloading moves nothing (host and device memory are the same): "
+                             "no device memory is saved; it does on GPU/TPU")
         return "\n".join(lines)
 
 
@@ -109,7 +121,8 @@ def saved_residuals(fn, *args) -> SavedResiduals:
             kind = "intermediate"
             name = src.split(" from ")[0].removeprefix("output of ").strip()
         dtype = str(aval.dtype) if hasattr(aval, "dtype") else "?"
-        rows.append(Residual(name, tuple(getattr(aval, "shape", ())), dtype, _nbytes(aval), src, kind))
+        host = "host" in str(getattr(aval, "memory_space", "")).lower()
+        rows.append(Residual(name, tuple(getattr(aval, "shape", ())), dtype, _nbytes(aval), src, kind, host))
     return SavedResiduals(tuple(rows))
 
 

@@ -144,8 +144,25 @@ REGISTRY: dict[str, Entry] = {
     "offload_names": Entry(lambda arg: OffloadNames(_names_arg(arg, "offload_names")),
                            "offload the listed tagged names to pinned host memory, recompute the rest",
                            template="offload_names:<name,...>", example=f"offload_names:{N.MLP_UP},{N.QKV}"),
+    "custom": Entry(lambda arg: _custom(arg),
+                    "per tagged name: `device` (save), `offload` (pinned host) or `remat` (recompute, "
+                    "the default for unlisted names), MaxText-style",
+                    template="custom:<name>=device|offload|remat,...",
+                    example=f"custom:{N.QKV}=device,{N.MLP_UP}=offload,{N.MLP_ACT}=remat"),
 }
-_NEEDS_ARG = ("save_names", "offload_names")
+_NEEDS_ARG = ("save_names", "offload_names", "custom")
+
+
+def _custom(arg: str) -> OffloadNames:
+    choice = {"device": set(), "offload": set(), "remat": set()}
+    for item in (a.strip() for a in arg.split(",") if a.strip()):
+        name, eq, where = item.partition("=")
+        if not eq or where not in choice:
+            raise ValueError(f"policy 'custom:{arg}': {item!r} must be <name>=device|offload|remat")
+        choice[where] |= _names_arg(name, "custom")
+    if not any(choice.values()):
+        raise ValueError(f"policy 'custom:{arg}' lists no names; e.g. custom:qkv=device,mlp_up=offload")
+    return OffloadNames(offload=frozenset(choice["offload"]), save=frozenset(choice["device"]))
 
 
 def names() -> tuple[str, ...]:

@@ -111,3 +111,30 @@ def test_bf16_policy_keeps_the_bf16_cast_of_a_float32_accumulated_matmul():
     assert not any(r.dtype == "float32" and r.kind == "intermediate" for r in bf.rows)
     assert any(r.name == "convert_element_type" and r.dtype == "bfloat16" for r in bf.rows)
     assert bf.total <= every.total
+
+
+@pytest.mark.parametrize("policy", ["offload_names:qkv,mlp_up", "custom:qkv=device,mlp_up=offload,mlp_act=remat"])
+def test_offload_compiles_gives_identical_gradients_and_is_reported(policy):
+    ps = [init_block(k) for k in jax.random.split(KEY, 2)]
+    x = jax.random.normal(KEY, (B, T, C))
+    cfg = remat.RecomputeConfig(granularity="full", policy=policy)
+    f = lambda ps, x, cfg: jnp.sum(remat.apply_layers(lambda p, h, k: block(p, h), ps, x, cfg) ** 2)
+    ref = jax.grad(f)(ps, x, remat.RecomputeConfig())
+    g = jax.jit(jax.grad(f), static_argnums=2)(ps, x, cfg)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref)):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b)))
+    r = memory.saved_residuals(lambda ps, x: f(ps, x, cfg), ps, x)
+    # JAX lists an offloaded value as the output of its device_put to host memory
+    mlp_up, qkv = B * T * 4 * C * 4, B * T * 3 * C * 4
+    assert r.offloaded == 2 * (mlp_up + (qkv if policy.startswith("offload_names") else 0))
+    on_device = {row.name for row in r.rows if not row.host and row.kind == "named"}
+    assert "mlp_up" not in on_device and "mlp_act" not in on_device
+    assert ("qkv" in on_device) == policy.startswith("custom")
+    assert "moves nothing" in r.table()  # CPU: the report says no device memory is saved
+
+
+def test_custom_policy_errors():
+    for bad, needle in [("custom:qkv", "<name>=device|offload|remat"), ("custom:qkv=disk", "device|offload|remat"),
+                        ("custom:nope=device", "nope")]:
+        with pytest.raises(ValueError, match=needle):
+            policies.get(bad)
