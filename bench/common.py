@@ -90,4 +90,13 @@ def machine() -> dict:
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "nproc": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
             "python": platform.python_version(), "jax": jax.__version__,
-            "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend()}
+            "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
+            "loadavg": loadavg()}
+
+
+def loadavg() -> list[float] | None:
+    """The 1/5/15-minute load averages: how busy the shared machine was (timings depend on it)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None

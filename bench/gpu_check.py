@@ -14,8 +14,9 @@ process (so that `peak_bytes_in_use`, which only ever grows, belongs to that set
 Results go to `$OUT` if set, else out/gpu_check (`--out` overrides): gpu_check.md (the table and
 the targets) and gpu_check.json, rewritten after every setting so a cut-off run keeps what it has.
 
-Sizing (default flags): 5 settings share a 450 s budget (compile, 12 steps, 3-6 search
-compiles each), under the 8 minutes a device session allows; the .sh sets
+Sizing (default flags): 5 settings share a 400 s budget (compile, 12 steps, 3-6 search
+compiles each); a worker past its share plus 45 s is killed, so the whole run stays under 8
+minutes on one H200 (bounded by budget + grace + JAX start-up). The .sh sets
 XLA_PYTHON_CLIENT_PREALLOCATE=false so peak statistics are the program's own.
 """
 from __future__ import annotations
@@ -216,6 +217,8 @@ def evaluate(rows: dict) -> list[Target]:
 
 
 def report(meta: dict, rows: dict) -> str:
+    lim = next((r.get("bytes_limit") for r in rows.values() if r.get("bytes_limit")), None)
+    limit = "" if lim is None else f" (allocator limit {lim / GiB:.1f} GiB)"
     header = ["setting", "peak GiB", "temp GiB", "step ms", "tokens/s", "MFU", "largest batch", "compile s"]
     body = []
     for name, r in rows.items():
@@ -230,7 +233,7 @@ def report(meta: dict, rows: dict) -> str:
     lines = [f"GPT-2 {meta['preset']} ({meta['n_layer']} layers), T={meta['seq']}, B={meta['batch']}, "
              f"{meta['dtype']} compute; {meta['steps']} timed steps after 2 warm-up; MFU against "
              f"{meta['peak_tflops']:g} TFLOP/s; largest batch searched up to {meta['max_batch']}; "
-             f"device {meta.get('device', '?')}; {meta['date']}", "",
+             f"device {meta.get('device', '?')}{limit}; {meta['date']}", "",
              markdown_table(header, body), "",
              "peak = `device.memory_stats()['peak_bytes_in_use']` of the setting's own process (params, grads, "
              "activations, workspace); temp = XLA's compiled temp buffer; a step is jitted "
@@ -302,7 +305,7 @@ def parent(a) -> int:
                 sys.stderr.write(p.stderr[-4000:])
         except subprocess.TimeoutExpired:
             rows[name] = dict(setting=name, error=f"timed out after {share + a.grace_s:.0f} s")
-        meta.setdefault("device", rows[name].get("device"))
+        meta["device"] = meta.get("device") or rows[name].get("device")
         print(f"[{name}] done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         _write(out_dir, meta, rows)
     print(report(meta, rows))
@@ -326,8 +329,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max_batch", type=int, default=512, help="cap of the batch search")
     p.add_argument("--bisect", type=int, default=2, help="bisection steps after the first failing batch")
     p.add_argument("--peak_tflops", type=float, default=H200_BF16_TFLOPS, help="device peak for MFU")
-    p.add_argument("--budget_s", type=float, default=450.0, help="seconds for all settings together")
-    p.add_argument("--grace_s", type=float, default=60.0, help="extra seconds before a worker is killed")
+    p.add_argument("--budget_s", type=float, default=400.0, help="seconds for all settings together")
+    p.add_argument("--grace_s", type=float, default=45.0, help="extra seconds before a worker is killed")
     p.add_argument("--settings", default=None, help="comma-separated subset of the settings")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)

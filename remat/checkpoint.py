@@ -72,13 +72,16 @@ def _flatten(args: tuple, static_argnums: Sequence[int]):
     leaves, tree = jax.tree.flatten(marked, is_leaf=lambda x: isinstance(x, _Static) or x is None)
     traced = [_is_traced(l) for l in leaves]
     dyn = [l for l, t in zip(leaves, traced) if t]
+    owner = [i for i, a in enumerate(marked)
+             for _ in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, _Static) or x is None)]
+    dyn_arg = [o for o, t in zip(owner, traced) if t]
 
     def rebuild(dyn_vals):
         it = iter(dyn_vals)
         full = [next(it) if t else (l.value if isinstance(l, _Static) else l) for l, t in zip(leaves, traced)]
         return jax.tree.unflatten(tree, full)
 
-    return dyn, rebuild
+    return dyn, rebuild, dyn_arg
 
 
 def _on_device(x) -> bool:
@@ -99,7 +102,7 @@ def _tie(dyn, g):
     return [x + zero.astype(x.dtype) if _is_inexact(x) and _on_device(x) else x for x in dyn]
 
 
-def _reentrant(flat_fn, dyn, *, name: str, determinism_check):
+def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
     state: dict[str, Any] = {}
 
     @jax.custom_vjp
@@ -115,11 +118,12 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check):
             if determinism_check == "structure":
                 state["jaxpr"] = _check.jaxpr_fingerprint(flat_fn, *dyn)
         saved = tuple(jax.tree.leaves(out)) if determinism_check == "values" else ()
-        return out, (tuple(dyn), marks, saved)
+        kept, state["restore"] = _store(dyn, dyn, storage or {})
+        return out, (tuple(kept), marks, saved)
 
     def bwd(res, g):
         dyn, marks, saved = res
-        dyn = _tie(list(dyn), g)
+        dyn = _tie(_load(list(dyn), state["restore"]), g)
         mask = [_is_inexact(x) for x in dyn]
 
         def f_diff(*diff):
@@ -153,7 +157,31 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check):
     return region(*dyn)
 
 
-def _tied(flat_fn, dyn, *, policy, prevent_cse):
+def _storage(dyn, dyn_arg, shard_saved):
+    """{dyn index: (spec while saved, spec for the recomputation)} for `shard_saved` arguments."""
+    if not shard_saved:
+        return {}
+    return {i: shard_saved[a] for i, a in enumerate(dyn_arg) if a in shard_saved}
+
+
+def _store(res, dyn, storage):
+    """Keep residuals that are region inputs listed in `storage` with their `saved` sharding.
+
+    Returns the residuals and {residual index: sharding to restore before the recomputation}.
+    """
+    out, restore = list(res), {}
+    for i, (saved, full) in storage.items():
+        for j, r in enumerate(out):
+            if r is dyn[i]:
+                out[j], restore[j] = jax.lax.with_sharding_constraint(r, saved), full
+    return out, restore
+
+
+def _load(res, restore):
+    return [jax.lax.with_sharding_constraint(r, restore[j]) if j in restore else r for j, r in enumerate(res)]
+
+
+def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
     """`jax.checkpoint` whose backward waits for the output cotangent before recomputing.
 
     The forward runs `jax.vjp` of the checkpointed function and hands its residuals (what the
@@ -170,10 +198,12 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse):
     def fwd(*dyn):
         out, pullback = jax.vjp(ck, *dyn)
         leaves, state["tree"] = jax.tree.flatten(pullback)
+        leaves, state["restore"] = _store(leaves, dyn, storage or {})
         return out, tuple(leaves)
 
     def bwd(res, g):
-        pullback = jax.tree.unflatten(state["tree"], _tie(list(res), g))
+        res = _load(list(res), state["restore"])
+        pullback = jax.tree.unflatten(state["tree"], _tie(res, g))
         return tuple(None if not _is_inexact(x) else ct for x, ct in zip(dyn, pullback(g)))
 
     region.defvjp(fwd, bwd)
@@ -182,7 +212,8 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse):
 
 def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, policy=None,
                determinism_check: bool | str = True, static_argnums: Sequence[int] = (),
-               prevent_cse: bool = True, name: str | None = None, tie_to_cotangent: bool = True):
+               prevent_cse: bool = True, name: str | None = None, tie_to_cotangent: bool = True,
+               shard_saved=None):
     """Run `fn(*args)` keeping less for the backward pass and recomputing the rest.
 
     Args:
@@ -202,6 +233,10 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
       tie_to_cotangent: (non-reentrant) make the recomputation wait for the region's output
         cotangent, so XLA cannot schedule it early and the compiled peak really falls (see the
         NOTE above). Set False for plain `jax.checkpoint` (e.g. for forward-mode `jax.jvp`).
+      shard_saved: {argument index: (saved spec, recompute spec)}: keep those region inputs sharded
+        as `saved` (e.g. along the sequence over an `fsdp` axis) between the forward and the
+        backward, and reshard them to `recompute` spec (an all-gather) before recomputing, as
+        Megatron's distribute_saved_activations does. Needs a mesh context (`jax.set_mesh`).
     Returns:
       `fn(*args)`; or, called without args (`checkpoint(use_reentrant=True)(fn)` or `@checkpoint`),
       a wrapped function.
@@ -211,7 +246,7 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
     """
     opts = dict(use_reentrant=use_reentrant, policy=policy, determinism_check=determinism_check,
                 static_argnums=tuple(static_argnums), prevent_cse=prevent_cse, name=name,
-                tie_to_cotangent=tie_to_cotangent)
+                tie_to_cotangent=tie_to_cotangent, shard_saved=shard_saved)
     if fn is None:
         return lambda f: checkpoint(f, **opts)
     if not args:
@@ -223,7 +258,7 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
 
 
 def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, prevent_cse, name,
-         tie_to_cotangent):
+         tie_to_cotangent, shard_saved):
     if use_reentrant and policy is not None:
         raise ValueError(f"checkpoint(use_reentrant=True) saves only the inputs, so policy={policy!r} "
                          f"has no effect; drop the policy or use use_reentrant=False")
@@ -232,14 +267,17 @@ def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, 
     if determinism_check == "values" and not use_reentrant:
         raise ValueError("determinism_check='values' needs use_reentrant=True: jax.checkpoint traces the "
                          "function once, so only the reentrant path can recompute different values")
-    dyn, rebuild = _flatten(tuple(args), static_argnums)
+    dyn, rebuild, dyn_arg = _flatten(tuple(args), static_argnums)
+    storage = _storage(dyn, dyn_arg, shard_saved)
+    if storage and not (use_reentrant or tie_to_cotangent):
+        raise ValueError("shard_saved needs use_reentrant=True or tie_to_cotangent=True (the default)")
 
     def flat_fn(*dyn_vals):
         return fn(*rebuild(dyn_vals))
 
     if use_reentrant:
         region = name or getattr(fn, "__name__", "checkpoint")
-        return _reentrant(flat_fn, dyn, name=region, determinism_check=determinism_check)
+        return _reentrant(flat_fn, dyn, name=region, determinism_check=determinism_check, storage=storage)
     if tie_to_cotangent:
-        return _tied(flat_fn, dyn, policy=_resolve_policy(policy), prevent_cse=prevent_cse)
+        return _tied(flat_fn, dyn, policy=_resolve_policy(policy), prevent_cse=prevent_cse, storage=storage)
     return jax.checkpoint(flat_fn, policy=_resolve_policy(policy), prevent_cse=prevent_cse)(*dyn)

@@ -30,6 +30,9 @@ class RecomputeConfig:
         `jax.checkpoint`.
       layer_policies: one policy name (or None: not rematerialized) per layer, for granularity
         `full` with method `none`: what `remat.plan_for_budget` chooses. Overrides `policy`.
+      shard_saved_axis: a mesh axis name: each region keeps its input (B, T, C) sharded along T over
+        that axis between forward and backward and all-gathers it before recomputing (Megatron's
+        distribute_saved_activations). Needs a mesh context (`jax.set_mesh`).
       determinism_check: compare the recomputation's output shapes/dtypes/shardings with the
         forward's at trace time (`True`), also its traced program (`"structure"`), also its values at
         run time (`"values"`, reentrant only, for debugging), or not (`False`).
@@ -44,6 +47,7 @@ class RecomputeConfig:
     use_reentrant: bool = False
     determinism_check: Union[bool, str] = True
     layer_policies: tuple | None = None
+    shard_saved_axis: str | None = None
 
     def __post_init__(self):
         if isinstance(self.modules, str):  # accept "core_attn,mlp" from a CLI or a user
@@ -94,6 +98,9 @@ class RecomputeConfig:
                         _policies.validate(p)
                     except ValueError as e:
                         raise ValueError(f"layer_policies[{i}]: {e}") from None
+        if self.shard_saved_axis is not None and (not isinstance(self.shard_saved_axis, str) or g == "none"):
+            raise ValueError(f"shard_saved_axis={self.shard_saved_axis!r} must be a mesh axis name and needs "
+                             f"recompute on (granularity full or selective)")
         if self.determinism_check not in DETERMINISM_CHECKS:
             raise ValueError(f"determinism_check={self.determinism_check!r} is not valid; use True, False, "
                              f"'structure' or 'values'")

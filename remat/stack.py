@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import jax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from remat.checkpoint import checkpoint
 from remat.config import RecomputeConfig
@@ -62,10 +63,15 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
             h = apply_layer(p, h, None if ks is None else ks[i], *a)
         return h
 
+    shard = None
+    if cfg.shard_saved_axis:  # the carried activation (argument 1 of `run`/`run_stacked`) is (B, T, C)
+        U = P.UNCONSTRAINED
+        shard = {1: (P(U, cfg.shard_saved_axis, U), P(U, None, U))}
+
     def region(start, stop, ps, h, ks):
         return checkpoint(run, ps, h, ks, *args, use_reentrant=cfg.use_reentrant, policy=cfg.effective_policy(start),
                           determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
-                          name=f"layers[{start}:{stop}]")
+                          name=f"layers[{start}:{stop}]", shard_saved=shard)
 
     if not scan:
         for s in plan(n_layers, cfg):
@@ -94,7 +100,7 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
                 return run_stacked(p, h, k, *args), None
             return checkpoint(run_stacked, p, h, k, *args, use_reentrant=cfg.use_reentrant, policy=policy,
                               determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
-                              name=f"layers[{start}:{start + size}] (scanned)"), None
+                              name=f"layers[{start}:{start + size}] (scanned)", shard_saved=shard), None
 
         x, _ = lax.scan(body, x, (grouped, kgrouped))
     return x

@@ -24,6 +24,7 @@ from typing import Sequence
 from remat import RecomputeConfig, policies
 from remat import names as remat_names
 from remat.config import GRANULARITIES, METHODS
+from remat.planner import parse_size
 
 MODELS = ("gpt2", "llama3")
 DTYPES = ("float32", "bfloat16")
@@ -92,8 +93,12 @@ class TrainConfig:
                                                  "none", choices=GRANULARITIES)
     recompute_method: str = _f("none", "for granularity full: none (each layer a region) | uniform (runs of "
                                        "--recompute_num_layers layers) | block (first --recompute_num_layers "
-                                       "layers); with --memory_report a comma list gives one row per method",
-                               metavar="{" + ",".join(METHODS) + "}")
+                                       "layers) | auto (a setting per layer, planned to fit --memory_budget); "
+                                       "with --memory_report a comma list gives one row per method",
+                               metavar="{" + ",".join(METHODS + ("auto",)) + "}")
+    memory_budget: str | None = _f(None, "with --recompute_method auto: the compiled peak per device to fit "
+                                         "(arguments + outputs + temp - aliased of the train step), e.g. 12GiB, "
+                                         "512MiB or a number of bytes", metavar="SIZE")
     recompute_num_layers: int = _f(1, "the N of --recompute_method uniform/block (1..n_layer)")
     recompute_modules: str | None = _f(None, "selective granularity: comma list of sub-modules to recompute, "
                                              f"from {','.join(remat_names.MODULES)} (default core_attn)")
@@ -205,6 +210,8 @@ class TrainConfig:
         Raises UsageError naming the flag and the fix for every inconsistent combination.
         """
         methods = self.methods
+        if "auto" in methods or self.memory_budget is not None:
+            return [("auto", self._auto_placeholder())]
         bad = [m for m in methods if m not in METHODS]
         if bad or not methods:
             raise UsageError(f"--recompute_method {self.recompute_method!r}: {bad[0] if bad else 'empty'!r} is not "
@@ -255,6 +262,40 @@ class TrainConfig:
             label = g if g != "full" else f"full/{m}" + (f"/{self.recompute_num_layers}" if m != "none" else "")
             out.append((label, rc))
         return out
+
+    def _auto_placeholder(self) -> RecomputeConfig:
+        """Validate `--recompute_method auto` and `--memory_budget`; full remat stands in until the
+        planner (training.run.plan_memory) has chosen a setting per layer."""
+        if self.methods != ("auto",):
+            if "auto" in self.methods:
+                raise UsageError(f"--recompute_method {self.recompute_method}: auto plans every layer itself; pass "
+                                 f"--recompute_method auto alone")
+            raise UsageError(f"--memory_budget {self.memory_budget} needs --recompute_method auto (the planner that "
+                             f"fits it); add --recompute_method auto or drop --memory_budget")
+        if self.memory_budget is None:
+            raise UsageError("--recompute_method auto needs --memory_budget SIZE (e.g. 12GiB), the compiled peak "
+                             "to fit; add it, or choose --recompute_method none/uniform/block")
+        self.memory_budget_bytes  # validates the size
+        for flag, bad in (("--recompute_granularity", self.recompute_granularity not in (None, "full")),
+                          ("--remat_policy", self.remat_policy is not None),
+                          ("--recompute_modules", self.recompute_modules is not None),
+                          ("--use_reentrant", self.use_reentrant),
+                          ("--scan_layers", self.scan_layers)):
+            if bad:
+                why = ("XLA's cost analysis counts a scanned layer once, so the planner needs the loop layout"
+                       if flag == "--scan_layers" else "auto chooses the policy of every layer itself")
+                raise UsageError(f"--recompute_method auto cannot be combined with {flag} ({why}); drop {flag}")
+        return RecomputeConfig(granularity="full")
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """--memory_budget in bytes (None when unset)."""
+        if self.memory_budget is None:
+            return None
+        try:
+            return parse_size(self.memory_budget)
+        except ValueError as e:
+            raise UsageError(f"--memory_budget: {e}") from None
 
     @property
     def recompute(self) -> RecomputeConfig:

@@ -1,0 +1,414 @@
+"""plan_for_budget(): the setting per layer that recomputes least while the compiled peak fits a budget.
+
+The library stays model-agnostic: the caller hands in `compile_step(recompute_config)`, which
+compiles the real train step for a `RecomputeConfig` and returns XLA's memory and cost analysis
+(`remat.memory.CompiledMemory`, or a `jax.stages.Compiled`, read with `compiled_stats`).
+
+"Peak" is `CompiledMemory.peak_estimate` by default: arguments + outputs + temp − aliased bytes of
+the compiled step, i.e. everything the step needs live at once on a device (parameters, optimizer
+state and batch included). `peak="temp"` applies the budget to XLA's temp buffer only.
+
+# NOTE: the cost model. A layer's setting frees memory at the compiled peak, and how much depends on
+# where the layer is. With the recomputation tied to the cotangent, the backward of the last layer
+# runs first, while the saved values of all the other layers are still live: recomputing that layer
+# rebuilds (almost) everything it would have saved, so its remat frees little (measured on GPT-2:
+# 0.13 vs 1.57 MiB per layer for the others). So the model has two slots per candidate `c`, each
+# calibrated from compiled uniform plans (XLA's analysis, not the analytic saved bytes):
+#   d_c = (peak(none) − peak(c on layers 0..L−2, none on the last)) / (L − 1)  per interior layer
+#   e_c = peak(c on layers 0..L−2, none last) − peak(c everywhere)             for the last layer
+#   f_c = (flops(c everywhere) − flops(none)) / L                              recompute per layer
+# and predicts peak(plan) = peak(none) − Σ_interior d_c − e_last. Interior layers are identical,
+# so a plan is a count of interior layers per candidate plus the last layer's candidate: every
+# such composition is enumerated (exact, not greedy) and the one of least Σ f meeting the budget is
+# compiled to verify it. A plan that does not fit lowers the internal budget by its overshoot and
+# the search runs again (bounded); compiled plans replace predictions by their measured peaks. The
+# interior is ordered most-rematerialized first (so `block N` is one of the plans considered).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Callable, Sequence
+
+import numpy as np
+
+from remat import memory as _memory
+from remat import policies as _policies
+from remat.config import RecomputeConfig
+
+# Candidate settings: None (not rematerialized), selective presets, and full (nothing saved).
+DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", "full")
+PEAKS = ("estimate", "temp")
+MAX_PLANS = 4_000_000  # compositions enumerated at most; beyond, layers are planned in equal groups
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """'12GiB' / '512MiB' / '1.5GB' / '1000000' → bytes (KiB/MiB/GiB binary, KB/MB/GB decimal).
+
+    Example:
+      >>> parse_size("512MiB")
+      536870912
+    """
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"memory size {text!r} is not valid; write a number of bytes or a number with a unit, "
+                         f"e.g. 12GiB, 512MiB, 1.5GB (KiB/MiB/GiB are powers of 2, KB/MB/GB of 10)")
+    n = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(n) or n <= 0:
+        raise ValueError(f"memory size {text!r} must be positive")
+    return int(n)
+
+
+def format_bytes(n: float | None) -> str:
+    """Bytes in GiB/MiB/KiB, whichever reads best."""
+    if n is None:
+        return "—"
+    a = abs(n)
+    if a >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if a >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    if a >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{int(n)} B"
+
+
+def compiled_stats(compiled) -> _memory.CompiledMemory:
+    """XLA's memory and cost analysis of a `jax.stages.Compiled` as a `CompiledMemory`
+    (a `CompiledMemory` is returned as is).
+
+    Example:
+      >>> compiled_stats(jax.jit(step).lower(state, batch).compile()).peak_estimate
+    """
+    if isinstance(compiled, _memory.CompiledMemory):
+        return compiled
+    ma = compiled.memory_analysis()
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # pragma: no cover - backends without a cost model
+        ca = None
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    g = lambda k: int(getattr(ma, k, 0) or 0)
+    return _memory.CompiledMemory(temp=g("temp_size_in_bytes"), argument=g("argument_size_in_bytes"),
+                                  output=g("output_size_in_bytes"), alias=g("alias_size_in_bytes"),
+                                  generated_code=g("generated_code_size_in_bytes"),
+                                  host_temp=g("host_temp_size_in_bytes"),
+                                  flops=float((ca or {}).get("flops", 0.0)))
+
+
+def _name(c) -> str:
+    return "none" if c is None else c
+
+
+def _policy(c):
+    return None if c is None or c == "none" else c
+
+
+def recompute_config(layer_policies: Sequence) -> RecomputeConfig:
+    """The RecomputeConfig of a per-layer plan (`RecomputeConfig()` when no layer is rematerialized)."""
+    lp = tuple(_policy(c) for c in layer_policies)
+    if all(p is None for p in lp):
+        return RecomputeConfig()
+    return RecomputeConfig(granularity="full", layer_policies=lp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One candidate setting, calibrated from compiled uniform plans (bytes, FLOPs per layer)."""
+    name: str
+    interior_freed: float   # d_c: peak bytes freed per layer other than the last
+    last_freed: float       # e_c: peak bytes freed by the last layer
+    flops: float            # f_c: recompute FLOPs per layer
+    saved: int | None       # analytic bytes one layer keeps (remat.memory.predict_saved), if known
+    uniform_peak: int       # compiled peak with c on every layer
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """The planner's answer: one setting per layer and what it costs.
+
+    Attributes:
+      layer_policies: one policy name or None (not rematerialized) per layer.
+      saved_bytes: analytic bytes each layer keeps for the backward (None without `layer_bytes`).
+      freed_bytes: calibrated peak bytes each layer's setting frees against no remat.
+      recompute_flops: calibrated recompute FLOPs per layer (XLA cost analysis).
+      budget, peak_kind: the budget and what it applies to ("estimate" or "temp").
+      predicted_peak, compiled_peak: the model's peak for this plan and XLA's, in bytes.
+      compiled: the chosen plan's CompiledMemory; no_remat_peak / minimum_peak: compiled peaks of
+        no remat and of the most memory-saving uniform plan; compiled_recompute_flops: the plan's
+        compiled FLOPs minus no remat's.
+      iterations: planning rounds (1 when the first plan fit); compiles: compilations made;
+      notes: what happened (refinements, shortcuts), for people.
+    """
+    layer_policies: tuple
+    saved_bytes: tuple
+    freed_bytes: tuple
+    recompute_flops: tuple
+    budget: int
+    peak_kind: str
+    predicted_peak: int
+    compiled_peak: int
+    compiled: _memory.CompiledMemory
+    no_remat_peak: int
+    minimum_peak: int
+    compiled_recompute_flops: float
+    iterations: int
+    compiles: int
+    candidates: tuple = ()
+    notes: tuple = ()
+
+    @property
+    def settings(self) -> tuple:
+        return tuple(_name(p) for p in self.layer_policies)
+
+    @property
+    def fits(self) -> bool:
+        return self.compiled_peak <= self.budget
+
+    @property
+    def total_recompute_flops(self) -> float:
+        return float(sum(self.recompute_flops))
+
+    def recompute_config(self) -> RecomputeConfig:
+        """The plan as a RecomputeConfig (granularity full, one policy per layer)."""
+        return recompute_config(self.layer_policies)
+
+    def table(self) -> str:
+        """One row per layer (setting, saved bytes, peak bytes freed, recompute FLOPs), then totals
+        and the predicted vs compiled peak."""
+        w = max(9, *(len(s) for s in self.settings)) + 2
+        lines = [f"{'layer':>5}  {'setting'.ljust(w)}{'saved':>12}{'frees at peak':>15}{'recompute MFLOP':>17}"]
+        for i, (s, sv, fr, fl) in enumerate(zip(self.settings, self.saved_bytes, self.freed_bytes,
+                                                self.recompute_flops)):
+            lines.append(f"{i:>5}  {s.ljust(w)}{format_bytes(sv):>12}{format_bytes(fr):>15}{fl / 1e6:>17,.1f}")
+        saved = None if any(s is None for s in self.saved_bytes) else sum(self.saved_bytes)
+        lines.append(f"{'all':>5}  {''.ljust(w)}{format_bytes(saved):>12}{format_bytes(sum(self.freed_bytes)):>15}"
+                     f"{self.total_recompute_flops / 1e6:>17,.1f}")
+        what = "arguments + outputs + temp - aliased" if self.peak_kind == "estimate" else "temp"
+        lines.append(f"peak ({what}): predicted {format_bytes(self.predicted_peak)}, compiled "
+                     f"{format_bytes(self.compiled_peak)}, budget {format_bytes(self.budget)} "
+                     f"({'fits' if self.fits else 'DOES NOT FIT'}); no remat {format_bytes(self.no_remat_peak)}, "
+                     f"minimum {format_bytes(self.minimum_peak)}")
+        lines.append(f"planning: {self.iterations} round(s), {self.compiles} compilation(s); compiled recompute "
+                     f"{self.compiled_recompute_flops / 1e6:,.1f} MFLOP")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _compositions(m: int, k: int) -> np.ndarray:
+    """All k-tuples of non-negative ints summing to m, as an (N, k) array."""
+    if k == 1:
+        return np.array([[m]], dtype=np.int32)
+    parts = []
+    for i in range(m, -1, -1):
+        sub = _compositions(m - i, k - 1)
+        parts.append(np.concatenate([np.full((len(sub), 1), i, np.int32), sub], axis=1))
+    return np.concatenate(parts, axis=0)
+
+
+def _n_compositions(m: int, k: int) -> int:
+    return math.comb(m + k - 1, k - 1)
+
+
+def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers: int, budget_bytes: int, *,
+                    candidates: Sequence = DEFAULT_CANDIDATES, peak: str = "estimate", max_iterations: int = 4,
+                    layer_bytes: _memory.LayerBytes | None = None, log: Callable[[str], None] | None = None
+                    ) -> BudgetPlan:
+    """Choose one recompute setting per layer minimizing recompute FLOPs with the compiled peak ≤ budget.
+
+    Args:
+      compile_step: `compile_step(recompute_config)` compiles the real train step with that config
+        and returns a `remat.memory.CompiledMemory` (or a `jax.stages.Compiled`). Called once per
+        distinct plan (about 2 per candidate to calibrate, then 1 per verification).
+      n_layers: layers in the stack (all identical).
+      budget_bytes: the bound on the peak (an int, or a size string such as "12GiB").
+      candidates: settings to choose from per layer: "none" (or None) and `remat.policies` names.
+      peak: "estimate" (arguments + outputs + temp − aliased, the default) or "temp".
+      max_iterations: planning rounds at most (each compiles one plan to verify it).
+      layer_bytes: the analytic bytes of one layer (`models.memory_model.activation_bytes`), only
+        for the saved-bytes column of the table.
+      log: called with one line per compilation (progress), e.g. `print`.
+    Returns:
+      BudgetPlan; `.table()` prints it, `.recompute_config()` applies it.
+    Raises:
+      ValueError when the budget is below the least peak any candidate reaches (the message states
+      that minimum and how to lower it), or for invalid arguments.
+    Example:
+      >>> plan = plan_for_budget(lambda rc: compiled_memory(step_for(rc), *args), 8, "600MiB")
+      >>> print(plan.table()); cfg = plan.recompute_config()
+    """
+    if isinstance(budget_bytes, str):
+        budget_bytes = parse_size(budget_bytes)
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"n_layers={n_layers!r} must be a positive int")
+    if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive number of bytes")
+    if peak not in PEAKS:
+        raise ValueError(f"peak={peak!r} is not valid; use one of {', '.join(PEAKS)}")
+    if max_iterations < 1:
+        raise ValueError(f"max_iterations={max_iterations} must be >= 1")
+    cands = []
+    for c in candidates:
+        p = _policy(c)
+        if p is not None:
+            try:
+                _policies.validate(p)
+            except ValueError as e:
+                raise ValueError(f"plan_for_budget candidate: {e}") from None
+        if p not in cands:
+            cands.append(p)
+    if None not in cands:
+        cands.insert(0, None)
+    if len(cands) < 2:
+        raise ValueError("plan_for_budget needs at least one remat candidate besides 'none'")
+    L, budget = n_layers, int(budget_bytes)
+    say = log or (lambda s: None)
+    cache: dict = {}   # layer_policies tuple -> CompiledMemory
+    notes = []
+
+    def measure(lp: tuple) -> _memory.CompiledMemory:
+        lp = tuple(lp)
+        if lp not in cache:
+            cache[lp] = compiled_stats(compile_step(recompute_config(lp)))
+            say(f"compiled {_describe(lp)}: peak {format_bytes(pk(cache[lp]))}")
+        return cache[lp]
+
+    def pk(cm) -> int:
+        return cm.peak_estimate if peak == "estimate" else cm.temp
+
+    def saved_of(c):
+        if layer_bytes is None:
+            return None
+        return _memory.predict_saved(layer_bytes, 1, recompute_config((c,)))
+
+    # 1. Calibrate: no remat, then every candidate on every layer (the minimum), then on all but the last.
+    none_lp = (None,) * L
+    base = measure(none_lp)
+    p_none, f_none = pk(base), base.flops
+    if p_none <= budget:
+        notes.append("no remat fits the budget: nothing is recomputed")
+        return _result(none_lp, cands, {None: Candidate("none", 0.0, 0.0, 0.0, saved_of(None), p_none)}, budget,
+                       peak, p_none, base, p_none, p_none, 0.0, 1, len(cache), notes, pk)
+    uniform = {c: measure((c,) * L) for c in cands if c is not None}
+    best_c = min(uniform, key=lambda c: pk(uniform[c]))
+    minimum = pk(uniform[best_c])
+    if budget < minimum:
+        raise ValueError(
+            f"memory budget {format_bytes(budget)} is below the minimum of {format_bytes(minimum)} "
+            f"({'compiled peak: arguments + outputs + temp - aliased' if peak == 'estimate' else 'compiled temp'}) "
+            f"that the most memory-saving setting ({_name(best_c)} remat on every layer) reaches; no remat needs "
+            f"{format_bytes(p_none)}. Raise the budget to at least {format_bytes(minimum)}, or lower the memory: a "
+            f"smaller micro-batch (with more gradient accumulation steps), a shorter sequence, bfloat16 compute, or "
+            f"sharding parameters and optimizer state over more devices")
+    table = {None: Candidate("none", 0.0, 0.0, 0.0, saved_of(None), p_none)}
+    for c in uniform:
+        u = uniform[c]
+        f = max(0.0, (u.flops - f_none) / L)
+        if L > 1:
+            b = pk(measure((c,) * (L - 1) + (None,)))
+            d, e = (p_none - b) / (L - 1), b - pk(u)
+        else:
+            d, e = 0.0, float(p_none - pk(u))
+        table[c] = Candidate(_name(c), d, e, f, saved_of(c), pk(u))
+
+    # 2. Enumerate plans: counts of interior layers per candidate x the last layer's candidate.
+    order = sorted(cands, key=lambda c: -table[c].interior_freed)   # most-freeing first
+    group = 1
+    while _n_compositions(-(-(L - 1) // group), len(order)) * len(order) > MAX_PLANS:
+        group += 1
+    if group > 1:
+        notes.append(f"{L - 1} interior layers planned in groups of {group} (at most {MAX_PLANS:,} plans)")
+    units, rest = divmod(L - 1, group)   # `units` groups of `group` layers, then `rest` single layers
+    comp = _compositions(units, len(order)) * group
+    if rest:
+        extra = _compositions(rest, len(order))
+        comp = (comp[:, None, :] + extra[None, :, :]).reshape(-1, len(order))
+    d = np.array([table[c].interior_freed for c in order])
+    e = np.array([table[c].last_freed for c in order])
+    f = np.array([table[c].flops for c in order])
+    pred = (p_none - comp @ d)[:, None] - e[None, :]                 # (plans, last)
+    cost = (comp @ f)[:, None] + f[None, :]
+    pred, cost = pred.ravel(), cost.ravel()
+    n_last = len(order)
+
+    def layout(idx: int) -> tuple:
+        counts, last = comp[idx // n_last], order[idx % n_last]
+        lp = []
+        for c, n in zip(order, counts):
+            lp += [c] * int(n)
+        return tuple(lp) + (last,)
+
+    # 3. Choose the cheapest plan predicted to fit; verify it; refine on overshoot.
+    internal = budget
+    rank = np.lexsort((pred, cost))   # by recompute FLOPs, then by predicted peak
+    failed: set = set()
+    chosen, chosen_pred, iterations = None, None, 0
+    for it in range(1, max_iterations + 1):
+        iterations = it
+        pick = None
+        for idx in rank:
+            lp = layout(int(idx))
+            if lp in failed:
+                continue
+            cm = cache.get(lp)   # compiled already: its measured peak decides, not the prediction
+            if (pk(cm) <= budget) if cm is not None else (pred[idx] <= internal):
+                pick = (lp, float(pred[idx]))
+                break
+        if pick is None:
+            break
+        lp, p_pred = pick
+        got = pk(measure(lp))
+        if got <= budget:
+            chosen, chosen_pred = lp, p_pred
+            break
+        failed.add(lp)
+        over = got - budget
+        internal -= over
+        notes.append(f"round {it}: {_describe(lp)} predicted {format_bytes(p_pred)} but compiled to "
+                     f"{format_bytes(got)}, {format_bytes(over)} over the budget; planning again with an internal "
+                     f"budget of {format_bytes(internal)}")
+    if chosen is None:
+        # Out of rounds: the cheapest compiled plan that fits (the minimum plan always does).
+        fitting = [(sum(table[c].flops for c in lp), pk(cm), lp) for lp, cm in cache.items() if pk(cm) <= budget]
+        _, _, chosen = min(fitting)
+        chosen_pred = _predict(chosen, table, p_none)
+        notes.append(f"no plan predicted to fit was verified within {max_iterations} round(s): using the cheapest "
+                     f"compiled plan that fits, {_describe(chosen)}")
+    elif iterations > 1:
+        notes.append(f"refined: the plan fit in round {iterations}")
+    cm = cache[chosen]
+    return _result(chosen, cands, table, budget, peak, int(round(chosen_pred)), cm, p_none, minimum,
+                   cm.flops - f_none, iterations, len(cache), notes, pk)
+
+
+def _predict(lp: tuple, table: dict, p_none: int) -> float:
+    return p_none - sum(table[c].interior_freed for c in lp[:-1]) - table[lp[-1]].last_freed
+
+
+def _describe(lp: tuple) -> str:
+    """A compact name for a per-layer plan: 'full x3, none x1'."""
+    runs = []
+    for c in lp:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return "[" + ", ".join(f"{_name(c)} x{n}" for c, n in runs) + "]"
+
+
+def _result(lp, cands, table, budget, peak, predicted, cm, p_none, minimum, flops, iterations, compiles, notes, pk):
+    L = len(lp)
+    freed = tuple((table[c].interior_freed if i < L - 1 else table[c].last_freed) for i, c in enumerate(lp))
+    return BudgetPlan(layer_policies=tuple(lp), saved_bytes=tuple(table[c].saved for c in lp),
+                      freed_bytes=freed, recompute_flops=tuple(table[c].flops for c in lp), budget=budget,
+                      peak_kind=peak, predicted_peak=int(predicted), compiled_peak=pk(cm), compiled=cm,
+                      no_remat_peak=p_none, minimum_peak=minimum, compiled_recompute_flops=float(flops),
+                      iterations=iterations, compiles=compiles, candidates=tuple(table.values()),
+                      notes=tuple(notes))
