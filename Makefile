@@ -18,10 +18,10 @@ train: install
 	$(BIN)/python train.py $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test-all: install
-	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m bench.policies

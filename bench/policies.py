@@ -222,6 +222,7 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
       1.0
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    info = machine()  # date and load average at the start
     config, seq = build_config(model, preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq=seq, vocab=vocab)
     batch = batch or REF_BATCH
     settings = settings or default_settings(config.n_layer)
@@ -233,7 +234,7 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
     log(f"timing {len(cases)} settings, {steps} interleaved rounds after 1 warm-up ...")
     times = interleaved_ms({c.setting.name: c.step for c in cases}, n=steps, warmup=1)
     rows = rows_from(cases, times)
-    meta = dict(machine(), model=model, preset=preset, seq=seq, batch=batch, steps=steps,
+    meta = dict(info, model=model, preset=preset, seq=seq, batch=batch, steps=steps,
                 config={k: v for k, v in dataclasses.asdict(config).items() if k != "recompute"}, command=None)
     return {"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}
 

@@ -127,6 +127,7 @@ def run(*, n_layer=None, n_embd=None, n_head=None, seq=None, batch=None, vocab=N
     if torch_threads:
         torch.set_num_threads(torch_threads)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    info = machine()  # date and load average at the start
     config, seq = policies.build_config("gpt2", "ref", n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                                         seq=seq, vocab=vocab)
     batch = batch or policies.REF_BATCH
@@ -168,7 +169,7 @@ def run(*, n_layer=None, n_embd=None, n_head=None, seq=None, batch=None, vocab=N
     for r in rows:  # time relative to the same framework's no-remat row
         base = next(x for x in rows if x["framework"] == r["framework"] and not x["remat"])
         r["time_ratio"] = r["step_ms"] / base["step_ms"]
-    meta = dict(machine(), torch=torch.__version__, torch_threads=torch.get_num_threads(), seq=seq, batch=batch,
+    meta = dict(info, torch=torch.__version__, torch_threads=torch.get_num_threads(), seq=seq, batch=batch,
                 steps=steps, config={k: v for k, v in dataclasses.asdict(config).items() if k != "recompute"},
                 command=None)
     return {"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}

@@ -11,9 +11,10 @@ from remat.check import CheckpointError
 from remat.checkpoint import checkpoint
 from remat.config import RecomputeConfig
 from remat.plan import Segment, plan
+from remat.planner import BudgetPlan, plan_for_budget
 from remat.stack import apply_layers
 from remat import memory
 
-__all__ = ["CheckpointError", "RecomputeConfig", "Segment", "apply_layers", "checkpoint", "memory",
-           "names", "plan", "policies"]
+__all__ = ["BudgetPlan", "CheckpointError", "RecomputeConfig", "Segment", "apply_layers", "checkpoint", "memory",
+           "names", "plan", "plan_for_budget", "policies"]
 __version__ = "0.1.0"

@@ -376,8 +376,8 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
                      f"budget of {format_bytes(internal)}")
     if chosen is None:
         # Out of rounds: the cheapest compiled plan that fits (the minimum plan always does).
-        fitting = [(sum(table[c].flops for c in lp), pk(cm), lp) for lp, cm in cache.items() if pk(cm) <= budget]
-        _, _, chosen = min(fitting)
+        fitting = [lp for lp, cm in cache.items() if pk(cm) <= budget]
+        chosen = min(fitting, key=lambda lp: (sum(table[c].flops for c in lp), pk(cache[lp])))
         chosen_pred = _predict(chosen, table, p_none)
         notes.append(f"no plan predicted to fit was verified within {max_iterations} round(s): using the cheapest "
                      f"compiled plan that fits, {_describe(chosen)}")

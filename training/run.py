@@ -298,6 +298,27 @@ def _abstract_with_sharding(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
+def plan_memory(setup: Setup, out=None):
+    """--recompute_method auto: choose a setting per layer that fits --memory_budget
+    (`remat.plan_for_budget` on the real train step), print the plan, and make it the run's
+    recompute config. A budget below what full remat needs is a UsageError stating the minimum."""
+    from models.memory_model import activation_bytes
+
+    cfg, base = setup.cfg, setup.mcfg
+    print(f"planner  fitting the train step into --memory_budget {cfg.memory_budget} per device "
+          f"(compiling candidate settings)", file=out)
+    try:
+        plan = remat.plan_for_budget(
+            lambda rc: compile_train_step(setup, dataclasses.replace(base, recompute=rc)), base.n_layer,
+            cfg.memory_budget_bytes, layer_bytes=activation_bytes(base, cfg.batch_size, cfg.sequence_length)[0])
+    except ValueError as e:
+        raise UsageError(f"--memory_budget {cfg.memory_budget}: {e}") from None
+    print(plan.table(), file=out)
+    setup.mcfg = dataclasses.replace(base, recompute=plan.recompute_config())
+    setup.mcfgs = [("auto", setup.mcfg)]
+    return plan
+
+
 # ------------------------------------------------------------------------------------------------
 # Memory report and dry run
 
@@ -358,7 +379,7 @@ def describe(setup: Setup, compiled=None) -> str:
         f"model    {cfg.model} {cfg.preset}: {setup.fam.num_params(m):,} params, {m.n_layer} layers, "
         f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
         + (", scan" if m.scan_layers else ""),
-        f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy()}"
+        f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy() if rc.layer_policies is None else 'per layer'}"
                                             f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else ""),
         f"data     {setup.train_ds.description}: {setup.train_ds.n_tokens:,} tokens"
         + (f"; val {setup.val_ds.description}: {setup.val_ds.n_tokens:,} tokens" if setup.val_ds else ""),
@@ -421,6 +442,8 @@ def run(cfg: TrainConfig, out=None) -> RunResult:
     """
     out = sys.stdout if out is None else out
     setup = prepare(cfg)
+    if cfg.recompute_method == "auto":
+        plan_memory(setup, out)
     if cfg.memory_report:
         print(memory_report(setup), file=out)
         return RunResult([], None, setup, stopped="memory_report")

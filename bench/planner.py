@@ -1,0 +1,200 @@
+"""The memory-budget planner against hand settings: step time at three budgets.
+
+    python -m bench.planner                          # reference shape, 3 budgets, 7 timed rounds
+    python -m bench.planner --steps 9 --json out/planner.json --markdown out/planner.md
+
+Reference shape (MEASUREMENTS.md): GPT-2, 8 layers, C=256, 4 heads, T=256, B=8, vocabulary 1024,
+float32. The step is the jitted `jax.value_and_grad` of the loss on fixed random tokens; "peak" is
+XLA's arguments + outputs + temp − aliased of that compiled step (`CompiledMemory.peak_estimate`,
+the planner's default). Budgets lie between the full-remat and the no-remat peaks (fractions
+`--fractions` of the way up from full remat).
+
+Hand settings: uniform N (1..L), block N (1..L−1), every selective preset (core_attn, mlp, norm
+and their '+' combinations, on every layer) and full. For each budget the planner's plan
+(`remat.plan_for_budget`, default candidates) is compared with the fastest hand setting that fits
+the same budget. Every program is compiled once, then all are timed in one run, round-robin
+(bench.common.interleaved_ms: one untimed warm-up round, then the median of `--steps` rounds).
+Block N and the selective presets are compiled in their per-layer form (`layer_policies`), which
+is the same program (tests/test_planner.py checks it).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown
+from models import gpt2
+from models.memory_model import activation_bytes
+from remat import RecomputeConfig
+from remat.planner import compiled_stats, plan_for_budget, recompute_config
+
+REF = dict(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_embd=256)
+REF_BATCH = 8
+TOLERANCE = 0.03
+MODULE_PRESETS = ["+".join(c) for r in (1, 2, 3) for c in itertools.combinations(("core_attn", "mlp", "norm"), r)]
+
+
+def hand_settings(L: int) -> dict:
+    """{name: RecomputeConfig} of the hand settings, block/selective in their per-layer form."""
+    out = {"full": recompute_config(("full",) * L)}
+    for n in range(2, L + 1):
+        out[f"uniform {n}"] = RecomputeConfig(granularity="full", method="uniform", num_layers=n)
+    for n in range(1, L):
+        out[f"block {n}"] = recompute_config(("full",) * n + (None,) * (L - n))
+    for m in MODULE_PRESETS:
+        out[f"selective {m}"] = recompute_config((m,) * L)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=7, help="timed rounds (median reported)")
+    ap.add_argument("--fractions", default="0.15,0.45,0.75",
+                    help="budgets as fractions of the way from the full-remat to the no-remat peak")
+    ap.add_argument("--json", help="write all numbers to this file")
+    ap.add_argument("--markdown", help="write the markdown section to this file")
+    args = ap.parse_args(argv)
+    fracs = [float(f) for f in args.fractions.split(",")]
+
+    cfg0 = gpt2.GPT2Config(**REF)
+    L = cfg0.n_layer
+    params = gpt2.init_params(cfg0, jax.random.PRNGKey(0))
+    idx = jax.random.randint(jax.random.PRNGKey(1), (REF_BATCH, REF["block_size"]), 0, REF["vocab_size"])
+    tgt = jax.random.randint(jax.random.PRNGKey(2), (REF_BATCH, REF["block_size"]), 0, REF["vocab_size"])
+    compiled: dict = {}
+    t_compile = [0.0]
+
+    def compile_step(rc: RecomputeConfig):
+        if rc not in compiled:
+            cfg = dataclasses.replace(cfg0, recompute=rc)
+            t = time.perf_counter()
+            compiled[rc] = jax.jit(jax.value_and_grad(lambda p, x, y: gpt2.loss_fn(p, cfg, x, y))).lower(
+                params, idx, tgt).compile()
+            t_compile[0] += time.perf_counter() - t
+        return compiled[rc]
+
+    stats = lambda rc: compiled_stats(compile_step(rc))
+    lo, hi = stats(recompute_config(("full",) * L)).peak_estimate, stats(RecomputeConfig()).peak_estimate
+    budgets = [int(lo + f * (hi - lo)) for f in fracs]
+    layer_bytes = activation_bytes(cfg0, REF_BATCH, REF["block_size"])[0]
+    plans = []
+    for b in budgets:
+        t = time.perf_counter()
+        p = plan_for_budget(compile_step, L, b, layer_bytes=layer_bytes,
+                            log=lambda s: print(f"  {s}", file=sys.stderr, flush=True))
+        plans.append((p, time.perf_counter() - t))
+        print(f"budget {b / MiB:.1f} MiB:\n{p.table()}\n", flush=True)
+    hand = hand_settings(L)
+    for name, rc in hand.items():
+        print(f"  compiling {name}", file=sys.stderr, flush=True)
+        stats(rc)
+    none_flops = stats(RecomputeConfig()).flops
+
+    # Time every distinct program that matters, in one interleaved run.
+    timed = {}
+    for name, rc in hand.items():
+        if stats(rc).peak_estimate <= max(budgets):
+            timed[name] = rc
+    for i, (p, _) in enumerate(plans):
+        timed[f"plan {i + 1}"] = p.recompute_config()
+    programs = {}
+    for name, rc in timed.items():
+        programs.setdefault(rc, []).append(name)
+    fns = {}
+    for rc, names in programs.items():
+        c = compile_step(rc)
+        fns[names[0]] = lambda c=c: jax.block_until_ready(c(params, idx, tgt))
+    print(f"timing {len(fns)} programs x {args.steps} rounds (interleaved)", file=sys.stderr, flush=True)
+    ms = interleaved_ms(fns, n=args.steps, warmup=1)
+    med = {}
+    for rc, names in programs.items():
+        for n in names:
+            med[n] = median(ms[names[0]])
+
+    rows, targets, records = [], [], []
+    for i, (b, (p, t_plan)) in enumerate(zip(budgets, plans)):
+        fit = {n: rc for n, rc in hand.items() if stats(rc).peak_estimate <= b}
+        best = min(fit, key=lambda n: med[n])
+        least_flops = min(fit, key=lambda n: stats(fit[n]).flops)
+        pm, bm = med[f"plan {i + 1}"], med[best]
+        r = pm / bm
+        ok = r <= 1 + TOLERANCE
+        rows.append([f"{b / MiB:.1f}", f"`{_short(p.layer_policies)}`", f"{p.compiled_peak / MiB:.1f}",
+                     f"{p.compiled_recompute_flops / 1e9:.2f}", f"{pm:.0f}", best,
+                     f"{stats(fit[best]).peak_estimate / MiB:.1f}", f"{(stats(fit[best]).flops - none_flops) / 1e9:.2f}",
+                     f"{bm:.0f}", f"{r:.3f}", "yes" if ok else "no"])
+        targets.append(Target(f"budget {b / MiB:.0f} MiB: planner step within 3% of the best fitting hand setting "
+                              f"({best})", f"{r:.3f}x", ok))
+        records.append({"budget": b, "plan": list(p.settings), "plan_peak": p.compiled_peak,
+                        "plan_predicted_peak": p.predicted_peak, "plan_recompute_flops": p.compiled_recompute_flops,
+                        "plan_ms": ms[programs[p.recompute_config()][0]], "plan_iterations": p.iterations,
+                        "plan_compiles": p.compiles, "plan_seconds": t_plan, "best_hand": best,
+                        "best_hand_ms": ms[programs[fit[best]][0]], "least_flops_hand": least_flops,
+                        "fitting_hand": sorted(fit), "ratio": r, "notes": list(p.notes)})
+    header = ["budget MiB", "plan (per layer)", "plan peak MiB", "plan recompute GFLOP", "plan ms",
+              "best hand setting that fits", "its peak MiB", "its recompute GFLOP", "its ms", "plan / best",
+              "within 3%"]
+    allrows = [[n, f"{stats(rc).peak_estimate / MiB:.1f}", f"{(stats(rc).flops - none_flops) / 1e9:.2f}",
+                fmt(med.get(n), ".0f")] for n, rc in [("none", RecomputeConfig())] + list(hand.items())]
+    m = machine()
+    cmd = "python -m bench.planner " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = "\n".join([
+        "## Memory-budget planner",
+        "",
+        f"`{cmd.strip()}` — {m['date']}, {m['cpu'] or 'CPU'} ({m['nproc']} cores, shared), jax {m['jax']}, "
+        f"backend {m['backend']}.",
+        "",
+        f"GPT-2 reference shape (8 layers, C=256, 4 heads, T=256, B=8, vocab 1024, float32); the step is the "
+        f"compiled `value_and_grad` of the loss. Peak = XLA's arguments + outputs + temp − aliased of that "
+        f"program; budgets at {', '.join(f'{f:.0%}' for f in fracs)} of the way from the full-remat peak "
+        f"({lo / MiB:.1f} MiB) to the no-remat peak ({hi / MiB:.1f} MiB). `remat.plan_for_budget` with its default "
+        f"candidates (none, norm, mlp, core_attn+mlp+norm, full) against the fastest hand setting that fits "
+        f"(uniform N, block N, selective presets, full). Step times: median of {args.steps} rounds, all programs "
+        f"interleaved in one run after a warm-up round.",
+        "",
+        markdown_table(header, rows),
+        "",
+        targets_markdown(targets),
+        "",
+        "Every setting (recompute GFLOP = XLA's FLOPs minus no remat's):",
+        "",
+        markdown_table(["setting", "peak MiB", "recompute GFLOP", "ms"], allrows),
+        "",
+        f"Planning cost: {', '.join(f'{t:.0f} s' for _, t in plans)} per budget (the first includes the "
+        f"calibration compilations, shared with the others); {plans[0][0].compiles} compilations for the first.",
+    ])
+    print(md)
+    if args.markdown:
+        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+        open(args.markdown, "w").write(md + "\n")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        json.dump({"machine": m, "budgets": records, "times_ms": ms, "low": lo, "high": hi,
+                   "settings": {n: {"peak": stats(rc).peak_estimate, "flops": stats(rc).flops}
+                                for n, rc in [("none", RecomputeConfig())] + list(hand.items())}},
+                  open(args.json, "w"), indent=1)
+    return 0
+
+
+def _short(lp) -> str:
+    runs = []
+    for c in lp:
+        c = "none" if c is None else c
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return ", ".join(f"{c}×{n}" if n > 1 else c for c, n in runs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
