@@ -25,6 +25,8 @@ test-all: install
 
 bench: install
 	$(BIN)/python -m bench.policies
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then $(BIN)/python -m bench.torch_peer; \
+	else echo "bench.torch_peer skipped: PyTorch is not installed (pip install -e '.[peer]')"; fi
 
 gpu-check:
 	bash bench/gpu_check.sh

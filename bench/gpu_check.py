@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import MiB, Target, fmt, markdown_table, targets_markdown
+from bench.common import Target, fmt, markdown_table, targets_markdown
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak (NVIDIA H200 SXM datasheet)
 

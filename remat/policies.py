@@ -135,9 +135,10 @@ REGISTRY: dict[str, Entry] = {
                 f"selective: save every tagged activation except {'/'.join(N.MODULES[m])}; "
                 f"combine with '+', e.g. core_attn+mlp")
        for m in N.MODULES},
-    "bf16": Entry(lambda: DtypePreserving(_everything),
-                  "dtype-preserving save-everything: no float32 copies of bf16 values",
-                  template="bf16:<policy>", example="bf16:core_attn"),
+    "bf16": Entry(lambda: DtypePreserving(selective(("core_attn",))),
+                  "dtype-preserving selective (core_attn): keeps the tagged activations in the dtype the "
+                  "forward computed them in, never a float32 copy of a bf16 value; `bf16:<policy>` wraps any policy",
+                  template="bf16:<policy>", example="bf16:everything"),
     "save_names": Entry(lambda arg: SaveNames(_names_arg(arg, "save_names")),
                         "save only the listed tagged names",
                         template="save_names:<name,...>", example=f"save_names:{N.QKV},{N.ATTN_CONTEXT}"),

@@ -52,10 +52,10 @@ def test_readme_policy_table_is_generated_from_the_registry():
     assert policies.table_markdown() in readme, "regenerate README's table: python -m remat.policies"
 
 
-def _saved(policy, n_layers=4, method="none", num_layers=1, dtype=jnp.float32, compute=None):
+def _saved(policy, n_layers=4, method="none", num_layers=1, dtype=jnp.float32, compute=None, granularity="full"):
     ps = [init_block(k, dtype=dtype) for k in jax.random.split(KEY, n_layers)]
     x = jax.random.normal(KEY, (B, T, C), dtype)
-    cfg = remat.RecomputeConfig(granularity="full", method=method, num_layers=num_layers, policy=policy)
+    cfg = remat.RecomputeConfig(granularity=granularity, method=method, num_layers=num_layers, policy=policy)
     # a linear loss keeps nothing itself, so every saved value comes from the layers
     f = lambda ps, x: jnp.sum(remat.apply_layers(lambda p, h, k: block(p, h, compute_dtype=compute),
                                                  ps, x, cfg).astype(jnp.float32))
@@ -80,6 +80,13 @@ def test_save_names_saves_exactly_those_names():
 def _bf16_rows(policy):
     # bf16 compute: activations (the residual stream too) in bf16, params cast at use.
     return _saved(policy, dtype=jnp.bfloat16, compute=jnp.bfloat16)
+
+
+def test_plain_bf16_saves_less_than_no_remat_in_bf16():
+    # `bf16` alone is the dtype-preserving selective preset: in bf16 compute it keeps only the
+    # tagged bf16 activations, fewer bytes than the same stack without remat.
+    assert _bf16_rows("bf16").intermediates < _saved(None, dtype=jnp.bfloat16, compute=jnp.bfloat16,
+                                                     granularity="none").intermediates
 
 
 @pytest.mark.parametrize("base", ["everything", "dots", "core_attn"])
@@ -107,7 +114,7 @@ def test_bf16_policy_keeps_the_bf16_cast_of_a_float32_accumulated_matmul():
         return jnp.sum((y * y).astype(jnp.float32))  # the backward needs y
 
     every = memory.saved_residuals(jax.checkpoint(f, policy=policies.get("everything")), w, x)
-    bf = memory.saved_residuals(jax.checkpoint(f, policy=policies.get("bf16")), w, x)
+    bf = memory.saved_residuals(jax.checkpoint(f, policy=policies.get("bf16:everything")), w, x)
     assert not any(r.dtype == "float32" and r.kind == "intermediate" for r in bf.rows)
     assert any(r.name == "convert_element_type" and r.dtype == "bfloat16" for r in bf.rows)
     assert bf.total <= every.total
