@@ -27,6 +27,7 @@ state and batch included). `peak="temp"` applies the budget to XLA's temp buffer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Callable, Sequence
@@ -65,17 +66,17 @@ def parse_size(text: str) -> int:
     return int(n)
 
 
-def format_bytes(n: float | None) -> str:
-    """Bytes in GiB/MiB/KiB, whichever reads best."""
+def format_bytes(n: float | None, up: bool = False) -> str:
+    """Bytes in GiB/MiB/KiB, whichever reads best; `up` rounds up (a minimum stays a minimum)."""
     if n is None:
         return "—"
     a = abs(n)
-    if a >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if a >= 2**20:
-        return f"{n / 2**20:.2f} MiB"
-    if a >= 2**10:
-        return f"{n / 2**10:.1f} KiB"
+    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 2), ("KiB", 2**10, 1)):
+        if a >= scale:
+            v = n / scale
+            if up:
+                v = math.ceil(v * 10**digits) / 10**digits
+            return f"{v:.{digits}f} {unit}"
     return f"{int(n)} B"
 
 
@@ -202,6 +203,7 @@ class BudgetPlan:
         return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=256)
 def _compositions(m: int, k: int) -> np.ndarray:
     """All k-tuples of non-negative ints summing to m, as an (N, k) array."""
     if k == 1:
@@ -277,7 +279,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         lp = tuple(lp)
         if lp not in cache:
             cache[lp] = compiled_stats(compile_step(recompute_config(lp)))
-            say(f"compiled {_describe(lp)}: peak {format_bytes(pk(cache[lp]))}")
+            say(f"measured {_describe(lp)}: peak {format_bytes(pk(cache[lp]))}")
         return cache[lp]
 
     def pk(cm) -> int:
@@ -298,15 +300,17 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
                        peak, p_none, base, p_none, p_none, 0.0, 1, len(cache), notes, pk)
     uniform = {c: measure((c,) * L) for c in cands if c is not None}
     best_c = min(uniform, key=lambda c: pk(uniform[c]))
-    minimum = pk(uniform[best_c])
+    minimum = min(pk(uniform[best_c]), p_none)
     if budget < minimum:
+        what = "compiled peak: arguments + outputs + temp - aliased" if peak == "estimate" else "compiled temp"
+        who = (f"that the most memory-saving setting ({_name(best_c)} remat on every layer) reaches; no remat needs "
+               f"{format_bytes(p_none)}" if pk(uniform[best_c]) < p_none else
+               "that no remat needs: no candidate lowers this step's peak (activations are not what fills it)")
         raise ValueError(
-            f"memory budget {format_bytes(budget)} is below the minimum of {format_bytes(minimum)} "
-            f"({'compiled peak: arguments + outputs + temp - aliased' if peak == 'estimate' else 'compiled temp'}) "
-            f"that the most memory-saving setting ({_name(best_c)} remat on every layer) reaches; no remat needs "
-            f"{format_bytes(p_none)}. Raise the budget to at least {format_bytes(minimum)}, or lower the memory: a "
-            f"smaller micro-batch (with more gradient accumulation steps), a shorter sequence, bfloat16 compute, or "
-            f"sharding parameters and optimizer state over more devices")
+            f"memory budget {format_bytes(budget)} is below the minimum of {format_bytes(minimum, up=True)} "
+            f"({minimum:,} bytes, {what}) {who}. Raise the budget to at least {format_bytes(minimum, up=True)}, or "
+            f"lower the memory: a smaller micro-batch (with more gradient accumulation steps), a shorter sequence, "
+            f"bfloat16 compute, or sharding parameters and optimizer state over more devices")
     table = {None: Candidate("none", 0.0, 0.0, 0.0, saved_of(None), p_none)}
     for c in uniform:
         u = uniform[c]

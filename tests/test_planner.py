@@ -129,7 +129,8 @@ def test_budget_too_small_states_the_minimum():
     with pytest.raises(ValueError) as e:
         plan_for_budget(compile_grad, L, lo - 1)
     msg = str(e.value)
-    assert f"minimum of {format_bytes(lo)}" in msg and "full remat on every layer" in msg
+    assert f"minimum of {format_bytes(lo, up=True)} ({lo:,} bytes" in msg and "full remat on every layer" in msg
+    assert parse_size(format_bytes(lo, up=True).replace(" ", "")) >= lo
     assert "smaller micro-batch" in msg
 
 
@@ -259,13 +260,13 @@ def test_cli_budget_too_small_states_the_minimum(text_file):
 @pytest.mark.slow
 def test_cli_trains_with_the_plan(text_file):
     """Plan between the minimum and no remat (read from the too-small error), then train 2 steps."""
-    p = _train(["--recompute_method", "auto", "--memory_budget", "1KiB", "--n_layer", "3"] + SMALL[2:]
-               + ["--data", text_file])
-    lo, hi = (parse_size(re.search(pat + r" ([0-9.]+ [KMG]iB)", p.stderr).group(1))
-              for pat in ("minimum of", "no remat needs"))
-    budget = (lo + hi) // 2
-    p = _train(["--recompute_method", "auto", "--memory_budget", str(budget), "--n_layer", "3"] + SMALL[2:]
-               + ["--data", text_file])
+    args = ["--recompute_method", "auto", "--n_layer", "3", "--batch_size", "8", "--sequence_length", "64",
+            "--num_iterations", "2", "--val_every", "0", "--no-progress", "--data", text_file]
+    p = _train(args + ["--memory_budget", "1KiB"])
+    lo = int(re.search(r"minimum of [0-9.]+ [KMG]iB \(([0-9,]+) bytes", p.stderr).group(1).replace(",", ""))
+    hi = parse_size(re.search(r"no remat needs ([0-9.]+ [KMG]iB)", p.stderr).group(1))
+    assert lo < 0.9 * hi, p.stderr
+    p = _train(args + ["--memory_budget", str((lo + hi) // 2)])
     assert p.returncode == 0, p.stderr
     assert "recompute MFLOP" in p.stdout and "predicted" in p.stdout and "(fits)" in p.stdout
     assert "step 2/2" in p.stdout and "policy per layer" in p.stdout
