@@ -14,7 +14,7 @@ process (so that `peak_bytes_in_use`, which only ever grows, belongs to that set
 Results go to `$OUT` if set, else out/gpu_check (`--out` overrides): gpu_check.md (the table and
 the targets) and gpu_check.json, rewritten after every setting so a cut-off run keeps what it has.
 
-Sizing (default flags): 5 settings share a 400 s budget (compile, 12 steps, 3-6 search
+Sizing (default flags): 6 settings share a 400 s budget (compile, 12 steps, 3-6 search
 compiles each); a worker past its share plus 45 s is killed, so the whole run stays under 8
 minutes on one H200 (bounded by budget + grace + JAX start-up). The .sh sets
 XLA_PYTHON_CLIENT_PREALLOCATE=false so peak statistics are the program's own.
@@ -40,12 +40,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the worker
 
 
 def settings(n_layer: int) -> dict:
-    """{name: RecomputeConfig kwargs}: none, full, uniform 2, block L/2, selective core_attn."""
+    """{name: RecomputeConfig kwargs}: none, full, uniform 2, block L/2, selective core_attn, and an
+    offload row (the MLP's tagged activations to pinned host memory) whose device peak should fall."""
     u, b = min(2, n_layer), max(1, n_layer // 2)
     return {"none": {}, "full": dict(granularity="full"),
             f"uniform {u}": dict(granularity="full", method="uniform", num_layers=u),
             f"block {b}": dict(granularity="full", method="block", num_layers=b),
-            "selective core_attn": dict(granularity="selective", modules=("core_attn",))}
+            "selective core_attn": dict(granularity="selective", modules=("core_attn",)),
+            "offload mlp": dict(granularity="full", policy="custom:qkv=device,attn_context=device,"
+                                                          "mlp_up=offload,mlp_act=offload")}
 
 
 def is_oom(err: BaseException) -> bool:

@@ -41,7 +41,7 @@ from remat.config import RecomputeConfig
 # Candidate settings: None (not rematerialized), selective presets, and full (nothing saved).
 DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", "full")
 PEAKS = ("estimate", "temp")
-MAX_PLANS = 4_000_000  # compositions enumerated at most; beyond, layers are planned in equal groups
+MAX_PLANS = 2_000_000  # compositions enumerated at most; beyond, layers are planned in equal groups
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -325,15 +325,16 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
     # 2. Enumerate plans: counts of interior layers per candidate x the last layer's candidate.
     order = sorted(cands, key=lambda c: -table[c].interior_freed)   # most-freeing first
     group = 1
-    while _n_compositions(-(-(L - 1) // group), len(order)) * len(order) > MAX_PLANS:
+    k = len(order)
+    while _n_compositions((L - 1) // group, k) * (k if (L - 1) % group else 1) * k > MAX_PLANS:
         group += 1
     if group > 1:
-        notes.append(f"{L - 1} interior layers planned in groups of {group} (at most {MAX_PLANS:,} plans)")
-    units, rest = divmod(L - 1, group)   # `units` groups of `group` layers, then `rest` single layers
-    comp = _compositions(units, len(order)) * group
+        notes.append(f"{L - 1} interior layers planned in groups of {group} (at most {MAX_PLANS:,} plans): "
+                     f"optimal over such plans, not over all")
+    units, rest = divmod(L - 1, group)   # `units` groups of `group` layers, then `rest` layers alike
+    comp = _compositions(units, k) * group
     if rest:
-        extra = _compositions(rest, len(order))
-        comp = (comp[:, None, :] + extra[None, :, :]).reshape(-1, len(order))
+        comp = (comp[:, None, :] + rest * np.eye(k, dtype=np.int32)[None, :, :]).reshape(-1, k)
     d = np.array([table[c].interior_freed for c in order])
     e = np.array([table[c].last_freed for c in order])
     f = np.array([table[c].flops for c in order])
@@ -349,25 +350,30 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
             lp += [c] * int(n)
         return tuple(lp) + (last,)
 
-    # 3. Choose the cheapest plan predicted to fit; verify it; refine on overshoot.
+    # 3. Choose the cheapest plan predicted to fit; verify it; refine on overshoot. A plan compiled
+    # already (calibration, earlier rounds) is judged by its measured peak, not the prediction.
+    flops_of = lambda lp: sum(table[c].flops for c in lp)
     internal = budget
-    rank = np.lexsort((pred, cost))   # by recompute FLOPs, then by predicted peak
     failed: set = set()
     chosen, chosen_pred, iterations = None, None, 0
     for it in range(1, max_iterations + 1):
         iterations = it
         pick = None
-        for idx in rank:
+        ok = np.flatnonzero(pred <= internal)
+        for idx in ok[np.lexsort((pred[ok], cost[ok]))]:   # by recompute FLOPs, then by predicted peak
             lp = layout(int(idx))
-            if lp in failed:
-                continue
-            cm = cache.get(lp)   # compiled already: its measured peak decides, not the prediction
-            if (pk(cm) <= budget) if cm is not None else (pred[idx] <= internal):
-                pick = (lp, float(pred[idx]))
+            cm = cache.get(lp)
+            if lp not in failed and (cm is None or pk(cm) <= budget):
+                pick = (lp, float(pred[idx]), float(cost[idx]))
                 break
+        known = [lp for lp, cm in cache.items() if pk(cm) <= budget and len(lp) == L]
+        best_known = min(known, key=lambda lp: (flops_of(lp), pk(cache[lp])), default=None)
+        if best_known is not None and (pick is None or flops_of(best_known) <= pick[2]):
+            chosen, chosen_pred = best_known, _predict(best_known, table, p_none)
+            break
         if pick is None:
             break
-        lp, p_pred = pick
+        lp, p_pred, _ = pick
         got = pk(measure(lp))
         if got <= budget:
             chosen, chosen_pred = lp, p_pred

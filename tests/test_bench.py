@@ -110,7 +110,8 @@ def test_is_oom():
 
 
 def test_gpu_check_settings():
-    assert list(gpu_check.settings(12)) == ["none", "full", "uniform 2", "block 6", "selective core_attn"]
+    assert list(gpu_check.settings(12)) == ["none", "full", "uniform 2", "block 6", "selective core_attn",
+                                            "offload mlp"]
 
 
 @pytest.mark.slow

@@ -185,6 +185,20 @@ def test_exact_against_brute_force(budget):
     assert plan.predicted_peak == plan.compiled_peak
 
 
+def test_deep_stacks_are_planned_in_groups():
+    plan = plan_for_budget(_syn_step_n(120), 120, 1000 * 120 - 40 * 120)
+    assert plan.fits and len(plan.layer_policies) == 120 and any("groups of" in n for n in plan.notes)
+
+
+def _syn_step_n(n):
+    def step(rc: RecomputeConfig) -> CompiledMemory:
+        lp = rc.layer_policies or (None,) * n
+        peak = 1000 * n - sum(SYN[c][0] for c in lp[:-1]) - SYN[lp[-1]][1]
+        return CompiledMemory(temp=peak, argument=0, output=0, alias=0, generated_code=0, host_temp=0,
+                              flops=100.0 + sum(SYN[c][2] for c in lp))
+    return step
+
+
 def test_refines_when_the_compiled_plan_does_not_fit():
     plan = plan_for_budget(_syn_step(penalty=25), 6, 777)
     assert plan.compiled_peak <= 777 and plan.iterations > 1
