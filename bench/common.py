@@ -100,3 +100,17 @@ def loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def publish(res: dict, report: Callable[[dict], str], module: str, argv, json_path: str | None) -> int:
+    """Record the command in `res`, print the report, and write `res` as JSON when asked."""
+    import json
+    import sys
+
+    res["meta"]["command"] = f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(report(res))
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

@@ -8,7 +8,6 @@ and compiled once in this process (`jax.jit(...).lower(...).compile()`); nothing
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 

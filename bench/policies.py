@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import common
 from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, ratio, targets_markdown
 from models import gpt2, llama3
 from remat import RecomputeConfig
@@ -268,13 +267,7 @@ def main(argv=None) -> int:
         raise SystemExit("--steps must be >= 1")
     res = run(a.model, a.preset, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq=a.seq,
               batch=a.batch, vocab=a.vocab, steps=a.steps)
-    res["meta"]["command"] = "python -m bench.policies " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(report(res))
-    if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+    return common.publish(res, report, "bench.policies", argv, a.json)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 
 import numpy as np
 
 from bench import policies
+from bench import common
 from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown
 from models import gpt2
 
@@ -252,13 +251,7 @@ def main(argv=None) -> int:
         raise SystemExit("--steps must be >= 1")
     res = run(n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq=a.seq, batch=a.batch, vocab=a.vocab,
               steps=a.steps, torch_threads=a.torch_threads)
-    res["meta"]["command"] = "python -m bench.torch_peer " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(report(res))
-    if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+    return common.publish(res, report, "bench.torch_peer", argv, a.json)
 
 
 if __name__ == "__main__":

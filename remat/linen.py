@@ -1,7 +1,7 @@
 """Flax Linen helpers: a layer stack grouped per `remat.plan`, and `nn.remat` with a config."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax

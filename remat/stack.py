@@ -11,7 +11,7 @@ and plain-JAX users all call it.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 from jax import lax

@@ -328,7 +328,7 @@ def _flag_spec(f: dataclasses.Field, tp) -> dict:
     meta = dict(f.metadata)
     kw: dict = {"help": meta.pop("help")}
     kw.update(meta)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    args = typing.get_args(tp)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), tp) if optional else tp
     if base is bool:

@@ -17,7 +17,6 @@ from types import ModuleType
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
