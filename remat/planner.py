@@ -11,8 +11,9 @@ state and batch included). `peak="temp"` applies the budget to XLA's temp buffer
 # NOTE: the cost model. A layer's setting frees memory at the compiled peak, and how much depends on
 # where the layer is. With the recomputation tied to the cotangent, the backward of the last layer
 # runs first, while the saved values of all the other layers are still live: recomputing that layer
-# rebuilds (almost) everything it would have saved, so its remat frees little (measured on GPT-2:
-# 0.13 vs 1.57 MiB per layer for the others). So the model has two slots per candidate `c`, each
+# rebuilds (almost) everything it would have saved, so its remat frees little (GPT-2 reference
+# shape, full remat: 16 MiB for the last layer, 50 MiB for each other). So the model has two slots
+# per candidate `c`, each
 # calibrated from compiled uniform plans (XLA's analysis, not the analytic saved bytes):
 #   d_c = (peak(none) − peak(c on layers 0..L−2, none on the last)) / (L − 1)  per interior layer
 #   e_c = peak(c on layers 0..L−2, none last) − peak(c everywhere)             for the last layer
@@ -23,6 +24,10 @@ state and batch included). `peak="temp"` applies the budget to XLA's temp buffer
 # compiled to verify it. A plan that does not fit lowers the internal budget by its overshoot and
 # the search runs again (bounded); compiled plans replace predictions by their measured peaks. The
 # interior is ordered most-rematerialized first (so `block N` is one of the plans considered).
+#
+# NOTE: the objective is XLA's `flops`, which leaves out transcendentals (tanh, exp, rsqrt): a
+# selective policy that recomputes the untagged GELU/softmax internals costs more time than its
+# FLOPs say. At the reference shape the differences stay within a few % (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 

@@ -284,3 +284,14 @@ def test_cli_trains_with_the_plan(text_file):
     assert p.returncode == 0, p.stderr
     assert "recompute MFLOP" in p.stdout and "predicted" in p.stdout and "(fits)" in p.stdout
     assert "step 2/2" in p.stdout and "policy per layer" in p.stdout
+
+
+def test_bench_helpers():
+    from bench import planner as bp
+
+    hs = bp.hand_settings(4)
+    assert {"full", "uniform 2", "uniform 4", "block 1", "block 3", "selective core_attn+mlp+norm"} <= set(hs)
+    assert hs["block 2"] == remat.planner.recompute_config(("full", "full", None, None))
+    a = 'HloModule m\n\nFileNames\n1 "a.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="x"}\n}'
+    b = 'HloModule m\n\nFileNames\n1 "b.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="y"}\n}'
+    assert bp._fingerprint(a) == bp._fingerprint(b) != bp._fingerprint(a.replace("f32", "s32"))
