@@ -12,6 +12,7 @@
         --batch_size 8 --sequence_length 1024 --grad_accum_steps 8 --checkpoint_dir runs/d12 \\
         --checkpoint_every 500 --log_jsonl runs/d12.jsonl --mesh data=2,fsdp=4
     python train.py ... --checkpoint_dir runs/d12 --resume   # continue bit-identically
+    python train.py --preset d12 --recompute_method auto --memory_budget 12GiB   # planner picks per layer
 
 Flags are generated from `training.TrainConfig` (`python train.py --help`). Bad input (an unknown
 value, inconsistent recompute flags, a missing or malformed data file, a mismatched --init_from,
