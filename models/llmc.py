@@ -23,6 +23,7 @@ import numpy as np
 from models import gpt2, llama3
 from models.llmc_io import GPT2Header, Llama3Header, LlmcFormatError, read_model, read_state, write_model
 from remat import RecomputeConfig
+from remat.flags import recompute_configs
 
 # NOTE: tolerance. A float32 JAX port against a float32 (or float64-derived) reference differs by
 # rounding only: ~1e-6 for loss and gradients of the small models checked here. 1e-4 absolute
@@ -149,15 +150,10 @@ def _recompute_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _recompute_from(a) -> RecomputeConfig:
-    g = a.recompute_granularity or ("full" if a.activation_recompute else "none")
-    if g == "none" and (a.recompute_method != "none" or a.use_reentrant or a.remat_policy):
-        raise ValueError("--recompute_method/--use_reentrant/--remat_policy need recompute turned on; "
-                         "add --activation_recompute")
-    kw = dict(granularity=g, method=a.recompute_method, num_layers=a.recompute_num_layers,
-              policy=a.remat_policy, use_reentrant=a.use_reentrant)
-    if a.recompute_modules:
-        kw["modules"] = a.recompute_modules
-    return RecomputeConfig(**kw)
+    return recompute_configs(activation_recompute=a.activation_recompute,
+                             recompute_granularity=a.recompute_granularity, methods=(a.recompute_method,),
+                             num_layers=a.recompute_num_layers, modules=a.recompute_modules,
+                             policy=a.remat_policy, use_reentrant=a.use_reentrant)[0][1]
 
 
 class _Parser(argparse.ArgumentParser):

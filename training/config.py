@@ -22,6 +22,7 @@ import typing
 from typing import Sequence
 
 from remat import RecomputeConfig, policies
+from remat import flags as recompute_flags
 from remat import names as remat_names
 from remat.config import GRANULARITIES, METHODS
 from remat.planner import parse_size
@@ -200,9 +201,7 @@ class TrainConfig:
     @property
     def granularity(self) -> str:
         """The effective granularity (see `--activation_recompute`)."""
-        if self.recompute_granularity is None:
-            return "full" if self.activation_recompute else "none"
-        return self.recompute_granularity
+        return recompute_flags.granularity(self.activation_recompute, self.recompute_granularity)
 
     def recompute_configs(self) -> list[tuple[str, RecomputeConfig]]:
         """[(label, RecomputeConfig)]: one entry, or one per method of a `--recompute_method` comma list.
@@ -219,49 +218,13 @@ class TrainConfig:
         if len(methods) > 1 and not self.memory_report:
             raise UsageError(f"--recompute_method {self.recompute_method!r}: a comma list compares methods and "
                              f"needs --memory_report; pass one method to train")
-        g = self.granularity
-        if self.activation_recompute and g == "none":
-            raise UsageError("--activation_recompute contradicts --recompute_granularity none; drop one of them")
-        if g == "none":
-            if any(m != "none" for m in methods):
-                raise UsageError(f"--recompute_method {self.recompute_method} needs recompute turned on; add "
-                                 f"--activation_recompute (granularity full), or drop --recompute_method")
-            for flag, value in (("--remat_policy", self.remat_policy), ("--recompute_modules", self.recompute_modules)):
-                if value is not None:
-                    raise UsageError(f"{flag} {value} needs recompute turned on; add --activation_recompute "
-                                     f"(with --recompute_granularity selective for modules)")
-            if self.use_reentrant:
-                raise UsageError("--use_reentrant needs recompute turned on; add --activation_recompute")
-        if g == "selective" and any(m != "none" for m in methods):
-            raise UsageError(f"--recompute_method {self.recompute_method} applies to --recompute_granularity full "
-                             f"only (selective recomputes inside every layer); drop --recompute_method")
-        if g == "selective" and self.use_reentrant:
-            raise UsageError("--use_reentrant cannot be combined with --recompute_granularity selective (a "
-                             "reentrant region saves only its inputs); use granularity full or drop --use_reentrant")
-        if g == "full" and self.recompute_modules is not None:
-            raise UsageError("--recompute_modules applies to --recompute_granularity selective; for full "
-                             "granularity choose what a region saves with --remat_policy")
-        if self.remat_policy is not None:
-            try:
-                policies.validate(self.remat_policy)
-            except ValueError as e:
-                raise UsageError(f"--remat_policy: {e}") from None
-        if any(m in ("uniform", "block") for m in methods) and self.recompute_num_layers < 1:
-            raise UsageError(f"--recompute_num_layers {self.recompute_num_layers} must be >= 1 with "
-                             f"--recompute_method uniform/block")
-        out = []
-        for m in methods:
-            kw = dict(granularity=g, method=m, num_layers=self.recompute_num_layers, policy=self.remat_policy,
-                      use_reentrant=self.use_reentrant)
-            if self.recompute_modules is not None:
-                kw["modules"] = self.recompute_modules
-            try:
-                rc = RecomputeConfig(**kw)
-            except ValueError as e:
-                raise UsageError(f"recompute flags: {e}") from None
-            label = g if g != "full" else f"full/{m}" + (f"/{self.recompute_num_layers}" if m != "none" else "")
-            out.append((label, rc))
-        return out
+        try:
+            return recompute_flags.recompute_configs(
+                activation_recompute=self.activation_recompute, recompute_granularity=self.recompute_granularity,
+                methods=methods, num_layers=self.recompute_num_layers, modules=self.recompute_modules,
+                policy=self.remat_policy, use_reentrant=self.use_reentrant)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     def _auto_placeholder(self) -> RecomputeConfig:
         """Validate `--recompute_method auto` and `--memory_budget`; full remat stands in until the
