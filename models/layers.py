@@ -1,8 +1,8 @@
 """Shared transformer pieces for the GPT-2 and LLaMA-3 models (Flax Linen), lean in saved memory.
 
 Shapes: B batch, T sequence, C n_embd, H query heads, K kv heads, G = H/K, D head dim, F MLP
-hidden width, V (padded) vocabulary. Every shape in models/ is written as a trailing comment on
-the line that makes the value: `y = f(x)  # (B, T, C)`.
+hidden width, V (padded) vocabulary, R = G·T query rows per kv head (attention core). Every shape
+in models/ is written as a trailing comment on the line that makes the value: `y = f(x)  # (B, T, C)`.
 
 Activations are tagged with `checkpoint_name(x, remat.names.X)` at the points that
 remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here tag the rest.
@@ -186,23 +186,61 @@ def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, dropout_rate: floa
     return _attention(q, k, v, key, n_head, n_kv_head, float(dropout_rate))
 
 
-def _heads(q, k, v, n_head, n_kv_head):
+# NOTE: layout. The core works head-major with the G query heads of a kv group folded into the
+# rows: q (B, K, R, D) with R = G·T (row r is head g = r // T, position r % T), k and v (B, K, T, D),
+# scores (B, K, R, T). Every product is then a plain batched matmul (batch dims leading, contracting
+# the last axis), which XLA:CPU runs about 2× faster than the same einsums over (B, T, K, G, D)
+# operands (GPT-2 reference layer: 38 → 18 ms forward + backward). (B, K, R, T) has the memory
+# order of (B, K, G, T, T), so dropout masks are drawn in that shape.
+
+
+def _q_split(q, n_head, n_kv_head):
+    """(B, T, H·D) → (B, K, R, D), R = G·T."""
     B, T, HD = q.shape
     D, G = HD // n_head, n_head // n_kv_head
-    return (q.reshape(B, T, n_kv_head, G, D), k.reshape(B, T, n_kv_head, D),
-            v.reshape(B, T, n_kv_head, D), 1.0 / math.sqrt(D))
+    return q.reshape(B, T, n_kv_head, G, D).transpose(0, 2, 3, 1, 4).reshape(B, n_kv_head, G * T, D)
+
+
+def _kv_split(t, n_kv_head):
+    """(B, T, K·D) → (B, K, T, D)."""
+    B, T, KD = t.shape
+    return t.reshape(B, T, n_kv_head, KD // n_kv_head).transpose(0, 2, 1, 3)
+
+
+def _heads(q, k, v, n_head, n_kv_head):
+    """q (B, K, R, D), k and v (B, K, T, D), and the score scale 1/sqrt(D)."""
+    return (_q_split(q, n_head, n_kv_head), _kv_split(k, n_kv_head), _kv_split(v, n_kv_head),
+            1.0 / math.sqrt(q.shape[-1] // n_head))
+
+
+def _q_merge(yh, T):
+    """(B, K, R, D) → (B, T, K·G·D): the inverse of `_q_split`."""
+    B, K, R, D = yh.shape
+    return yh.reshape(B, K, R // T, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, K * (R // T) * D)
+
+
+def _kv_merge(th):
+    """(B, K, T, D) → (B, T, K·D)."""
+    B, K, T, D = th.shape
+    return th.transpose(0, 2, 1, 3).reshape(B, T, K * D)
 
 
 def _probs(qh, kh, scale, lse=None):
     """Scaled, causally masked scores → (probabilities, log-sum-exp), all float32."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", qh, kh, preferred_element_type=F32) * scale  # (B, K, G, T, T)
-    T = s.shape[-1]
-    causal = lax.broadcasted_iota(jnp.int32, (T, T), 0) >= lax.broadcasted_iota(jnp.int32, (T, T), 1)
+    s = jnp.einsum("bkrd,bksd->bkrs", qh, kh, preferred_element_type=F32) * scale  # (B, K, R, T)
+    R, T = s.shape[-2:]
+    causal = lax.broadcasted_iota(jnp.int32, (R, T), 0) % T >= lax.broadcasted_iota(jnp.int32, (R, T), 1)
     s = jnp.where(causal, s, -jnp.inf)
     if lse is None:  # the diagonal is never masked, so every row max is finite
         m = lax.stop_gradient(s.max(-1, keepdims=True))
-        lse = (m + jnp.log(jnp.exp(s - m).sum(-1, keepdims=True)))[..., 0]  # (B, K, G, T)
+        lse = (m + jnp.log(jnp.exp(s - m).sum(-1, keepdims=True)))[..., 0]  # (B, K, R)
     return jnp.exp(s - lse[..., None]), lse
+
+
+def _keep(key, rate, p, n_head):
+    """The dropout keep-mask for probabilities p (B, K, R, T), drawn as (B, K, G, T, T)."""
+    B, K, R, T = p.shape
+    return attention_dropout_mask(key, rate, (B, K, n_head // K, T, T)).reshape(p.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -212,31 +250,32 @@ def _attention(q, k, v, key, n_head, n_kv_head, rate):
 
 def _attention_fwd(q, k, v, key, n_head, n_kv_head, rate):
     qh, kh, vh, scale = _heads(q, k, v, n_head, n_kv_head)
-    p, lse = _probs(qh, kh, scale)
+    p, lse = _probs(qh, kh, scale)  # (B, K, R, T)
     if rate:
-        p = jnp.where(attention_dropout_mask(key, rate, p.shape), p / (1.0 - rate), 0.0)
-    y = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), vh)  # (B, T, K, G, D)
-    return y.reshape(q.shape), (q, k, v, key, lse)
+        p = jnp.where(_keep(key, rate, p, n_head), p / (1.0 - rate), 0.0)
+    y = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), vh)  # (B, K, R, D)
+    return _q_merge(y, q.shape[1]), (q, k, v, key, lse)
 
 
 def _attention_bwd(n_head, n_kv_head, rate, res, dy):
     q, k, v, key, lse = res
+    T = q.shape[1]
     qh, kh, vh, scale = _heads(q, k, v, n_head, n_kv_head)
-    p, _ = _probs(qh, kh, scale, lse)  # (B, K, G, T, T)
-    dyh = dy.reshape(qh.shape)  # (B, T, K, G, D)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", dyh, vh, preferred_element_type=F32)
+    p, _ = _probs(qh, kh, scale, lse)  # (B, K, R, T)
+    dyh = _q_split(dy, n_head, n_kv_head)  # (B, K, R, D)
+    dp = jnp.einsum("bkrd,bksd->bkrs", dyh, vh, preferred_element_type=F32)
     pd = p
     if rate:
-        keep = attention_dropout_mask(key, rate, p.shape)
+        keep = _keep(key, rate, p, n_head)
         pd = jnp.where(keep, p / (1.0 - rate), 0.0)
         dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", pd.astype(v.dtype), dyh)  # (B, T, K, D)
+    dv = jnp.einsum("bkrs,bkrd->bksd", pd.astype(v.dtype), dyh)  # (B, K, T, D)
     # NOTE: the softmax backward's row term is sum(dp·p), taken from the (T, T) tiles we rebuild
     # anyway; flash kernels use sum(dy·y) to avoid them, which would also need y as a residual.
-    ds = (p * (dp - (dp * p).sum(-1, keepdims=True)) * scale).astype(q.dtype)  # (B, K, G, T, T)
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, kh).reshape(q.shape)
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qh).reshape(k.shape)
-    return dq, dk, dv.reshape(v.shape), None
+    ds = (p * (dp - (dp * p).sum(-1, keepdims=True)) * scale).astype(q.dtype)  # (B, K, R, T)
+    dq = jnp.einsum("bkrs,bksd->bkrd", ds, kh)  # (B, K, R, D)
+    dk = jnp.einsum("bkrs,bkrd->bksd", ds, qh)  # (B, K, T, D)
+    return _q_merge(dq, T), _kv_merge(dk), _kv_merge(dv), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
