@@ -22,7 +22,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from models.layers import (MLP, CausalSelfAttention, LayerNorm, check_llmc_tensors, cross_entropy,
-                           stack_layers, unstack_layers)
+                           embed, stack_layers, unstack_layers)
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
 
@@ -146,7 +146,7 @@ class GPT2(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size={cfg.block_size}")
         wte = self.param("wte", _init_wte(cfg), (cfg.padded_vocab_size, cfg.n_embd), jnp.float32)
         wpe = self.param("wpe", nn.initializers.normal(0.02), (cfg.block_size, cfg.n_embd), jnp.float32)
-        x = (jnp.take(wte, idx, axis=0) + wpe[:T]).astype(dt)  # (B, T, C)
+        x = (embed(wte, idx) + wpe[:T]).astype(dt)  # (B, T, C)
         x = nn.Dropout(cfg.dropout)(x, deterministic)
         # NOTE: the one place layers are grouped and rematerialized (remat.linen.LayerStack).
         x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,

@@ -16,7 +16,8 @@ remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here ta
 #   gelu_tanh: its input; swiglu: its two inputs;
 #   causal_attention: q, k, v and the per-row log-sum-exp (flash-attention style): scores and
 #     probabilities are rebuilt in the backward, the causal mask comes from iota comparisons;
-#   cross_entropy: the logits and their log-sum-exp.
+#   cross_entropy: the logits (the per-row log-sum-exp is recomputed in the backward);
+#   embed: nothing but the token ids it was given (no int32 copy of them).
 # Inside remat regions the custom_vjp residuals are ordinary values to the policy: untagged, so
 # recomputed unless a tagged value they derive from is saved. Gradients match the plain
 # formulation to float32 rounding (tests/test_models.py).
@@ -281,6 +282,29 @@ def _attention_bwd(n_head, n_kv_head, rate, res, dy):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+@jax.custom_vjp
+def embed(table, idx):
+    """Rows of `table` (V, C) at integer `idx` (...) → (..., C); keeps only `idx` for the backward.
+
+    Example:
+      >>> x = embed(wte, idx)  # (B, T, C)
+    """
+    return jnp.take(table, idx, axis=0)
+
+
+def _embed_fwd(table, idx):
+    # NOTE: `table` is a parameter, alive anyway; keeping it costs nothing and gives its shape.
+    return jnp.take(table, idx, axis=0), (table, idx)
+
+
+def _embed_bwd(res, dy):
+    table, idx = res
+    return jnp.zeros_like(table).at[idx].add(dy.astype(table.dtype)), None
+
+
+embed.defvjp(_embed_fwd, _embed_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def cross_entropy(logits, targets, n_valid: int):
     """Mean cross-entropy over all positions; vocabulary columns >= n_valid are left out.
@@ -300,17 +324,21 @@ def _ce_masked(logits, n_valid):
     return jnp.where(col < n_valid, logits, -jnp.inf)
 
 
+def _ce_lse(z):
+    m = lax.stop_gradient(z.max(-1, keepdims=True))
+    return m[..., 0] + jnp.log(jnp.exp(z - m).sum(-1))  # (...)
+
+
 def _ce_fwd(logits, targets, n_valid):
     z = _ce_masked(logits.astype(F32), n_valid)
-    m = lax.stop_gradient(z.max(-1, keepdims=True))
-    lse = m[..., 0] + jnp.log(jnp.exp(z - m).sum(-1))  # (...)
     picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), -1)[..., 0]
-    return (lse - picked).mean(), (logits, targets, lse)
+    return (_ce_lse(z) - picked).mean(), (logits, targets)
 
 
 def _ce_bwd(n_valid, res, g):
-    logits, targets, lse = res
-    p = jnp.exp(_ce_masked(logits.astype(F32), n_valid) - lse[..., None])
+    logits, targets = res
+    z = _ce_masked(logits.astype(F32), n_valid)
+    p = jnp.exp(z - _ce_lse(z)[..., None])  # the log-sum-exp is recomputed: one more pass over z
     onehot = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1) == targets[..., None]
     d = (p - onehot) * (g / targets.size)
     return d.astype(logits.dtype), None

@@ -27,7 +27,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from models.layers import (CausalSelfAttention, Linear, RMSNorm, SwiGLU, check_llmc_tensors,
-                           cross_entropy, stack_layers, unstack_layers)
+                           cross_entropy, embed, stack_layers, unstack_layers)
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
 
@@ -160,7 +160,7 @@ class Llama3(nn.Module):
         if idx.shape[1] > cfg.block_size:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size={cfg.block_size}")
         wte = self.param("wte", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.n_embd), jnp.float32)
-        x = jnp.take(wte, idx, axis=0).astype(dt)  # (B, T, C)
+        x = embed(wte, idx).astype(dt)  # (B, T, C)
         x = nn.Dropout(cfg.dropout)(x, deterministic)
         # NOTE: the one place layers are grouped and rematerialized (remat.linen.LayerStack).
         x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,

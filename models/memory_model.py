@@ -32,10 +32,10 @@ def activation_bytes(config, batch: int, seq: int) -> tuple[LayerBytes, int]:
         # bf16 the bf16 casts of the layer's 12h² matmul weights
         untagged = sbh + 2 * 2 * s * b * F32 + lse + (12 * h * h * a if a < F32 else 0)
         # last layer's output and ln_f (input, mean, rstd, output), float32 logits over the padded
-        # vocabulary, the loss's log-sum-exp, the targets; in bf16 the cast of the tied head
+        # vocabulary, the token ids (int32; counted only when they are a closed-over constant, not an
+        # argument); in bf16 the cast of the tied head
         Vp = config.padded_vocab_size
-        head = 2 * sbh + 2 * s * b * F32 + s * b * Vp * F32 + s * b * F32 + s * b * 4 + \
-            (Vp * h * a if a < F32 else 0)
+        head = 2 * sbh + 2 * s * b * F32 + s * b * Vp * F32 + s * b * 4 + (Vp * h * a if a < F32 else 0)
         return LayerBytes(tagged, untagged, swaps={N.ATTN_OUT: sbh}), head
     assert isinstance(config, llama3.Llama3Config)
     hd, H = config.head_dim, config.ffn_hidden
@@ -46,9 +46,8 @@ def activation_bytes(config, batch: int, seq: int) -> tuple[LayerBytes, int]:
     # mid-layer residual + RMSNorm rstd for 2 norms + lse (+ weight casts); RoPE cos/sin for q and k
     untagged = sbh + 2 * s * b * F32 + lse + w
     constants = 4 * s * (hd // 2) * F32
-    # last output; final RMSNorm (rstd, normalized input); float32 logits; lse; the targets
-    # (twice: the gather index and the constant); in bf16 the head's weight cast
+    # last output; final RMSNorm (rstd, normalized input); float32 logits; the token ids (as for
+    # GPT-2); in bf16 the head's weight cast
     V = config.vocab_size
-    head = 2 * sbh + s * b * F32 + s * b * V * F32 + s * b * F32 + 2 * s * b * 4 + \
-        (V * h * a if a < F32 else 0)
+    head = 2 * sbh + s * b * F32 + s * b * V * F32 + s * b * 4 + (V * h * a if a < F32 else 0)
     return LayerBytes(tagged, untagged, constants, swaps={N.ATTN_OUT: sbh}), head

@@ -263,6 +263,9 @@ LEAN = {  # id: (lean fn, plain fn, args)
     "cross_entropy": (lambda z: layers.cross_entropy(z, _TARGETS, 200),  # 256 columns, 200 valid
                       lambda z: _plain_ce(z, _TARGETS, 200),
                       (_rand(18, (B, T, 256), 3.0),)),
+    "embed": (lambda table: layers.embed(table, _TARGETS),  # repeated ids: their rows' grads add up
+              lambda table: jnp.take(table, _TARGETS, axis=0),
+              (_rand(19, (200, _C)),)),
 }
 
 
@@ -287,6 +290,15 @@ def test_lean_attention_keeps_no_square_tensors():
     saved = memory.saved_residuals(lambda q, k, v: layers.causal_attention(q, k, v, _H, 2).sum(), q, k, v)
     assert not any(len(r.shape) >= 4 and r.shape[-2:] == (T, T) for r in saved.rows), saved.table()
     assert saved.intermediates <= 4 * B * _H * T, saved.table()  # only the log-sum-exp
+
+
+def test_lean_loss_and_embedding_keep_only_their_arguments():
+    """The loss keeps the logits (recomputing its log-sum-exp), the embedding the ids it was given."""
+    table, logits = LEAN["embed"][2][0], LEAN["cross_entropy"][2][0]
+    emb = memory.saved_residuals(lambda t, ids: layers.embed(t, ids).sum(), table, _TARGETS)
+    ce = memory.saved_residuals(lambda z, y: layers.cross_entropy(z, y, 200), logits, _TARGETS)
+    assert emb.intermediates == 0 and ce.intermediates == 0, (emb.table(), ce.table())
+    assert {r.kind for r in ce.rows} == {"argument"} and logits.shape in [r.shape for r in ce.rows], ce.table()
 
 
 def test_rope_scaling_branches():
