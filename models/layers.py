@@ -284,7 +284,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 @jax.custom_vjp
 def embed(table, idx):
-    """Rows of `table` (V, C) at integer `idx` (...) → (..., C); keeps only `idx` for the backward.
+    """Rows of `table` (V, C) at integer `idx` (...) → (..., C); the backward keeps `idx` as given.
 
     Example:
       >>> x = embed(wte, idx)  # (B, T, C)

@@ -80,9 +80,6 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
             x = region(s.start, s.stop, ps, x, ks) if s.checkpointed else run(ps, x, ks, *args)
         return x
 
-    def run_one(p, h, k, *a):  # p: one layer's params
-        return apply_layer(p, h, k, *a)
-
     def run_stacked(p, h, k, *a):  # p: params with a leading axis of `size` layers
         size = jax.tree.leaves(p)[0].shape[0]
         return run([jax.tree.map(lambda t: t[j], p) for j in range(size)], h,
@@ -102,7 +99,7 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
 
         def body(h, pk, start=start, size=size, ck=ck, policy=policy):
             p, k = pk
-            fn = run_stacked if size > 1 else run_one
+            fn = run_stacked if size > 1 else apply_layer  # a group of one: that layer's params
             if not ck:
                 return fn(p, h, k, *args), None
             return checkpoint(fn, p, h, k, *args, use_reentrant=cfg.use_reentrant, policy=policy,
