@@ -233,8 +233,7 @@ def _probs(qh, kh, scale, lse=None):
     causal = lax.broadcasted_iota(jnp.int32, (R, T), 0) % T >= lax.broadcasted_iota(jnp.int32, (R, T), 1)
     s = jnp.where(causal, s, -jnp.inf)
     if lse is None:  # the diagonal is never masked, so every row max is finite
-        m = lax.stop_gradient(s.max(-1, keepdims=True))
-        lse = (m + jnp.log(jnp.exp(s - m).sum(-1, keepdims=True)))[..., 0]  # (B, K, R)
+        lse = jax.nn.logsumexp(s, axis=-1)  # (B, K, R)
     return jnp.exp(s - lse[..., None]), lse
 
 
@@ -324,21 +323,16 @@ def _ce_masked(logits, n_valid):
     return jnp.where(col < n_valid, logits, -jnp.inf)
 
 
-def _ce_lse(z):
-    m = lax.stop_gradient(z.max(-1, keepdims=True))
-    return m[..., 0] + jnp.log(jnp.exp(z - m).sum(-1))  # (...)
-
-
 def _ce_fwd(logits, targets, n_valid):
     z = _ce_masked(logits.astype(F32), n_valid)
     picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), -1)[..., 0]
-    return (_ce_lse(z) - picked).mean(), (logits, targets)
+    return (jax.nn.logsumexp(z, axis=-1) - picked).mean(), (logits, targets)
 
 
 def _ce_bwd(n_valid, res, g):
     logits, targets = res
     z = _ce_masked(logits.astype(F32), n_valid)
-    p = jnp.exp(z - _ce_lse(z)[..., None])  # the log-sum-exp is recomputed: one more pass over z
+    p = jnp.exp(z - jax.nn.logsumexp(z, axis=-1, keepdims=True))  # the log-sum-exp is recomputed: one more pass over z
     onehot = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1) == targets[..., None]
     d = (p - onehot) * (g / targets.size)
     return d.astype(logits.dtype), None
