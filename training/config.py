@@ -31,6 +31,7 @@ MODELS = ("gpt2", "llama3")
 DTYPES = ("float32", "bfloat16")
 MESH_AXES = ("data", "fsdp")
 DEFAULT_PRESET = "tiny"
+DEFAULT_PROMPT_TOKENS = 32  # the default sample prompt: this many tokens from the start of the validation data
 
 
 class UsageError(ValueError):
@@ -130,6 +131,15 @@ class TrainConfig:
                                         "tokens are held out)")
     val_every: int = _f(250, "evaluate every N steps and at the last step (0: never)")
     val_steps: int = _f(8, "batches per evaluation")
+    # -- samples (training/samples.py)
+    sample_every: int = _f(0, "print a short generation every N steps and at the last step (0: never)")
+    sample_length: int = _f(128, "tokens generated per sample")
+    prompt: str | None = _f(None, "sample prompt text (default: the first %d tokens of the validation data)"
+                            % DEFAULT_PROMPT_TOKENS)
+    temperature: float = _f(0.0, "sampling temperature (0: greedy)")
+    top_k: int | None = _f(None, "sample among the k most likely tokens only (needs --temperature > 0)")
+    tokenizer: str | None = _f(None, "llm.c tokenizer file (gpt2_tokenizer.bin, magic 20240328) to decode and "
+                                     "encode samples of llm.c token data", metavar="FILE")
     # -- checkpoints and logs
     checkpoint_dir: str | None = _f(None, "orbax checkpoint directory (asynchronous, atomic saves)", metavar="DIR")
     checkpoint_every: int = _f(0, "save every N steps (0: only at the end); needs --checkpoint_dir")
@@ -159,25 +169,34 @@ class TrainConfig:
             raise UsageError(f"--preset {self.preset!r} is not a {self.model} preset; use one of {', '.join(presets)}")
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters"):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters", "top_k"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise UsageError(f"--{name} {v!r} must be a positive integer (or left unset for the default)")
         for name, lo in (("batch_size", 1), ("sequence_length", 1), ("grad_accum_steps", 1),
                          ("num_iterations", 1), ("warmup_iters", 0), ("val_every", 0), ("val_steps", 1),
-                         ("checkpoint_every", 0), ("keep_checkpoints", 1), ("recompute_num_layers", 0)):
+                         ("checkpoint_every", 0), ("keep_checkpoints", 1), ("recompute_num_layers", 0),
+                         ("sample_every", 0), ("sample_length", 1)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
                 raise UsageError(f"--{name} {v!r} must be an integer >= {lo}")
         for name, lo, hi, closed in (("learning_rate", 0.0, math.inf, False), ("lr_decay", 0.0, 1.0, True),
                                      ("weight_decay", 0.0, math.inf, True), ("grad_clip", 0.0, math.inf, True),
-                                     ("dropout", 0.0, 1.0, "left")):
+                                     ("dropout", 0.0, 1.0, "left"), ("temperature", 0.0, math.inf, True)):
             v = getattr(self, name)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
                 (lo <= v <= hi) if closed is True else (lo <= v < hi) if closed == "left" else (lo < v <= hi))
             if not ok:
                 rng = {True: f"[{lo}, {hi}]", "left": f"[{lo}, {hi})", False: f"({lo}, {hi}]"}[closed]
                 raise UsageError(f"--{name} {v!r} must be a finite number in {rng}")
+        if self.top_k is not None and self.temperature == 0:
+            raise UsageError(f"--top_k {self.top_k} samples among the k most likely tokens, but --temperature 0 is "
+                             f"greedy; add --temperature (e.g. 0.8) or drop --top_k")
+        unused = [f for f, on in (("--prompt", self.prompt is not None), ("--temperature", self.temperature > 0),
+                                  ("--top_k", self.top_k is not None)) if on]
+        if unused and self.sample_every == 0:
+            raise UsageError(f"{unused[0]} sets up samples, which are off; add --sample_every N (samples every N "
+                             f"steps and at the last)")
         if self.resume and not self.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint_dir DIR (the directory to continue from)")
         if self.checkpoint_every and not self.checkpoint_dir:

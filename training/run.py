@@ -36,6 +36,7 @@ from training import sharding as sh
 from training.config import TrainConfig, UsageError, parse_mesh
 from training.model import Family, config_dict, family
 from training.optim import make_optimizer, optimizer_settings
+from training.samples import make_sampler
 from training.step import init_state, make_eval_step, make_train_step
 
 VAL_FRACTION = 0.02
@@ -64,6 +65,7 @@ class Setup:
     resume_meta: dict | None = None
     init_tensors: dict | None = None   # llm.c tensors for --init_from FILE.bin
     init_dir_step: int | None = None   # step to read params from for --init_from DIR
+    sampler: Any = None                # training.samples.Sampler for --sample_every
 
 
 @dataclasses.dataclass
@@ -167,12 +169,13 @@ def prepare(cfg: TrainConfig) -> Setup:
     elif cfg.val_every > 0:
         train_ds, val_ds = train_ds.split_tail(VAL_FRACTION, cfg.sequence_length + 1)
 
+    sampler = make_sampler(cfg, mcfg, train_ds, val_ds)  # validates --tokenizer and --prompt
     mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
     tx, schedule = _optimizer(optimizer_settings(cfg))
     abstract_state = jax.eval_shape(lambda: init_state(fam, mcfg, tx, cfg.seed))
     state_sharding = sh.state_shardings(mesh, abstract_state)
     setup = Setup(cfg, fam, mcfg, mcfgs, train_ds, val_ds, mesh, tx, schedule, abstract_state, state_sharding,
-                  sh.batch_sharding(mesh, 3, 1))
+                  sh.batch_sharding(mesh, 3, 1), sampler=sampler)
     if cfg.memory_report:
         return setup
 
@@ -528,6 +531,8 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             tqdm.write(log_lib.format_line(n, cfg.num_iterations, rec), file=out)
+            if setup.sampler is not None and setup.sampler.due(n):  # after the step's timing
+                tqdm.write(setup.sampler.report(state["params"], n), file=out)
             if checkpointer and (n == cfg.num_iterations or (cfg.checkpoint_every and n % cfg.checkpoint_every == 0)):
                 checkpointer.save(n, state, {"step": n, "data_position": position, "model": cfg.model,
                                              "model_config": config_dict(setup.mcfg), "train_config": cfg.to_dict()})
