@@ -286,11 +286,13 @@ def generate(params, config, prompt, max_new_tokens: int, *, temperature: float 
 # Loading a model and the CLI
 
 
-def load_model(path: str, step: int | None = None):
+def load_model(path: str, step: int | None = None, **llmc_overrides):
     """(config, params, info) from a train.py checkpoint directory or an llm.c model file.
 
     `info` is a dict: kind ("orbax"/"llm.c"), model ("gpt2"/"llama3"), step, and the run's
-    train config for a directory. Raises ValueError (one line) for anything unusable.
+    train config for a directory. `llmc_overrides` (norm_eps, rope_theta, ffn_dim_multiplier) go
+    to `models.llmc.load` for LLaMA-3 files whose float header slots llm.c wrote truncated.
+    Raises ValueError (one line) for anything unusable.
     Example:
       >>> config, params, info = load_model("runs/x")
     """
@@ -325,7 +327,7 @@ def load_model(path: str, step: int | None = None):
         raise ValueError(f"{path}: no such file or directory; pass a train.py --checkpoint_dir or an llm.c model .bin")
     if not os.path.isfile(path):
         raise ValueError(f"{path}: not a regular file or directory; pass an llm.c model .bin")
-    config, params = llmc.load(path)
+    config, params = llmc.load(path, **{k: v for k, v in llmc_overrides.items() if v is not None})
     return config, params, {"kind": "llm.c", "model": "gpt2" if _is_gpt2(config) else "llama3", "step": None,
                             "train_config": {}}
 
@@ -384,12 +386,17 @@ def _args(argv):
     p.add_argument("--num_samples", type=int, default=1, help="independent samples, run as one batch")
     p.add_argument("--tokenizer", default=None, metavar="FILE", help="llm.c tokenizer file (gpt2_tokenizer.bin)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
+        p.add_argument(f"--{f}", type=float, default=None, help="LLaMA-3 llm.c header override")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     prog = "python -m models.sample"
-    a = _args(argv)
+    try:
+        a = _args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a one-line usage error (2), already printed
+        return e.code
 
     def fail(msg):
         print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr)
@@ -400,7 +407,8 @@ def main(argv=None) -> int:
     if a.prompt is not None and a.prompt_tokens is not None:
         return fail("pass --prompt TEXT or --prompt_tokens IDS, not both")
     try:
-        config, params, info = load_model(a.checkpoint, a.step)
+        config, params, info = load_model(a.checkpoint, a.step, norm_eps=a.norm_eps, rope_theta=a.rope_theta,
+                                          ffn_dim_multiplier=a.ffn_dim_multiplier)
         tok_path = a.tokenizer or info["train_config"].get("tokenizer")
         decoder = decoder_for(config.vocab_size, tok_path)
         if a.prompt_tokens is not None:
