@@ -13,6 +13,7 @@
         --checkpoint_every 500 --log_jsonl runs/d12.jsonl --mesh data=2,fsdp=4
     python train.py ... --checkpoint_dir runs/d12 --resume   # continue bit-identically
     python train.py --preset d12 --recompute_method auto --memory_budget 12GiB   # planner picks per layer
+    python train.py --sample_every 500 --prompt "def " --temperature 0.8 --top_k 20   # samples while training
 
 Flags are generated from `training.TrainConfig` (`python train.py --help`). Bad input (an unknown
 value, inconsistent recompute flags, a missing or malformed data file, a mismatched --init_from,

@@ -46,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from models import gpt2, llama3
+from models import gpt2
 from models.layers import embed, gelu_tanh, layer_norm, rms_norm, rope_frequencies, swiglu
-from models.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
+from models.tokenizer import ByteTokenizer
 from models.tokenizer import load as load_tokenizer
 from remat import RecomputeConfig
 
@@ -152,6 +152,9 @@ def forward(params, config, tokens, cache: KVCache, pos):
     """
     gpt, dt = _is_gpt2(config), config.compute_dtype
     B, S = tokens.shape
+    if isinstance(pos, (int, np.integer)) and not 0 <= pos <= cache.k.shape[2] - S:
+        raise ValueError(f"positions {pos}..{pos + S - 1} do not fit the cache of {cache.k.shape[2]} positions; "
+                         f"make it longer (init_cache max_len <= block_size {config.block_size})")
     H, K, D = _heads(config)
     positions = pos + jnp.arange(S)  # (S,)
     x = embed(params["wte"], tokens)  # (B, S, C)
@@ -275,11 +278,11 @@ def generate(params, config, prompt, max_new_tokens: int, *, temperature: float 
         top_k = int(min(top_k, config.vocab_size))
     if max_new_tokens == 0:
         return prompt.astype(np.int32)
-    seen = prompt[:, -config.block_size:]
-    out = _generate(params, jnp.asarray(seen, jnp.int32), jax.random.PRNGKey(seed), config=_decode_config(config),
-                    n_new=int(max_new_tokens), temperature=temperature, top_k=top_k)
-    return np.concatenate([prompt[:, :-config.block_size].astype(np.int32), np.asarray(out)], axis=1) \
-        if prompt.shape[1] > config.block_size else np.asarray(out)
+    T = config.block_size
+    out = _generate(params, jnp.asarray(prompt[:, -T:], jnp.int32), jax.random.PRNGKey(seed),
+                    config=_decode_config(config), n_new=int(max_new_tokens), temperature=temperature, top_k=top_k)
+    unseen = prompt[:, :max(prompt.shape[1] - T, 0)].astype(np.int32)  # cropped off: printed, never seen
+    return np.concatenate([unseen, np.asarray(out)], axis=1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -372,22 +375,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _args(argv):
-    p = _Parser(prog="python -m models.sample", description=__doc__.split("\n\n")[0],
+    p = _Parser(prog="python -m models.sample", description="\n\n".join(__doc__.split("\n\n")[:2]),
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a train.py --checkpoint_dir directory or an llm.c model .bin")
-    p.add_argument("--prompt", default=None, help="prompt text (encoded as bytes, or with --tokenizer by greedy "
-                                                  "longest match)")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="prompt text (encoded as bytes, or with --tokenizer by greedy longest match)")
     p.add_argument("--prompt_tokens", default=None, metavar="IDS", help="prompt as comma-separated token ids")
-    p.add_argument("--sample_length", type=int, default=200, help="tokens to generate (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample (default: %(default)s)")
-    p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--num_samples", type=int, default=1, help="independent samples, run as one batch")
+    p.add_argument("--sample_length", type=int, default=200, metavar="N",
+                   help="tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="X",
+                   help="0: greedy; > 0: sample (default: %(default)s)")
+    p.add_argument("--top_k", type=int, default=None, metavar="K", help="sample among the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (default: %(default)s)")
+    p.add_argument("--num_samples", type=int, default=1, metavar="N",
+                   help="independent samples, run as one batch (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, metavar="FILE", help="llm.c tokenizer file (gpt2_tokenizer.bin)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--step", type=int, default=None, metavar="N", help="checkpoint step (default: the latest)")
     for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
-        p.add_argument(f"--{f}", type=float, default=None, help="LLaMA-3 llm.c header override")
+        p.add_argument(f"--{f}", type=float, default=None, metavar="X", help="LLaMA-3 llm.c header override")
     return p.parse_args(argv)
 
 

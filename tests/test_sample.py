@@ -199,8 +199,8 @@ def _bad_tokenizer(tmp_path):
 def test_cli_bad_input_exits_2_with_one_line(args, match, tmp_path, model_bin, big_vocab_bin, capsys):
     os.mkfifo(tmp_path / "fifo")
     tk.save(tmp_path / "small_tok.bin", [bytes([i]) for i in range(256)], eot_token=0)
-    fill = dict(missing=str(tmp_path / "nope.bin"), model=model_bin, big=big_vocab_bin, bad_tok=_bad_tokenizer(tmp_path),
-                fifo=str(tmp_path / "fifo"), small_tok=str(tmp_path / "small_tok.bin"))
+    fill = dict(missing=str(tmp_path / "nope.bin"), model=model_bin, big=big_vocab_bin,
+                bad_tok=_bad_tokenizer(tmp_path), fifo=str(tmp_path / "fifo"), small_tok=str(tmp_path / "small_tok.bin"))
     rc, out, err = _cli([a.format(**fill) for a in args], capsys)
     lines = [l for l in err.splitlines() if l.strip()]
     assert rc == 2 and out == "" and len(lines) == 1 and match in lines[0], err
