@@ -110,13 +110,16 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
         return flat_fn(*dyn)
 
     def fwd(*dyn):
-        out = flat_fn(*dyn)
+        if determinism_check == "structure":  # fingerprint the very program that computes `out`
+            closed, run = _check.trace(flat_fn, *dyn)
+            state["jaxpr"] = _check.fingerprint(closed)
+            out = run(*dyn)
+        else:
+            out = flat_fn(*dyn)
         marks = ()
         if determinism_check:
             marks, state["specs"] = _check.fingerprint_outputs(out)
             state["tree"] = jax.tree.structure(out)
-            if determinism_check == "structure":
-                state["jaxpr"] = _check.jaxpr_fingerprint(flat_fn, *dyn)
         saved = tuple(jax.tree.leaves(out)) if determinism_check == "values" else ()
         kept, state["restore"] = _store(dyn, dyn, storage or {})
         return out, (tuple(kept), marks, saved)
@@ -125,10 +128,14 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
         dyn, marks, saved = res
         dyn = _tie(_load(list(dyn), state["restore"]), g)
         mask = [_is_inexact(x) for x in dyn]
+        recompute = flat_fn
+        if determinism_check == "structure":  # differentiate the very program that was fingerprinted
+            closed, recompute = _check.trace(flat_fn, *dyn)
+            _check.compare_structure(name, state["jaxpr"], _check.fingerprint(closed))
 
         def f_diff(*diff):
             it = iter(diff)
-            return flat_fn(*[next(it) if m else x for x, m in zip(dyn, mask)])
+            return recompute(*[next(it) if m else x for x, m in zip(dyn, mask)])
 
         def pullback(diff, g):
             out, vjp_fn = jax.vjp(f_diff, *diff)
@@ -139,8 +146,6 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
         # Trace the recomputation + pullback, then keep only the equations the cotangents need
         # (early stop): the recomputed outputs serve only as avals for the check.
         diff = [x for x, m in zip(dyn, mask) if m]
-        if determinism_check == "structure":
-            _check.compare_structure(name, state["jaxpr"], _check.jaxpr_fingerprint(flat_fn, *dyn))
         closed, (out_shape, _) = jax.make_jaxpr(pullback, return_shape=True)(diff, g)
         n_out = len(jax.tree.leaves(out_shape))
         keep_out = determinism_check == "values"
