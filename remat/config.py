@@ -37,6 +37,9 @@ class RecomputeConfig:
       every: checkpoint every k-th layer (Megatron/PyTorch `checkpoint_every=k`): layers 0, k, 2k, ...
         are each a recompute region (of one layer); the layers between them are not
         rematerialized. `every=1` is the same as method `none`. Granularity `full`, method `none`.
+      regions: split the layers into this many contiguous recompute regions of near-equal size (the
+        first L mod N have one layer more; DeepSpeed's `number_checkpoints`). Granularity `full`,
+        method `none`.
       offload_inputs: keep each region's saved inputs in pinned host memory between the forward and
         the backward (DeepSpeed's `cpu_checkpointing`). On CPU it compiles and moves nothing.
       shard_saved_axis: a mesh axis name: each region keeps its input (B, T, C) sharded along T over
@@ -59,6 +62,7 @@ class RecomputeConfig:
     shard_saved_axis: str | None = None
     segments: tuple | None = None
     every: int | None = None
+    regions: int | None = None
     offload_inputs: bool = False
 
     def __post_init__(self):
@@ -148,15 +152,19 @@ class RecomputeConfig:
                 prev = b
         if k is not None and (not _is_int(k) or k < 1):
             raise ValueError(f"recompute every={k!r} must be an integer >= 1 (every k-th layer is a region)")
-        for field, value in (("segments", segs), ("every", k)):
-            if value is None:
-                continue
-            if segs is not None and k is not None:
-                raise ValueError("recompute segments and every both say which layers are regions; pass only one")
+        r = self.regions
+        if r is not None and (not _is_int(r) or r < 1):
+            raise ValueError(f"recompute regions={r!r} must be an integer >= 1 (the number of recompute regions)")
+        given = [(f, v) for f, v in (("segments", segs), ("every", k), ("regions", r)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"recompute {' and '.join(f for f, _ in given)} each say which layers are regions; "
+                             f"pass only one")
+        for field, value in given:
             if self.granularity != "full" or self.method != "none" or self.layer_policies is not None:
-                raise ValueError(f"recompute {field}={_fmt_segments(segs) if field == 'segments' else k!r} needs "
-                                 f"granularity='full' and method='none' (it replaces the method) and no "
-                                 f"layer_policies; got granularity={self.granularity!r}, method={self.method!r}")
+                shown = _fmt_segments(value) if field == "segments" else value
+                raise ValueError(f"recompute {field}={shown!r} needs granularity='full' and method='none' (it "
+                                 f"replaces the method) and no layer_policies; got "
+                                 f"granularity={self.granularity!r}, method={self.method!r}")
 
     @property
     def enabled(self) -> bool:
@@ -182,10 +190,13 @@ class RecomputeConfig:
             raise ValueError(f"layer_policies has {len(self.layer_policies)} entries for n_layer={n_layers}; "
                              f"give one per layer")
         if self.segments is not None and self.segments[-1][1] > n_layers:
-            raise ValueError(f"recompute segments={_fmt_segments(self.segments)} reach layer "
+            raise ValueError(f"recompute_segments={_fmt_segments(self.segments)} reaches layer "
                              f"{self.segments[-1][1]} but n_layer={n_layers}; stops must be <= {n_layers}")
         if self.every is not None and self.every > n_layers:
-            raise ValueError(f"recompute every={self.every} exceeds n_layer={n_layers}; use 1..{n_layers}")
+            raise ValueError(f"recompute_every={self.every} exceeds n_layer={n_layers}; use 1..{n_layers}")
+        if self.regions is not None and self.regions > n_layers:
+            raise ValueError(f"recompute regions={self.regions} (DeepSpeed's number_checkpoints) exceeds "
+                             f"n_layer={n_layers}; use 1..{n_layers}")
         if self.method in ("uniform", "block") and self.num_layers > n_layers:
             raise ValueError(f"recompute_num_layers={self.num_layers} exceeds n_layer={n_layers}; "
                              f"use 1..{n_layers}")

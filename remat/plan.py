@@ -46,6 +46,10 @@ def plan(n_layers: int, cfg: RecomputeConfig) -> tuple[Segment, ...]:
         if at < n_layers:
             segs.append(Segment(at, n_layers, False))
         return tuple(segs)
+    if cfg.regions is not None:  # N contiguous regions; the first L mod N one layer longer
+        q, r = divmod(n_layers, cfg.regions)
+        stops = [(i + 1) * q + min(i + 1, r) for i in range(cfg.regions)]
+        return tuple(Segment(a, b, True) for a, b in zip([0] + stops[:-1], stops))
     if cfg.every is not None:  # layers 0, k, 2k, ... are regions of one layer; the rest run plainly
         k, segs = cfg.every, []
         for i in range(0, n_layers, k):
