@@ -195,8 +195,8 @@ class RecomputeConfig:
         if self.every is not None and self.every > n_layers:
             raise ValueError(f"recompute_every={self.every} exceeds n_layer={n_layers}; use 1..{n_layers}")
         if self.regions is not None and self.regions > n_layers:
-            raise ValueError(f"recompute regions={self.regions} (DeepSpeed's number_checkpoints) exceeds "
-                             f"n_layer={n_layers}; use 1..{n_layers}")
+            raise ValueError(f"recompute regions={self.regions} (DeepSpeed's number_checkpoints, --deepspeed_config) "
+                             f"exceeds n_layer={n_layers}; use 1..{n_layers}")
         if self.method in ("uniform", "block") and self.num_layers > n_layers:
             raise ValueError(f"recompute_num_layers={self.num_layers} exceeds n_layer={n_layers}; "
                              f"use 1..{n_layers}")

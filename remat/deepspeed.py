@@ -4,7 +4,9 @@ The block's keys (DeepSpeed's defaults in brackets) and what each becomes here:
 
 | key | becomes |
 |---|---|
-| `partition_activations` [false] | `shard_saved_axis=<tensor axis>`: each region keeps its input split along T over the tensor-parallel axis and all-gathers it before recomputing; without a tensor axis there is nothing to partition (a note says so) |
+| `partition_activations` [false] | `shard_saved_axis=<tensor axis>`: region inputs kept split along T over
+|                                  | the tensor-parallel axis, all-gathered before recomputing; without a
+|                                  | tensor axis there is nothing to partition (a note says so) |
 | `cpu_checkpointing` [false] | `offload_inputs=True`: region inputs wait in pinned host memory |
 | `number_checkpoints` [null] | `regions=N`: the layers split into N contiguous regions of near-equal size |
 | `contiguous_memory_optimization` [false] | accepted; XLA already does it (see `NOTES`) |
