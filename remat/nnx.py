@@ -74,6 +74,7 @@ class LayerStack(nnx.Module):
       recompute: the RecomputeConfig.
       prevent_cse: passed to `jax.checkpoint`.
       rngs: the stack's RNG streams (its `dropout` stream, else `default`), or None.
+    Call: `stack(x, *args, key=None)`; `key` (a typed or raw PRNG key) replaces the draw from `rngs`.
     Example:
       >>> rngs = nnx.Rngs(params=0, dropout=1)
       >>> stack = LayerStack([Block(cfg, rngs=rngs) for _ in range(4)], RecomputeConfig(granularity="full"),
@@ -94,6 +95,8 @@ class LayerStack(nnx.Module):
         graphdefs = [g for g, _ in split]
         if key is None and self.rngs is not None:
             key = self.rngs.dropout()
+        if key is not None and not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key)  # a raw uint32 key, as from jax.random.PRNGKey
         keys = [(i, None if key is None else jax.random.fold_in(key, i)) for i in range(len(split))]
 
         # The layer index rides along with its key (a constant) so each layer finds its graphdef;

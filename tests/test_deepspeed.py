@@ -52,6 +52,8 @@ def test_flags_change_what_the_train_step_keeps(tmp_path):
     region_input = 2 * 32 * 32 * 4
     assert off.offloaded == N_LAYER * region_input and ds_off.offloaded == 2 * region_input
     assert off.total == full.total  # the same values are kept, only where differs
+    reentrant = _saved(["--activation_recompute", "--use_reentrant", "--cpu_checkpointing"])
+    assert reentrant.offloaded == N_LAYER * region_input
     assert "moves nothing" in off.table()  # on CPU host and device memory are one: said plainly
 
 

@@ -51,6 +51,9 @@ def test_masks_differ_between_layers_and_between_calls():
     # L independent masks of keep 0.5 keep 1/16 of the entries; one mask repeated would keep 1/2.
     assert abs(float(jnp.mean(y1 != 0)) - 0.5 ** L) < 0.02
     assert bool(jnp.any((y1 != 0) != (y2 != 0)))  # the second call (step) draws new masks
+    # an explicit key (raw or typed) gives the same masks every time it is passed
+    k = jax.random.PRNGKey(5)
+    assert bool(jnp.array_equal(stack(x, key=k), stack(x, key=jax.random.wrap_key_data(k))))
 
 
 def _grads(cfg, x):
