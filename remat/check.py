@@ -6,7 +6,9 @@
 # themselves are never read, so XLA removes them (the optimized HLO is the same with the check on
 # and off: tests/test_checkpoint.py). Shardings (explicit-axes meshes) are compared from the
 # avals' `.sharding` the same way. `"structure"` also fingerprints the traced jaxpr of both traces
-# (primitives and avals, in order), which catches a change that keeps output avals identical.
+# (primitives and avals, in order), which catches a change that keeps output avals identical. The
+# fingerprinted traces are the ones that run (`trace`): the forward evaluates its own jaxpr (the
+# same equations, so the same compiled program) and the backward differentiates its own.
 """
 from __future__ import annotations
 
@@ -64,9 +66,8 @@ def compare_outputs(region: str, out_tree, marks, specs, recomputed) -> None:
                 f"or flags that change between the forward and the backward).")
 
 
-def jaxpr_fingerprint(fn, *args) -> tuple:
-    """Primitive names and output avals of `fn`'s traced program, in order (names ignored)."""
-    closed = jax.make_jaxpr(fn)(*args)
+def fingerprint(closed) -> tuple:
+    """Primitive names and output avals of a traced program (a ClosedJaxpr), in order (names ignored)."""
 
     def walk(jaxpr):
         out = []
@@ -77,6 +78,27 @@ def jaxpr_fingerprint(fn, *args) -> tuple:
         return out
 
     return tuple(walk(closed.jaxpr))
+
+
+def trace(fn, *args):
+    """Trace `fn(*args)` once: (its ClosedJaxpr, a function evaluating exactly that program).
+
+    The check compares fingerprints of the programs that really ran: the forward evaluates the
+    jaxpr it fingerprinted, and the recomputation differentiates the jaxpr it fingerprinted, so a
+    function that traces differently each time cannot slip a third, unchecked trace in between.
+    """
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    tree = jax.tree.structure(shape)
+
+    def run(*a):
+        return jax.tree.unflatten(tree, jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(a)))
+
+    return closed, run
+
+
+def jaxpr_fingerprint(fn, *args) -> tuple:
+    """`fingerprint` of a fresh trace of `fn(*args)`."""
+    return fingerprint(jax.make_jaxpr(fn)(*args))
 
 
 def compare_structure(region: str, fwd: tuple, rec: tuple) -> None:

@@ -110,13 +110,16 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
         return flat_fn(*dyn)
 
     def fwd(*dyn):
-        out = flat_fn(*dyn)
+        if determinism_check == "structure":  # fingerprint the very program that computes `out`
+            closed, run = _check.trace(flat_fn, *dyn)
+            state["jaxpr"] = _check.fingerprint(closed)
+            out = run(*dyn)
+        else:
+            out = flat_fn(*dyn)
         marks = ()
         if determinism_check:
             marks, state["specs"] = _check.fingerprint_outputs(out)
             state["tree"] = jax.tree.structure(out)
-            if determinism_check == "structure":
-                state["jaxpr"] = _check.jaxpr_fingerprint(flat_fn, *dyn)
         saved = tuple(jax.tree.leaves(out)) if determinism_check == "values" else ()
         kept, state["restore"] = _store(dyn, dyn, storage or {})
         return out, (tuple(kept), marks, saved)
@@ -125,10 +128,14 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
         dyn, marks, saved = res
         dyn = _tie(_load(list(dyn), state["restore"]), g)
         mask = [_is_inexact(x) for x in dyn]
+        recompute = flat_fn
+        if determinism_check == "structure":  # differentiate the very program that was fingerprinted
+            closed, recompute = _check.trace(flat_fn, *dyn)
+            _check.compare_structure(name, state["jaxpr"], _check.fingerprint(closed))
 
         def f_diff(*diff):
             it = iter(diff)
-            return flat_fn(*[next(it) if m else x for x, m in zip(dyn, mask)])
+            return recompute(*[next(it) if m else x for x, m in zip(dyn, mask)])
 
         def pullback(diff, g):
             out, vjp_fn = jax.vjp(f_diff, *diff)
@@ -139,8 +146,6 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
         # Trace the recomputation + pullback, then keep only the equations the cotangents need
         # (early stop): the recomputed outputs serve only as avals for the check.
         diff = [x for x, m in zip(dyn, mask) if m]
-        if determinism_check == "structure":
-            _check.compare_structure(name, state["jaxpr"], _check.jaxpr_fingerprint(flat_fn, *dyn))
         closed, (out_shape, _) = jax.make_jaxpr(pullback, return_shape=True)(diff, g)
         n_out = len(jax.tree.leaves(out_shape))
         keep_out = determinism_check == "values"
@@ -157,28 +162,37 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
     return region(*dyn)
 
 
-def _storage(dyn, dyn_arg, shard_saved):
-    """{dyn index: (spec while saved, spec for the recomputation)} for `shard_saved` arguments."""
-    if not shard_saved:
-        return {}
-    return {i: shard_saved[a] for i, a in enumerate(dyn_arg) if a in shard_saved}
+def _storage(dyn, dyn_arg, shard_saved, offload_saved=()):
+    """{dyn index: (move while saved, move back for the recomputation)} for `shard_saved` arguments
+    (a resharding) and `offload_saved` arguments (to pinned host memory and back)."""
+    out = {}
+    for i, a in enumerate(dyn_arg):
+        if shard_saved and a in shard_saved:
+            saved, full = shard_saved[a]
+            out[i] = (functools.partial(jax.lax.with_sharding_constraint, shardings=saved),
+                      functools.partial(jax.lax.with_sharding_constraint, shardings=full))
+        elif a in offload_saved and _is_inexact(dyn[i]):
+            out[i] = (functools.partial(jax.device_put, device=jax.memory.Space.Host),
+                      functools.partial(jax.device_put, device=jax.memory.Space.Device))
+    return out
 
 
 def _store(res, dyn, storage):
-    """Keep residuals that are region inputs listed in `storage` with their `saved` sharding.
+    """Keep residuals that are region inputs listed in `storage` as `storage` says (sharded, or in
+    host memory).
 
-    Returns the residuals and {residual index: sharding to restore before the recomputation}.
+    Returns the residuals and {residual index: function restoring it before the recomputation}.
     """
     out, restore = list(res), {}
-    for i, (saved, full) in storage.items():
+    for i, (put, back) in storage.items():
         for j, r in enumerate(out):
             if r is dyn[i]:
-                out[j], restore[j] = jax.lax.with_sharding_constraint(r, saved), full
+                out[j], restore[j] = put(r), back
     return out, restore
 
 
 def _load(res, restore):
-    return [jax.lax.with_sharding_constraint(r, restore[j]) if j in restore else r for j, r in enumerate(res)]
+    return [restore[j](r) if j in restore else r for j, r in enumerate(res)]
 
 
 def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
@@ -213,7 +227,7 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
 def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, policy=None,
                determinism_check: bool | str = True, static_argnums: Sequence[int] = (),
                prevent_cse: bool = True, name: str | None = None, tie_to_cotangent: bool = True,
-               shard_saved=None):
+               shard_saved=None, offload_saved: Sequence[int] = ()):
     """Run `fn(*args)` keeping less for the backward pass and recomputing the rest.
 
     Args:
@@ -237,6 +251,9 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
         as `saved` (e.g. along the sequence over an `fsdp` axis) between the forward and the
         backward, and reshard them to `recompute` spec (an all-gather) before recomputing, as
         Megatron's distribute_saved_activations does. Needs a mesh context (`jax.set_mesh`).
+      offload_saved: argument indices whose floating inputs are kept in pinned host memory between
+        the forward and the backward and copied back before recomputing (DeepSpeed's
+        cpu_checkpointing). On CPU, host and device memory are the same: it compiles and moves nothing.
     Returns:
       `fn(*args)`; or, called without args (`checkpoint(use_reentrant=True)(fn)` or `@checkpoint`),
       a wrapped function.
@@ -246,7 +263,7 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
     """
     opts = dict(use_reentrant=use_reentrant, policy=policy, determinism_check=determinism_check,
                 static_argnums=tuple(static_argnums), prevent_cse=prevent_cse, name=name,
-                tie_to_cotangent=tie_to_cotangent, shard_saved=shard_saved)
+                tie_to_cotangent=tie_to_cotangent, shard_saved=shard_saved, offload_saved=tuple(offload_saved))
     if fn is None:
         return lambda f: checkpoint(f, **opts)
     if not args:
@@ -258,7 +275,7 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
 
 
 def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, prevent_cse, name,
-         tie_to_cotangent, shard_saved):
+         tie_to_cotangent, shard_saved, offload_saved):
     if use_reentrant and policy is not None:
         raise ValueError(f"checkpoint(use_reentrant=True) saves only the inputs, so policy={policy!r} "
                          f"has no effect; drop the policy or use use_reentrant=False")
@@ -268,9 +285,14 @@ def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, 
         raise ValueError("determinism_check='values' needs use_reentrant=True: jax.checkpoint traces the "
                          "function once, so only the reentrant path can recompute different values")
     dyn, rebuild, dyn_arg = _flatten(tuple(args), static_argnums)
-    storage = _storage(dyn, dyn_arg, shard_saved)
+    n = len(args)
+    bad = [i for i in offload_saved if not -n <= i < n]
+    if bad:
+        raise ValueError(f"offload_saved entry {bad[0]} is out of range for {n} argument(s)")
+    storage = _storage(dyn, dyn_arg, shard_saved, {i % n for i in offload_saved})
     if storage and not (use_reentrant or tie_to_cotangent):
-        raise ValueError("shard_saved needs use_reentrant=True or tie_to_cotangent=True (the default)")
+        raise ValueError("shard_saved and offload_saved need use_reentrant=True or tie_to_cotangent=True "
+                         "(the default)")
 
     def flat_fn(*dyn_vals):
         return fn(*rebuild(dyn_vals))

@@ -30,6 +30,18 @@ class RecomputeConfig:
         `jax.checkpoint`.
       layer_policies: one policy name (or None: not rematerialized) per layer, for granularity
         `full` with method `none`: what `remat.plan_for_budget` chooses. Overrides `policy`.
+      segments: explicit recompute regions, the tutorial's `ManualCheckpoint`: half-open layer ranges
+        `((start, stop), ...)` in increasing order, not overlapping (e.g. `((0, 3), (3, 5))`: layers
+        0-2 form one region, layers 3-4 another). Layers in no segment (gaps) are not
+        rematerialized. Also accepted as the CLI string `"0-3,3-5"`. Granularity `full`, method `none`.
+      every: checkpoint every k-th layer (Megatron/PyTorch `checkpoint_every=k`): layers 0, k, 2k, ...
+        are each a recompute region (of one layer); the layers between them are not
+        rematerialized. `every=1` is the same as method `none`. Granularity `full`, method `none`.
+      regions: split the layers into this many contiguous recompute regions of near-equal size (the
+        first L mod N have one layer more; DeepSpeed's `number_checkpoints`). Granularity `full`,
+        method `none`.
+      offload_inputs: keep each region's saved inputs in pinned host memory between the forward and
+        the backward (DeepSpeed's `cpu_checkpointing`). On CPU it compiles and moves nothing.
       shard_saved_axis: a mesh axis name: each region keeps its input (B, T, C) sharded along T over
         that axis between forward and backward and all-gathers it before recomputing (Megatron's
         distribute_saved_activations). Needs a mesh context (`jax.set_mesh`).
@@ -48,6 +60,10 @@ class RecomputeConfig:
     determinism_check: Union[bool, str] = True
     layer_policies: tuple | None = None
     shard_saved_axis: str | None = None
+    segments: tuple | None = None
+    every: int | None = None
+    regions: int | None = None
+    offload_inputs: bool = False
 
     def __post_init__(self):
         if isinstance(self.modules, str):  # accept "core_attn,mlp" from a CLI or a user
@@ -98,6 +114,10 @@ class RecomputeConfig:
                         _policies.validate(p)
                     except ValueError as e:
                         raise ValueError(f"layer_policies[{i}]: {e}") from None
+        self._check_manual()
+        if self.offload_inputs and (g == "none" or self.shard_saved_axis is not None):
+            raise ValueError("offload_inputs=True (cpu_checkpointing) needs recompute on (granularity full or "
+                             "selective) and no shard_saved_axis (a region input is either offloaded or sharded)")
         if self.shard_saved_axis is not None and (not isinstance(self.shard_saved_axis, str) or g == "none"):
             raise ValueError(f"shard_saved_axis={self.shard_saved_axis!r} must be a mesh axis name and needs "
                              f"recompute on (granularity full or selective)")
@@ -107,6 +127,44 @@ class RecomputeConfig:
         if self.determinism_check == "values" and self.enabled and not self.use_reentrant:
             raise ValueError("determinism_check='values' needs use_reentrant=True (jax.checkpoint traces once, "
                              "so only the reentrant path can recompute different values)")
+
+    def _check_manual(self):
+        """Validate (and normalize) `segments` and `every`."""
+        if isinstance(self.segments, str):
+            object.__setattr__(self, "segments", parse_segments(self.segments))
+        elif self.segments is not None:
+            try:
+                segs = tuple((a, b) for a, b in self.segments)
+            except (TypeError, ValueError):
+                raise ValueError(f"recompute segments={self.segments!r} must be (start, stop) pairs, e.g. "
+                                 f"((0, 3), (3, 5)) or '0-3,3-5'") from None
+            object.__setattr__(self, "segments", segs)
+        segs, k = self.segments, self.every
+        if segs is not None:
+            if not segs:
+                raise ValueError("recompute segments=() is empty; give at least one (start, stop) range, e.g. '0-3'")
+            prev = 0
+            for a, b in segs:
+                if not (_is_int(a) and _is_int(b)) or a < prev or b <= a:
+                    raise ValueError(f"recompute segments={_fmt_segments(segs)}: ({a!r}, {b!r}) is not valid; "
+                                     f"segments are half-open layer ranges start-stop with start < stop, in "
+                                     f"increasing order and not overlapping, e.g. 0-3,3-5")
+                prev = b
+        if k is not None and (not _is_int(k) or k < 1):
+            raise ValueError(f"recompute every={k!r} must be an integer >= 1 (every k-th layer is a region)")
+        r = self.regions
+        if r is not None and (not _is_int(r) or r < 1):
+            raise ValueError(f"recompute regions={r!r} must be an integer >= 1 (the number of recompute regions)")
+        given = [(f, v) for f, v in (("segments", segs), ("every", k), ("regions", r)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"recompute {' and '.join(f for f, _ in given)} each say which layers are regions; "
+                             f"pass only one")
+        for field, value in given:
+            if self.granularity != "full" or self.method != "none" or self.layer_policies is not None:
+                shown = _fmt_segments(value) if field == "segments" else value
+                raise ValueError(f"recompute {field}={shown!r} needs granularity='full' and method='none' (it "
+                                 f"replaces the method) and no layer_policies; got "
+                                 f"granularity={self.granularity!r}, method={self.method!r}")
 
     @property
     def enabled(self) -> bool:
@@ -131,7 +189,40 @@ class RecomputeConfig:
         if self.layer_policies is not None and len(self.layer_policies) != n_layers:
             raise ValueError(f"layer_policies has {len(self.layer_policies)} entries for n_layer={n_layers}; "
                              f"give one per layer")
+        if self.segments is not None and self.segments[-1][1] > n_layers:
+            raise ValueError(f"recompute_segments={_fmt_segments(self.segments)} reaches layer "
+                             f"{self.segments[-1][1]} but n_layer={n_layers}; stops must be <= {n_layers}")
+        if self.every is not None and self.every > n_layers:
+            raise ValueError(f"recompute_every={self.every} exceeds n_layer={n_layers}; use 1..{n_layers}")
+        if self.regions is not None and self.regions > n_layers:
+            raise ValueError(f"recompute regions={self.regions} (DeepSpeed's number_checkpoints, --deepspeed_config) "
+                             f"exceeds n_layer={n_layers}; use 1..{n_layers}")
         if self.method in ("uniform", "block") and self.num_layers > n_layers:
             raise ValueError(f"recompute_num_layers={self.num_layers} exceeds n_layer={n_layers}; "
                              f"use 1..{n_layers}")
         return self
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _fmt_segments(segs) -> str:
+    return ",".join(f"{a}-{b}" for a, b in segs) if segs else repr(segs)
+
+
+def parse_segments(spec: str) -> tuple:
+    """'0-3,3-5' → ((0, 3), (3, 5)): half-open layer ranges start-stop.
+
+    Example:
+      >>> parse_segments("0-3,3-5")
+      ((0, 3), (3, 5))
+    """
+    out = []
+    for part in (p.strip() for p in spec.split(",")):
+        a, dash, b = part.partition("-")
+        if not dash or not a.strip().isdigit() or not b.strip().isdigit():
+            raise ValueError(f"recompute segments {spec!r}: {part!r} is not START-STOP; give half-open layer "
+                             f"ranges, e.g. 0-3,3-5 (layers 0,1,2 and 3,4)")
+        out.append((int(a), int(b)))
+    return tuple(out)

@@ -1,12 +1,63 @@
-"""Flax NNX helpers: a layer stack grouped and rematerialized per `remat.plan`."""
+"""Flax NNX helpers: a layer stack grouped and rematerialized per `remat.plan`.
+
+# NOTE: randomness. Each layer runs as a pure function of its (graphdef, state), so an update a
+# layer makes to its own state (an RNG stream's counter, a running statistic) is discarded after
+# the call, and a recompute region re-runs the layer from the same state. A dropout layer drawing
+# from its own `nnx.Rngs` would therefore use the same mask in every call (and, with one shared
+# `Rngs`, in every layer). So the stack owns the randomness: each call draws one key from its own
+# `rngs` (a real state update of the stack, outside every region), folds in the layer index, and
+# reseeds every RNG stream of that layer with it (folding in the stream's name) before the layer
+# runs. Masks then differ between layers and between calls, and the forward and the recomputation
+# of a region see the same keys, so remat leaves gradients unchanged. A layer that changes any other
+# state, or draws random numbers while the stack has no `rngs`, raises instead of silently
+# repeating itself.
+"""
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
+import jax
 from flax import nnx
 
 from remat.config import RecomputeConfig
 from remat.stack import apply_layers
+
+
+def _reseed(module, key) -> None:
+    """Give every RNG stream of `module` a key derived from `key` and its name, counter 0."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.RngStream):
+            node.key[...] = jax.random.fold_in(key, zlib.crc32(node.tag.encode()) & 0x7FFFFFFF)
+            node.count[...] = 0 * node.count[...]
+
+
+def _snapshot(module):
+    """[(path, value)] of `module`'s state now, and the paths of its RNG counters."""
+    flat = lambda st: jax.tree_util.tree_flatten_with_path(st)[0]
+    return flat(nnx.state(module)), {p for p, _ in flat(nnx.state(module, nnx.RngCount))}
+
+
+def _check_unchanged(i: int, before, module, reseeded: bool) -> None:
+    """Raise ValueError when layer `i` changed its state during the call (RNG counters excepted
+    when the stack reseeded them)."""
+    (old, counters), (new, _) = before, _snapshot(module)
+    for (path, a), (_, b) in zip(old, new):
+        if a is b:
+            continue
+        where = "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path[:-1])
+        if path in counters:
+            if reseeded:
+                continue
+            raise ValueError(
+                f"remat.nnx.LayerStack: layer {i} drew random numbers from its own nnx.Rngs ({where}); run as a "
+                f"pure function of its state it would draw the same ones in every call (and in every layer sharing "
+                f"that Rngs). Give the stack the randomness: LayerStack(layers, recompute, rngs=nnx.Rngs(dropout="
+                f"seed)), or call it with key=..., so each layer and each call gets its own key")
+        raise ValueError(
+            f"remat.nnx.LayerStack: layer {i} changed its state during the call ({where}); layers run as pure "
+            f"functions of their state (a recompute region re-runs them), so the update would be lost. Keep "
+            f"that state outside the stack, or make the layer stateless in the forward pass")
 
 
 class LayerStack(nnx.Module):
@@ -14,28 +65,51 @@ class LayerStack(nnx.Module):
 
     Each layer is split into (graphdef, state); the states flow through `remat.apply_layers`, so
     checkpointed regions see explicit inputs (both the `jax.checkpoint` and the reentrant path).
-    Layers must not mutate their state during the call (use deterministic dropout, or none).
+    Dropout: pass `rngs` (or `key=` per call); every call draws one key from it and every layer's
+    RNG streams are reseeded from it and the layer index (see the NOTE above), so masks differ
+    between layers and calls and are the same with and without remat.
 
+    Args:
+      layers: the layers, each `layer(x, *args) -> x`.
+      recompute: the RecomputeConfig.
+      prevent_cse: passed to `jax.checkpoint`.
+      rngs: the stack's RNG streams (its `dropout` stream, else `default`), or None.
+    Call: `stack(x, *args, key=None)`; `key` (a typed or raw PRNG key) replaces the draw from `rngs`.
     Example:
-      >>> stack = LayerStack([Block(cfg, rngs=rngs) for _ in range(4)], RecomputeConfig(granularity="full"))
+      >>> rngs = nnx.Rngs(params=0, dropout=1)
+      >>> stack = LayerStack([Block(cfg, rngs=rngs) for _ in range(4)], RecomputeConfig(granularity="full"),
+      ...                    rngs=nnx.Rngs(dropout=2))
       >>> y = stack(x)
     """
 
     def __init__(self, layers: Sequence[nnx.Module], recompute: RecomputeConfig = RecomputeConfig(),
-                 prevent_cse: bool = True):
+                 prevent_cse: bool = True, rngs: nnx.Rngs | None = None):
         recompute.validate_for(len(layers))
         self.layers = nnx.List(list(layers))
         self.recompute = recompute
         self.prevent_cse = prevent_cse
+        self.rngs = rngs
 
-    def __call__(self, x, *args):
+    def __call__(self, x, *args, key=None):
         split = [nnx.split(layer) for layer in self.layers]
         graphdefs = [g for g, _ in split]
+        if key is None and self.rngs is not None:
+            key = self.rngs.dropout()
+        if key is not None and not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key)  # a raw uint32 key, as from jax.random.PRNGKey
+        keys = [(i, None if key is None else jax.random.fold_in(key, i)) for i in range(len(split))]
 
-        # The layer index rides along as the per-layer "key" (a constant) so each layer finds
-        # its graphdef; only the states are traced.
-        def apply_layer(state, h, i, *a):
-            return nnx.merge(graphdefs[i], state)(h, *a)
+        # The layer index rides along with its key (a constant) so each layer finds its graphdef;
+        # the states and keys are traced.
+        def apply_layer(state, h, ik, *a):
+            i, k = ik
+            module = nnx.merge(graphdefs[i], state)
+            if k is not None:
+                _reseed(module, k)
+            before = _snapshot(module)
+            out = module(h, *a)
+            _check_unchanged(i, before, module, k is not None)
+            return out
 
         return apply_layers(apply_layer, [s for _, s in split], x, self.recompute,
-                            keys=list(range(len(split))), args=args, prevent_cse=self.prevent_cse)
+                            keys=keys, args=args, prevent_cse=self.prevent_cse)

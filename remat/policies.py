@@ -69,16 +69,39 @@ def _wide_float(prim, avals, params) -> bool:
     return dt is not None and jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize >= 4
 
 
+# Ops that only move or replicate their input: recomputing one costs no FLOPs and needs only its
+# input, which is either kept anyway or itself recomputed, so saving their outputs is never worth it.
+_MOVES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p"})
+
+
+def _out_dtypes(prim, avals, params):
+    """The dtypes `prim` returns for `avals` (None when its abstract evaluation is not available)."""
+    try:
+        out = prim.abstract_eval(*avals, **params)
+    except Exception:
+        return None
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (set, frozenset)):
+        out = out[0]  # (avals, effects)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    dts = [getattr(a, "dtype", None) for a in outs]
+    return None if any(d is None for d in dts) else dts
+
+
 @dataclasses.dataclass(frozen=True)
 class DtypePreserving:
-    """Wrap `base` so that the backward never gets a float32 copy of a value the forward used in bf16.
+    """Wrap `base` so that only low-precision float values it saves are kept (never a float32 copy).
 
-    Meant for bf16 compute. There every unnamed float32 intermediate is an upcast: norm statistics,
-    a float32 softmax, a matmul accumulated in float32 before its cast to bf16. Whatever `base`
-    would save, such a value is recomputed instead from the bf16 values that are saved (the bf16
-    cast of a matmul is saved, never its float32 accumulator). Values the model tagged by name are
-    kept as `base` decides, in the dtype the forward computed them in. (In a float32 model this
-    keeps only named values.)
+    Meant for bf16 compute. Of what `base` would save, a value is recomputed instead when it is
+    - a float of 32 bits or more that the model did not tag by name: in bf16 compute that is an
+      upcast (norm statistics, a float32 softmax or log-sum-exp, a matmul accumulated in float32
+      before its cast to bf16, whose bf16 cast is what gets saved);
+    - not a float at all (boolean masks, integer indices): derived from iotas, keys or compared
+      floats, cheap to rebuild;
+    - a reshape, transpose or broadcast of another value (no FLOPs; its input is at most as large).
+    So the wrapper never marks a value its base does not, and what it keeps of a bf16 model is bf16
+    (tests/test_bf16_policy.py checks saved bytes `bf16:p` <= `p` for every registry policy on both
+    models). Values the model tagged by name are kept as `base` decides, in the dtype the forward
+    computed them in. (In a float32 model this keeps only named values.)
     """
     base: Callable
 
@@ -86,7 +109,13 @@ class DtypePreserving:
         decision = self.base(prim, *avals, **params)
         if decision is False or decision is pe.Recompute or prim.name == "name":
             return decision
-        return pe.Recompute if _wide_float(prim, avals, params) else decision
+        if prim.name in _MOVES:
+            return pe.Recompute
+        dts = _out_dtypes(prim, avals, params)
+        if dts is None:
+            return pe.Recompute if _wide_float(prim, avals, params) else decision
+        keep = all(jnp.issubdtype(d, jnp.floating) and jnp.dtype(d).itemsize < 4 for d in dts)
+        return decision if keep else pe.Recompute
 
 
 def _everything(*_, **__):
@@ -136,8 +165,9 @@ REGISTRY: dict[str, Entry] = {
                 f"combine with '+', e.g. core_attn+mlp")
        for m in N.MODULES},
     "bf16": Entry(lambda: DtypePreserving(selective(("core_attn",))),
-                  "dtype-preserving selective (core_attn): keeps the tagged activations in the dtype the "
-                  "forward computed them in, never a float32 copy of a bf16 value; `bf16:<policy>` wraps any policy",
+                  "dtype-preserving selective (core_attn): of what its policy saves, keeps tagged activations "
+                  "and low-precision floats only (no float32 copy of a bf16 value, no mask, no reshaped copy), "
+                  "so never more bytes than the policy; `bf16:<policy>` wraps any policy",
                   template="bf16:<policy>", example="bf16:everything"),
     "save_names": Entry(lambda arg: SaveNames(_names_arg(arg, "save_names")),
                         "save only the listed tagged names",

@@ -7,10 +7,12 @@ and plain-JAX users all call it.
 # `plan()` are split into runs of equal size and kind (for `uniform` N: ⌊L/N⌋ regions of N layers,
 # then one of L mod N), and each run is one `lax.scan` whose body is a region of `size` layers.
 # So every method keeps its meaning under scan, and the traced program grows with the number of
-# runs (at most 3), not with depth.
+# runs (at most 3 for the methods, 2 for `every=k`: a region and the k-1 plain layers after it are
+# one scanned group), not with depth. Explicit `segments` give one run per distinct segment shape.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import jax
@@ -23,19 +25,35 @@ from remat.plan import plan
 
 
 def _runs(n_layers: int, cfg: RecomputeConfig):
-    """(start, count, size, checkpointed, policy) runs of equal segments, for the scan layout."""
+    """(start, count, parts) runs of equal groups for the scan layout.
+
+    A group is `parts`, a tuple of (size, checkpointed, policy) segments laid end to end; a run is
+    `count` consecutive groups with the same parts, scanned as one `lax.scan`. A checkpointed
+    segment is a group; layers outside regions are groups of one, except with `every=k`, where a
+    region and the k-1 plain layers after it form one group, so the scan stays one run.
+    """
+    segs = plan(n_layers, cfg)
     units = []
-    for s in plan(n_layers, cfg):
+    i = 0
+    while i < len(segs):
+        s = segs[i]
+        part = (s.stop - s.start, s.checkpointed, cfg.effective_policy(s.start) if s.checkpointed else None)
+        nxt = segs[i + 1] if i + 1 < len(segs) else None
+        if cfg.every is not None and s.checkpointed and nxt is not None and not nxt.checkpointed:
+            units.append((s.start, (part, (nxt.stop - nxt.start, False, None))))
+            i += 2
+            continue
         if s.checkpointed:
-            units.append((s.start, s.stop - s.start, True, cfg.effective_policy(s.start)))
+            units.append((s.start, (part,)))
         else:
-            units += [(i, 1, False, None) for i in range(s.start, s.stop)]
+            units += [(j, ((1, False, None),)) for j in range(s.start, s.stop)]
+        i += 1
     runs = []
-    for start, size, ck, pol in units:
-        if runs and tuple(runs[-1][2:]) == (size, ck, pol):
+    for start, parts in units:
+        if runs and runs[-1][2] == parts:
             runs[-1][1] += 1
         else:
-            runs.append([start, 1, size, ck, pol])
+            runs.append([start, 1, parts])
     return [tuple(r) for r in runs]
 
 
@@ -67,17 +85,19 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
     if cfg.shard_saved_axis:  # the carried activation (argument 1 of `run`/`run_stacked`) is (B, T, C)
         U = P.UNCONSTRAINED
         shard = {1: (P(U, cfg.shard_saved_axis, U), P(U, None, U))}
+    offload = (1,) if cfg.offload_inputs else ()  # the carried activation, in pinned host memory
 
-    def region(start, stop, ps, h, ks):
-        return checkpoint(run, ps, h, ks, *args, use_reentrant=cfg.use_reentrant, policy=cfg.effective_policy(start),
+    def ckpt(fn, ps, h, ks, policy, name):
+        return checkpoint(fn, ps, h, ks, *args, use_reentrant=cfg.use_reentrant, policy=policy,
                           determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
-                          name=f"layers[{start}:{stop}]", shard_saved=shard)
+                          name=name, shard_saved=shard, offload_saved=offload)
 
     if not scan:
         for s in plan(n_layers, cfg):
             ps = list(params[s.start:s.stop])
             ks = None if keys is None else keys[s.start:s.stop]
-            x = region(s.start, s.stop, ps, x, ks) if s.checkpointed else run(ps, x, ks, *args)
+            x = (ckpt(run, ps, x, ks, cfg.effective_policy(s.start), f"layers[{s.start}:{s.stop}]")
+                 if s.checkpointed else run(ps, x, ks, *args))
         return x
 
     def run_stacked(p, h, k, *a):  # p: params with a leading axis of `size` layers
@@ -87,24 +107,31 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
 
     # NOTE: each scan step hands its xs slice (the group's stacked params) to the region as is, so
     # the residual is the scan's own input, which JAX forwards instead of saving a stacked copy of
-    # every layer's parameters. Groups of one layer are scanned without a unit group axis: XLA:CPU
+    # every layer's parameters. Segments of one layer are scanned without a unit axis: XLA:CPU
     # copies (L, 1, ...)-shaped loop inputs into temp memory (24 MiB, 7% of the no-remat peak, for
-    # GPT-2 8L C=256), while (L, ...) and (L/N, N, ...) are read in place.
-    for start, count, size, ck, policy in _runs(n_layers, cfg):
-        stop = start + count * size
-        group = lambda a: (a if (start, stop) == (0, n_layers) else a[start:stop]).reshape(
-            ((count, size) if size > 1 else (count,)) + a.shape[1:])
-        grouped = jax.tree.map(group, params)
-        kgrouped = None if keys is None else group(keys)
+    # GPT-2 8L C=256), while (L, ...) and (L/N, N, ...) are read in place. A group of several
+    # segments (`every=k`) gets one xs entry per segment, split outside the scan, for the same reason.
+    for start, count, parts in _runs(n_layers, cfg):
+        gsize = sum(size for size, _, _ in parts)
+        stop = start + count * gsize
+        xs = []
+        for off, size in zip(itertools.accumulate([0] + [p[0] for p in parts]), (p[0] for p in parts)):
+            def group(a, off=off, size=size):
+                a = a if (start, stop) == (0, n_layers) else a[start:stop]
+                if len(parts) > 1:
+                    a = a.reshape((count, gsize) + a.shape[1:])[:, off:off + size]
+                    return a.reshape((count,) + a.shape[2:]) if size == 1 else a
+                return a.reshape(((count, size) if size > 1 else (count,)) + a.shape[1:])
+            xs.append((jax.tree.map(group, params), None if keys is None else group(keys)))
 
-        def body(h, pk, start=start, size=size, ck=ck, policy=policy):
-            p, k = pk
-            fn = run_stacked if size > 1 else apply_layer  # a group of one: that layer's params
-            if not ck:
-                return fn(p, h, k, *args), None
-            return checkpoint(fn, p, h, k, *args, use_reentrant=cfg.use_reentrant, policy=policy,
-                              determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
-                              name=f"layers[{start}:{start + size}] (scanned)", shard_saved=shard), None
+        def body(h, xs, start=start, parts=parts):
+            off = 0
+            for (p, k), (size, ck, policy) in zip(xs, parts):
+                fn = run_stacked if size > 1 else apply_layer  # a segment of one: that layer's params
+                h = ckpt(fn, p, h, k, policy, f"layers[{start + off}:{start + off + size}] (scanned)") if ck \
+                    else fn(p, h, k, *args)
+                off += size
+            return h, None
 
-        x, _ = lax.scan(body, x, (grouped, kgrouped))
+        x, _ = lax.scan(body, x, xs)
     return x

@@ -22,6 +22,7 @@ import typing
 from typing import Sequence
 
 from remat import RecomputeConfig, policies
+from remat import deepspeed as remat_deepspeed
 from remat import flags as recompute_flags
 from remat import names as remat_names
 from remat.config import GRANULARITIES, METHODS
@@ -30,6 +31,7 @@ from remat.planner import parse_size
 MODELS = ("gpt2", "llama3")
 DTYPES = ("float32", "bfloat16")
 MESH_AXES = ("data", "fsdp")
+TENSOR_AXIS = None  # no tensor-parallel mesh axis yet: DeepSpeed's partition_activations has nothing to split
 DEFAULT_PRESET = "tiny"
 DEFAULT_PROMPT_TOKENS = 32  # the default sample prompt: this many tokens from the start of the validation data
 
@@ -110,6 +112,19 @@ class TrainConfig:
     use_reentrant: bool = _f(False, "recompute through a custom_vjp that saves only region inputs "
                                     "(full granularity only)")
     scan_layers: bool = _f(False, "run the layers under lax.scan (constant compile time in depth)")
+    recompute_segments: str | None = _f(None, "explicit recompute regions as half-open layer ranges, e.g. 0-3,3-5 "
+                                              "(layers 0-2 one region, 3-4 another); layers in no range are not "
+                                              "rematerialized; replaces --recompute_method", metavar="A-B,C-D")
+    recompute_every: int | None = _f(None, "checkpoint every k-th layer: layers 0, k, 2k, ... are each a region, "
+                                           "the layers between them are not rematerialized; replaces "
+                                           "--recompute_method", metavar="K")
+    cpu_checkpointing: bool = _f(False, "keep each recompute region's input in pinned host memory between the "
+                                        "forward and the backward (DeepSpeed's cpu_checkpointing; on CPU nothing "
+                                        "moves)")
+    deepspeed_config: str | None = _f(None, "a DeepSpeed JSON config whose activation_checkpointing block sets the "
+                                            "recompute settings (number_checkpoints, cpu_checkpointing, "
+                                            "partition_activations, ...); turns recompute on (granularity full)",
+                                      metavar="FILE.json")
     # -- optimization
     batch_size: int = _f(16, "micro-batch size (sequences per forward/backward)")
     sequence_length: int = _f(64, "tokens per sequence T")
@@ -169,7 +184,8 @@ class TrainConfig:
             raise UsageError(f"--preset {self.preset!r} is not a {self.model} preset; use one of {', '.join(presets)}")
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters", "top_k"):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters", "top_k",
+                     "recompute_every"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise UsageError(f"--{name} {v!r} must be a positive integer (or left unset for the default)")
@@ -241,9 +257,29 @@ class TrainConfig:
             return recompute_flags.recompute_configs(
                 activation_recompute=self.activation_recompute, recompute_granularity=self.recompute_granularity,
                 methods=methods, num_layers=self.recompute_num_layers, modules=self.recompute_modules,
-                policy=self.remat_policy, use_reentrant=self.use_reentrant)
+                policy=self.remat_policy, use_reentrant=self.use_reentrant, segments=self.recompute_segments,
+                every=self.recompute_every, cpu_checkpointing=self.cpu_checkpointing, deepspeed=self.deepspeed,
+                tensor_axis=TENSOR_AXIS)
         except ValueError as e:
             raise UsageError(str(e)) from None
+
+    @property
+    def deepspeed(self):
+        """The `--deepspeed_config` file's validated activation_checkpointing block (None without one).
+
+        The file is a settings file, so it is read here, with the flags, not in `training.run.prepare`.
+        """
+        if self.deepspeed_config is None:
+            return None
+        try:
+            return remat_deepspeed.load(self.deepspeed_config)
+        except ValueError as e:
+            raise UsageError(f"--deepspeed_config {e}") from None
+
+    def deepspeed_notes(self) -> list[str]:
+        """What each `--deepspeed_config` setting became (printed at start-up); [] without one."""
+        ds = self.deepspeed
+        return [] if ds is None else ds.notes(TENSOR_AXIS)
 
     def _auto_placeholder(self) -> RecomputeConfig:
         """Validate `--recompute_method auto` and `--memory_budget`; full remat stands in until the
@@ -259,6 +295,10 @@ class TrainConfig:
                              "to fit; add it, or choose --recompute_method none/uniform/block")
         self.memory_budget_bytes  # validates the size
         for flag, bad in (("--recompute_granularity", self.recompute_granularity not in (None, "full")),
+                          ("--recompute_segments", self.recompute_segments is not None),
+                          ("--recompute_every", self.recompute_every is not None),
+                          ("--cpu_checkpointing", self.cpu_checkpointing),
+                          ("--deepspeed_config", self.deepspeed_config is not None),
                           ("--remat_policy", self.remat_policy is not None),
                           ("--recompute_modules", self.recompute_modules is not None),
                           ("--use_reentrant", self.use_reentrant),

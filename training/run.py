@@ -391,6 +391,7 @@ def describe(setup: Setup, compiled=None) -> str:
         f"MFLOP/token",
         f"mesh     {cfg.mesh} over {setup.mesh.size} {setup.mesh.devices.flat[0].platform} device(s)",
     ]
+    lines[2:2] = [f"deepspeed {note}" for note in cfg.deepspeed_notes()]
     if compiled is not None:
         lines.append(f"memory   {log_lib.gib(log_lib.compiled_estimate(compiled))} per device (compiled est.)")
     return "\n".join(lines)
