@@ -109,6 +109,8 @@ class TrainConfig:
     use_reentrant: bool = _f(False, "recompute through a custom_vjp that saves only region inputs "
                                     "(full granularity only)")
     scan_layers: bool = _f(False, "run the layers under lax.scan (constant compile time in depth)")
+    loss_chunk: int = _f(0, "compute the LM head and cross-entropy over chunks of N positions, each "
+                            "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)")
     # -- optimization
     batch_size: int = _f(16, "micro-batch size (sequences per forward/backward)")
     sequence_length: int = _f(64, "tokens per sequence T")
@@ -165,7 +167,8 @@ class TrainConfig:
                 raise UsageError(f"--{name} {v!r} must be a positive integer (or left unset for the default)")
         for name, lo in (("batch_size", 1), ("sequence_length", 1), ("grad_accum_steps", 1),
                          ("num_iterations", 1), ("warmup_iters", 0), ("val_every", 0), ("val_steps", 1),
-                         ("checkpoint_every", 0), ("keep_checkpoints", 1), ("recompute_num_layers", 0)):
+                         ("checkpoint_every", 0), ("keep_checkpoints", 1), ("recompute_num_layers", 0),
+                         ("loss_chunk", 0)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
                 raise UsageError(f"--{name} {v!r} must be an integer >= {lo}")

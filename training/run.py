@@ -77,7 +77,7 @@ class RunResult:
 
 def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, block_size: int):
     over = dict(vocab_size=vocab_size, block_size=block_size, dtype=cfg.dtype, dropout=cfg.dropout,
-                scan_layers=cfg.scan_layers, recompute=recompute)
+                scan_layers=cfg.scan_layers, recompute=recompute, loss_chunk=cfg.loss_chunk)
     for k in ("n_layer", "n_head", "n_embd"):
         if getattr(cfg, k) is not None:
             over[k] = getattr(cfg, k)
@@ -249,7 +249,7 @@ def _optimizer(settings: tuple):
 
 def _init_config(mcfg):
     """The model config with everything that does not change the initial parameters reset."""
-    return dataclasses.replace(mcfg, recompute=type(mcfg.recompute)(), dropout=0.0, dtype="float32")
+    return dataclasses.replace(mcfg, recompute=type(mcfg.recompute)(), dropout=0.0, dtype="float32", loss_chunk=0)
 
 
 # The optimizer state's structure and initial values do not depend on the hyperparameters.
