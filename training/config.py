@@ -146,6 +146,9 @@ class TrainConfig:
     dry_run: bool = _f(False, "validate everything, build and compile the train step, print a summary, "
                               "and exit without training or writing")
     progress: bool = _f(True, "show a tqdm progress bar (on stderr)")
+    preflight: bool = _f(True, "before the first step, compare the compiled step's peak memory with the "
+                               "devices' (GPU: bytes_limit; CPU: available host RAM) and stop with advice "
+                               "(exit 2) when it does not fit")
 
     def __post_init__(self):
         if isinstance(self.data, str):

@@ -32,6 +32,7 @@ from models.llmc_io import LlmcFormatError, read_model
 from training import checkpoint as ckpt
 from training import data as data_lib
 from training import log as log_lib
+from training import preflight
 from training import sharding as sh
 from training.config import TrainConfig, UsageError, parse_mesh
 from training.model import Family, config_dict, family
@@ -450,6 +451,10 @@ def run(cfg: TrainConfig, out=None) -> RunResult:
     t_compile = time.perf_counter()
     compiled = compile_train_step(setup)
     t_compile = time.perf_counter() - t_compile
+    if cfg.preflight:  # the compiled peak against the devices' memory: UsageError with advice
+        fit = preflight.check(setup, compiled)
+        if fit:
+            print(f"preflight {fit}", file=out)
     if cfg.dry_run:
         print(describe(setup, compiled), file=out)
         print(f"dry run: the train step compiled in {t_compile:.1f} s; nothing was trained or written", file=out)
