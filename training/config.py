@@ -146,6 +146,9 @@ class TrainConfig:
     dry_run: bool = _f(False, "validate everything, build and compile the train step, print a summary, "
                               "and exit without training or writing")
     progress: bool = _f(True, "show a tqdm progress bar (on stderr)")
+    profile_steps: str | None = _f(None, "write a jax.profiler trace (TensorBoard/Perfetto) of steps A+1..B, e.g. "
+                                         "0:3 for the first three, to <checkpoint_dir>/profile, else beside "
+                                         "--log_jsonl (x.jsonl -> x.profile), else runs/profile", metavar="A:B")
     preflight: bool = _f(True, "before the first step, compare the compiled step's peak memory with the "
                                "devices' (GPU: bytes_limit; CPU: available host RAM) and stop with advice "
                                "(exit 2) when it does not fit")
@@ -196,6 +199,12 @@ class TrainConfig:
             parse_mesh(self.mesh)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if self.profile_steps is not None:
+            from training.profile import parse_steps
+            try:
+                parse_steps(self.profile_steps, self.num_iterations)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         self.recompute_configs()  # validates the recompute flags
 
     # -- derived settings

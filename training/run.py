@@ -33,6 +33,7 @@ from training import checkpoint as ckpt
 from training import data as data_lib
 from training import log as log_lib
 from training import preflight
+from training.profile import StepProfiler
 from training import sharding as sh
 from training.config import TrainConfig, UsageError, parse_mesh
 from training.model import Family, config_dict, family
@@ -488,6 +489,10 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
             losses.append(float(eval_fn(params, sh.put_batch(x, xs), sh.put_batch(y, xs))))
         return float(np.mean(losses))
 
+    profiler = StepProfiler.from_config(cfg, out)
+    if profiler.last and profiler.last <= start:
+        raise UsageError(f"--profile_steps {cfg.profile_steps}: this run resumes after step {start}, so none of "
+                         f"those steps runs; choose steps after {start}")
     peak = log_lib.peak_flops(devices[0], cfg.dtype)
     flops_step = setup.fam.flops_per_token(setup.mcfg, cfg.sequence_length) * cfg.tokens_per_step
     est = log_lib.compiled_estimate(compiled)
@@ -504,10 +509,11 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
             x, y = setup.train_ds.batch(position, cfg.seed, cfg.batch_size, cfg.sequence_length,
                                         cfg.grad_accum_steps)
             xd, yd = sh.put_batch(x, setup.x_sharding), sh.put_batch(y, setup.x_sharding)
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, xd, yd)
-            metrics = jax.device_get(metrics)
-            dt = time.perf_counter() - t0
+            with profiler.step(step + 1):  # a jax.profiler trace of --profile_steps
+                t0 = time.perf_counter()
+                state, metrics = compiled(state, xd, yd)
+                metrics = jax.device_get(metrics)
+                dt = time.perf_counter() - t0
             position += 1
             loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
             if not _finite(loss, norm):
@@ -538,6 +544,7 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
                                              "model_config": config_dict(setup.mcfg), "train_config": cfg.to_dict()})
                 last_saved = n
     finally:
+        profiler.close()
         bar.close()
         writer.close()
         if checkpointer:
