@@ -382,7 +382,8 @@ def describe(setup: Setup, compiled=None) -> str:
         f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
         + (", scan" if m.scan_layers else ""),
         f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy() if rc.layer_policies is None else 'per layer'}"
-                                            f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else ""),
+                                            f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else "")
+        + (f"; loss over chunks of {m.loss_chunk} positions" if m.loss_chunk else ""),
         f"data     {setup.train_ds.description}: {setup.train_ds.n_tokens:,} tokens"
         + (f"; val {setup.val_ds.description}: {setup.val_ds.n_tokens:,} tokens" if setup.val_ds else ""),
         f"batch    {cfg.batch_size} x {cfg.sequence_length} x {cfg.grad_accum_steps} accum = "
