@@ -114,7 +114,12 @@ def check(setup, compiled, compile_step=None) -> str | None:
         return f"the train step needs {gib(need)} of {gib(cap.bytes)} {cap.what}: fits"
     per = f" ({cap.sharing} devices x {gib(peak)})" if cap.sharing > 1 else ""
     head = f"the train step needs {gib(need)}{per} (XLA's compiled peak) but {cap.what} is {gib(cap.bytes)}"
-    raise UsageError(f"{head}; {advice(setup, cap, compile_step)}; or pass --no-preflight to try anyway")
+    try:
+        hint = advice(setup, cap, compile_step)
+    except Exception as e:  # a candidate that does not even compile must not hide the finding
+        hint = (f"compiling a more memory-saving setting failed ({type(e).__name__}); lower --batch_size or "
+                f"--sequence_length, or add --activation_recompute --loss_chunk 128")
+    raise UsageError(f"{head}; {hint}; or pass --no-preflight to try anyway")
 
 
 def _full(mcfg):
