@@ -33,11 +33,11 @@ from training import checkpoint as ckpt
 from training import data as data_lib
 from training import log as log_lib
 from training import preflight
-from training.profile import StepProfiler
 from training import sharding as sh
 from training.config import TrainConfig, UsageError, parse_mesh
 from training.model import Family, config_dict, family
 from training.optim import make_optimizer, optimizer_settings
+from training.profile import StepProfiler
 from training.step import init_state, make_eval_step, make_train_step
 
 VAL_FRACTION = 0.02
