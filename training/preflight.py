@@ -18,6 +18,7 @@ candidates, most memory-saving first:
      3 tries); or, when the parameters and optimizer state alone exceed the budget, a smaller
      model or more devices.
 
+It runs after the step is compiled and before anything is trained or written, for `--dry_run` too.
 `train.py --no-preflight` skips the check (and then may die of XLA's RESOURCE_EXHAUSTED).
 
 Example:
