@@ -14,11 +14,14 @@
     python train.py ... --checkpoint_dir runs/d12 --resume   # continue bit-identically
     python train.py --preset d12 --recompute_method auto --memory_budget 12GiB   # planner picks per layer
     python train.py --sample_every 500 --prompt "def " --temperature 0.8 --top_k 20   # samples while training
+    python train.py --preset d12 --sequence_length 1024 --activation_recompute --loss_chunk 128  # no (B,T,V) logits
+    python train.py --num_iterations 20 --profile_steps 10:13 --log_jsonl runs/x.jsonl  # trace to runs/x.profile
 
 Flags are generated from `training.TrainConfig` (`python train.py --help`). Bad input (an unknown
 value, inconsistent recompute flags, a missing or malformed data file, a mismatched --init_from,
---resume without a checkpoint, a mesh that does not fit) exits with status 2 and one line on
-stderr, before anything is written. A NaN/inf loss stops the run with status 1.
+--resume without a checkpoint, a mesh that does not fit, a train step whose compiled peak exceeds
+the devices' memory: the preflight, with a setting to try; --no-preflight skips it) exits with
+status 2 and one line on stderr, before anything is written. A NaN/inf loss stops the run with status 1.
 """
 from __future__ import annotations
 

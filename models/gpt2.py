@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import (MLP, CausalSelfAttention, LayerNorm, check_llmc_tensors, cross_entropy,
-                           embed, stack_layers, unstack_layers)
+from models.layers import (MLP, CausalSelfAttention, LayerNorm, check_llmc_tensors, embed, lm_head,
+                           stack_layers, unstack_layers)
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
 
@@ -61,6 +61,8 @@ class GPT2Config:
       dtype: compute dtype, "float32" or "bfloat16" (parameters stay float32).
       scan_layers: run the blocks under `lax.scan` (stacked parameters `blocks/h`).
       recompute: the activation-recompute settings (remat.RecomputeConfig).
+      loss_chunk: 0, or N > 0 to compute the LM head and loss over chunks of N positions, each
+        rematerialized, so the (B, T, Vp) logits never exist (`models.layers.lm_head`).
     Example:
       >>> GPT2Config.preset("d12", dtype="bfloat16").padded_vocab_size
       50304
@@ -75,8 +77,11 @@ class GPT2Config:
     dtype: str = "float32"
     scan_layers: bool = False
     recompute: RecomputeConfig = RecomputeConfig()
+    loss_chunk: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
+            raise ValueError(f"GPT2Config.loss_chunk={self.loss_chunk!r} must be an int >= 0 (0: no chunking)")
         for f in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -131,7 +136,8 @@ class GPT2(nn.Module):
 
     `__call__(idx, targets=None, *, deterministic=True)` returns `(logits, loss)`: logits
     (B, T, Vp) float32 and the mean cross-entropy over B·T positions (None without targets).
-    Dropout needs `deterministic=False` and a `dropout` RNG.
+    With `loss_chunk` > 0 and targets the loss is computed over chunks and logits is None (call
+    without targets for them). Dropout needs `deterministic=False` and a `dropout` RNG.
     Example:
       >>> model = GPT2(GPT2Config.preset("tiny"))
       >>> logits, loss = model.apply({"params": params}, idx, targets)
@@ -152,9 +158,7 @@ class GPT2(nn.Module):
         x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,
                        scan=cfg.scan_layers, name="blocks")(x, deterministic)
         x = LayerNorm(dt, name="ln_f")(x)  # (B, T, C)
-        logits = jnp.einsum("btc,vc->btv", x, wte.astype(dt), preferred_element_type=jnp.float32)  # (B, T, Vp)
-        loss = None if targets is None else cross_entropy(logits, targets, cfg.vocab_size)
-        return logits, loss
+        return lm_head(x, wte, targets, cfg.vocab_size, cfg.loss_chunk)  # logits (B, T, Vp) or None, loss
 
 
 def init_params(config: GPT2Config, key, batch_shape=(1, 1)):

@@ -304,16 +304,18 @@ def _embed_bwd(res, dy):
 embed.defvjp(_embed_fwd, _embed_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def cross_entropy(logits, targets, n_valid: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def cross_entropy(logits, targets, n_valid: int, total: int | None = None):
     """Mean cross-entropy over all positions; vocabulary columns >= n_valid are left out.
 
     Args:
       logits: (..., V) float32; targets: (...) int; n_valid: the real vocabulary size.
+      total: divide the summed loss by this count instead of `targets.size` (a chunk's share of
+        the mean over a whole batch, `lm_head`).
     Example:
       >>> loss = cross_entropy(logits, y, 50257)
     """
-    return _ce_fwd(logits, targets, n_valid)[0]
+    return _ce_fwd(logits, targets, n_valid, total)[0]
 
 
 def _ce_masked(logits, n_valid):
@@ -323,22 +325,81 @@ def _ce_masked(logits, n_valid):
     return jnp.where(col < n_valid, logits, -jnp.inf)
 
 
-def _ce_fwd(logits, targets, n_valid):
+def _ce_fwd(logits, targets, n_valid, total=None):
     z = _ce_masked(logits.astype(F32), n_valid)
     picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), -1)[..., 0]
-    return (jax.nn.logsumexp(z, axis=-1) - picked).mean(), (logits, targets)
+    nll = jax.nn.logsumexp(z, axis=-1) - picked
+    return (nll.mean() if total is None else nll.sum() / total), (logits, targets)
 
 
-def _ce_bwd(n_valid, res, g):
+def _ce_bwd(n_valid, total, res, g):
     logits, targets = res
     z = _ce_masked(logits.astype(F32), n_valid)
     p = jnp.exp(z - jax.nn.logsumexp(z, axis=-1, keepdims=True))  # the log-sum-exp is recomputed: one more pass over z
     onehot = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1) == targets[..., None]
-    d = (p - onehot) * (g / targets.size)
+    d = (p - onehot) * (g / (targets.size if total is None else total))
     return d.astype(logits.dtype), None
 
 
 cross_entropy.defvjp(_ce_fwd, _ce_bwd)
+
+
+def lm_logits(x, w):
+    """The LM head: float32 logits x·wᵀ, computed in x's dtype, tagged `lm_head`.
+
+    Args:
+      x: (B, T, C) final hidden states; w: (V, C) head weight (float32, cast to x's dtype).
+    Example:
+      >>> logits = lm_logits(x, wte)  # (B, T, V)
+    """
+    return checkpoint_name(jnp.einsum("btc,vc->btv", x, w.astype(x.dtype), preferred_element_type=F32),
+                           names.LM_HEAD)  # (B, T, V)
+
+
+def lm_head(x, w, targets=None, n_valid: int | None = None, chunk: int = 0):
+    """LM head and mean cross-entropy, optionally over T-chunks so the (B, T, V) logits never exist.
+
+    Args:
+      x: (B, T, C) final hidden states; w: (V, C) head weight; targets: (B, T) int or None.
+      n_valid: vocabulary columns in the softmax (default all of w's rows).
+      chunk: 0 for the plain head; N > 0 computes the loss over chunks of N positions (the last
+        chunk may be shorter), each rematerialized: only (B, N, V) logits are live at a time, in
+        the forward and in the backward.
+    Returns:
+      (logits, loss): logits (B, T, V) float32, or None when `chunk` > 0 and targets are given
+      (call again without targets for them); loss None without targets.
+    Example:
+      >>> _, loss = lm_head(x, wte, targets, 50257, chunk=128)
+    """
+    n_valid = w.shape[0] if n_valid is None else n_valid
+    if targets is None or not chunk:
+        logits = lm_logits(x, w)  # (B, T, V)
+        return logits, None if targets is None else cross_entropy(logits, targets, n_valid)
+    return None, _chunked_loss(x, w, targets, n_valid, chunk)
+
+
+# NOTE: the chunked loss. Each chunk's head projection + cross-entropy is one `jax.checkpoint`
+# region (saving nothing inside): the forward keeps only the chunk's input rows and targets, and
+# the backward recomputes that chunk's logits right before its own gradient, so at most one
+# chunk's (B, N, V) logits and their gradient are live. Chunks run under `lax.scan` (the body is
+# compiled once); a remainder T % N is one more region of its own size. Each chunk's loss is its
+# summed cross-entropy over B·T, so the chunks add up to the mean (`cross_entropy(..., total)`);
+# the weight gradient is accumulated across chunks by the scan's transpose.
+def _chunk_loss(x, w, t, n_valid, total):
+    return cross_entropy(lm_logits(x, w), t, n_valid, total)  # x (B, N, C) → logits (B, N, V)
+
+
+def _chunked_loss(x, w, targets, n_valid: int, chunk: int):
+    B, T, C = x.shape
+    chunk = min(chunk, T)
+    n, rem = divmod(T, chunk)  # n >= 1 full chunks, then a remainder
+    body = jax.checkpoint(functools.partial(_chunk_loss, n_valid=n_valid, total=B * T), prevent_cse=False)
+    xs = x[:, :n * chunk].reshape(B, n, chunk, C).swapaxes(0, 1)  # (n, B, N, C)
+    ts = targets[:, :n * chunk].reshape(B, n, chunk).swapaxes(0, 1)  # (n, B, N)
+    loss, _ = lax.scan(lambda acc, xt: (acc + body(xt[0], w, xt[1]), None), jnp.zeros((), F32), (xs, ts))
+    if rem:
+        loss = loss + body(x[:, n * chunk:], w, targets[:, n * chunk:])
+    return loss
 
 
 def rope_frequencies(head_dim: int, theta: float, use_scaled: bool) -> np.ndarray:
@@ -406,6 +467,23 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self.param("b", nn.initializers.zeros, (self.features,), F32).astype(y.dtype)
         return y
+
+
+class LMHead(nn.Module):
+    """An untied LM head, param `w` (V, C) as `Linear(V, use_bias=False)` stores it, and its loss.
+
+    `__call__(x, targets=None)` returns `lm_head(x, w, targets, n_valid, chunk)`: (logits, loss).
+    Example:
+      >>> logits, loss = LMHead(256, name="lm_head")(x, targets)
+    """
+    features: int
+    n_valid: int | None = None
+    chunk: int = 0
+
+    @nn.compact
+    def __call__(self, x, targets=None):
+        w = self.param("w", nn.initializers.normal(0.02), (self.features, x.shape[-1]), F32)
+        return lm_head(x, w, targets, self.n_valid, self.chunk)
 
 
 class LayerNorm(nn.Module):

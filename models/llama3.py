@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import (CausalSelfAttention, Linear, RMSNorm, SwiGLU, check_llmc_tensors,
-                           cross_entropy, embed, stack_layers, unstack_layers)
+from models.layers import (CausalSelfAttention, LMHead, RMSNorm, SwiGLU, check_llmc_tensors, embed,
+                           stack_layers, unstack_layers)
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
 
@@ -63,7 +63,7 @@ class Llama3Config:
       n_layer, n_head, n_kv_head, n_embd: depth, query heads, key/value heads, width C.
       ffn_dim_multiplier, multiple_of: the SwiGLU width rule (see `ffn_hidden`).
       norm_eps: RMSNorm epsilon; rope_theta, use_scaled_rope: RoPE base and LLaMA-3.1 scaling.
-      dropout, dtype ("float32"|"bfloat16" compute), scan_layers, recompute: as for GPT-2.
+      dropout, dtype ("float32"|"bfloat16" compute), scan_layers, recompute, loss_chunk: as for GPT-2.
     Example:
       >>> Llama3Config.preset("tiny").ffn_hidden
       96
@@ -83,8 +83,11 @@ class Llama3Config:
     dtype: str = "float32"
     scan_layers: bool = False
     recompute: RecomputeConfig = RecomputeConfig()
+    loss_chunk: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
+            raise ValueError(f"Llama3Config.loss_chunk={self.loss_chunk!r} must be an int >= 0 (0: no chunking)")
         for f in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "multiple_of"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -148,6 +151,7 @@ class Llama3(nn.Module):
 
     `__call__(idx, targets=None, *, deterministic=True)` returns `(logits, loss)`: logits
     (B, T, V) float32 and the mean cross-entropy over B·T positions (None without targets).
+    With `loss_chunk` > 0 and targets the loss is computed over chunks and logits is None.
     Example:
       >>> model = Llama3(Llama3Config.preset("tiny"))
       >>> logits, loss = model.apply({"params": params}, idx, targets)
@@ -166,9 +170,7 @@ class Llama3(nn.Module):
         x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,
                        scan=cfg.scan_layers, name="blocks")(x, deterministic)
         x = RMSNorm(dt, cfg.norm_eps, name="ln_f")(x)  # (B, T, C)
-        logits = Linear(cfg.vocab_size, False, dt, out_dtype=jnp.float32, name="lm_head")(x)  # (B, T, V)
-        loss = None if targets is None else cross_entropy(logits, targets, cfg.vocab_size)
-        return logits, loss
+        return LMHead(cfg.vocab_size, chunk=cfg.loss_chunk, name="lm_head")(x, targets)  # logits (B, T, V) or None
 
 
 def init_params(config: Llama3Config, key, batch_shape=(1, 1)):

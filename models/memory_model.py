@@ -31,11 +31,11 @@ def activation_bytes(config, batch: int, seq: int) -> tuple[LayerBytes, int]:
         # mid-layer residual (input of ln_2) + LayerNorm mean and rstd for 2 norms + lse, and in
         # bf16 the bf16 casts of the layer's 12h² matmul weights
         untagged = sbh + 2 * 2 * s * b * F32 + lse + (12 * h * h * a if a < F32 else 0)
-        # last layer's output and ln_f (input, mean, rstd, output), float32 logits over the padded
-        # vocabulary, the token ids (int32; counted only when they are a closed-over constant, not an
-        # argument); in bf16 the cast of the tied head
+        # last layer's output and ln_f (input, mean, rstd, output), the token ids (int32; counted only
+        # when they are a closed-over constant, not an argument), and the LM head (`_lm_head`): float32
+        # logits over the padded vocabulary and in bf16 the cast of the tied head, or chunked targets
         Vp = config.padded_vocab_size
-        head = 2 * sbh + 2 * s * b * F32 + s * b * Vp * F32 + s * b * 4 + (Vp * h * a if a < F32 else 0)
+        head = 2 * sbh + 2 * s * b * F32 + s * b * 4 + _lm_head(config, s * b, Vp * h * a if a < F32 else 0)
         return LayerBytes(tagged, untagged, swaps={N.ATTN_OUT: sbh}), head
     assert isinstance(config, llama3.Llama3Config)
     hd, H = config.head_dim, config.ffn_hidden
@@ -46,8 +46,17 @@ def activation_bytes(config, batch: int, seq: int) -> tuple[LayerBytes, int]:
     # mid-layer residual + RMSNorm rstd for 2 norms + lse (+ weight casts); RoPE cos/sin for q and k
     untagged = sbh + 2 * s * b * F32 + lse + w
     constants = 4 * s * (hd // 2) * F32
-    # last output; final RMSNorm (rstd, normalized input); float32 logits; the token ids (as for
-    # GPT-2); in bf16 the head's weight cast
-    V = config.vocab_size
-    head = 2 * sbh + s * b * F32 + s * b * V * F32 + s * b * 4 + (V * h * a if a < F32 else 0)
+    # last output; final RMSNorm (rstd, normalized input); the token ids (as for GPT-2); the LM
+    # head (`_lm_head`): float32 logits and in bf16 the head's weight cast, or chunked targets
+    head = 2 * sbh + s * b * F32 + s * b * 4 + _lm_head(config, s * b, config.vocab_size * h * a if a < F32 else 0)
     return LayerBytes(tagged, untagged, constants, swaps={N.ATTN_OUT: sbh}), head
+
+
+def _lm_head(config, rows: int, weight_cast: int) -> int:
+    """What the LM head and loss keep besides their input: the float32 logits (rows·V·f) and, in
+    bf16, the head weight's cast; chunked (`loss_chunk` > 0), neither, only the targets regrouped
+    into chunks (int32, one per row): each chunk's logits are recomputed in the backward."""
+    if config.loss_chunk:
+        return rows * 4
+    V = getattr(config, "padded_vocab_size", config.vocab_size)
+    return rows * V * F32 + weight_cast

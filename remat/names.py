@@ -16,6 +16,7 @@ of these constants. Policies (`remat.policies`) refer only to these names.
 | `mlp_gate`      | the gate projection of a gated MLP (`c_fc2`, LLaMA only)         |
 | `mlp_act`       | the MLP activation (GELU, or silu(gate)·up)                      |
 | `mlp_out`       | the MLP down projection (`c_proj`)                               |
+| `lm_head`       | the LM head's float32 logits (B,T,V), or one chunk's (B,N,V)     |
 """
 BLOCK_INPUT = "block_input"
 LN_1 = "ln_1"
@@ -28,9 +29,10 @@ MLP_UP = "mlp_up"
 MLP_GATE = "mlp_gate"
 MLP_ACT = "mlp_act"
 MLP_OUT = "mlp_out"
+LM_HEAD = "lm_head"
 
 ALL = (BLOCK_INPUT, LN_1, QKV, ATTN_PROBS, ATTN_CONTEXT, ATTN_OUT, LN_2, MLP_UP, MLP_GATE,
-       MLP_ACT, MLP_OUT)
+       MLP_ACT, MLP_OUT, LM_HEAD)
 
 # Selective recompute modules (Megatron's `recompute_modules`): the tagged names each one drops
 # from the saved set, so that they (and every untagged value computed from them) are recomputed.

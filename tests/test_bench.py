@@ -104,6 +104,35 @@ def test_largest_batch_doubles_then_bisects():
     assert (r["max_batch"], r["complete"]) == (32, False)
 
 
+def test_largest_batch_seeded_at_a_guess():
+    # A good guess: 0.9·guess fits, 1.25× that fails, then bisection: 4 trials instead of doubling's 7.
+    r = gpu_check.largest_batch(lambda b: b <= 800, 32, 4096, bisect=2, guess=820)
+    assert [b for b, _ in r["tried"]] == [738, 922, 830, 784] and (r["max_batch"], r["first_fail"]) == (784, 830)
+    # A guess too high: step down by 0.7× until one fits, then bisect.
+    r = gpu_check.largest_batch(lambda b: b <= 300, 32, 4096, bisect=1, guess=820)
+    assert [b for b, _ in r["tried"]] == [738, 516, 361, 252, 306] and r["max_batch"] == 252
+
+
+def test_gpu_check_targets_and_sizing_from_the_analytic_model():
+    """The restated targets are 90% of the analytic figures, and the default run's predicted cost fits
+    its budget, which with the grace of the last worker stays under the 8 minutes."""
+    a = gpu_check._parser().parse_args([])
+    names = list(gpu_check.settings(12))
+    models = {n: gpu_check.analytic(a, gpu_check.settings(12)[n]) for n in names}
+    goals = gpu_check.targets_from_model(models)
+    n, f = models["none"], models["full"]
+    assert goals["batch"] == pytest.approx(0.9 * n["per_seq"] / f["per_seq"]) and 2.0 < goals["batch"] < 4.0
+    assert 0.7 < goals["throughput"] < 0.8 and 0.4 < goals["mfu"] < 0.45
+    # The chunked loss is what makes full remat worth its batch: without it the logits dominate.
+    plain = gpu_check._parser().parse_args(["--loss_chunk", "0"])
+    assert gpu_check.analytic(plain, {})["per_seq"] / gpu_check.analytic(plain, dict(granularity="full"))[
+        "per_seq"] < 0.6 * n["per_seq"] / f["per_seq"]
+    costs = [gpu_check.predicted_cost(a, m, models[m], gpu_check.NOMINAL_LIMIT) for m in names]
+    assert sum(costs) <= a.budget_s and a.budget_s + a.grace_s + 30 <= 8 * 60
+    guesses = {m: gpu_check.predicted_batch(models[m], gpu_check.NOMINAL_LIMIT) for m in names}
+    assert guesses["full"] > 2 * guesses["none"] and 1.25 * 0.9 * guesses["full"] < a.max_batch
+
+
 def test_is_oom():
     assert gpu_check.is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB"))
     assert not gpu_check.is_oom(ValueError("shapes do not match"))
@@ -127,8 +156,11 @@ def test_gpu_check_smoke_writes_table_and_json(tmp_path):
     for r in res["rows"].values():
         assert r["error"] is None and r["step_ms"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
         assert r["max_batch"] >= 2 and r["search"]["tried"]
-    assert [t["name"] for t in res["targets"]] == ["MFU ≥ 45% without remat", "full remat throughput ≥ 0.72× none",
-                                                   "full remat fits ≥ 4× the batch of none"]
+    goals = res["meta"]["goals"]
+    assert [t["name"] for t in res["targets"]] == [
+        f"MFU ≥ {100 * goals['mfu']:.0f}% without remat", f"full remat throughput ≥ {goals['throughput']:.2f}× none",
+        f"full remat fits ≥ {goals['batch']:.1f}× the batch of none"]
+    assert all(r["loss_chunk"] == 8 for r in res["rows"].values())  # the chunked loss is on
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| setting | peak GiB |" in md and "Targets:" in md
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".worker")]
@@ -164,3 +196,17 @@ def test_torch_peer_tiny():
     assert len(res["targets"]) == 3 and "thread" in res["targets"][0]["measured"]
     assert "| PyTorch eager, 1 thread |" in torch_peer.report(res)
     assert torch_peer.thread_counts(None, 2) == [1, 2] and torch_peer.thread_counts("2", 2) == [2]
+
+
+def test_loss_chunk_bench_rows_and_target():
+    from bench import loss_chunk
+    res = loss_chunk.run("tiny", seq=32, batch=2, chunks=(8,), log=lambda _: None)
+    rows = {(r["setting"], r["loss_chunk"]): r for r in res["rows"]}
+    assert list(rows) == [("none", 0), ("none", 8), ("full", 0), ("full", 8)]
+    for (name, chunk), r in rows.items():
+        assert r["temp_ratio"] == pytest.approx(r["temp_bytes"] / rows[(name, 0)]["temp_bytes"])
+        assert r["saved_bytes"] < rows[(name, 0)]["saved_bytes"] or not chunk  # the logits are not kept
+    (t,) = res["targets"]
+    assert t["name"].startswith("full remat + loss_chunk 8 temp ≤ 0.5×") and t["met"] == (
+        rows[("full", 8)]["temp_bytes"] <= 0.5 * rows[("full", 0)]["temp_bytes"])
+    assert "| full | 8 |" in loss_chunk.report(res)

@@ -37,6 +37,7 @@ RECOMPUTE_FLAGS = [
     ["--activation_recompute", "--use_reentrant"],
     ["--activation_recompute", "--recompute_granularity", "selective", "--recompute_modules", "core_attn,mlp"],
     ["--activation_recompute", "--scan_layers", "--recompute_method", "uniform", "--recompute_num_layers", "2"],
+    ["--activation_recompute", "--loss_chunk", "3"],  # T=8: chunks of 3, 3 and a remainder of 2
 ]
 
 

@@ -60,3 +60,32 @@ def test_prediction_for_per_layer_policies(model):
     measured = memory.saved_residuals(lambda p: mod.loss_fn(p, cfg, idx, idx), params).intermediates
     layer, head = memory_model.activation_bytes(cfg, B, T)
     assert abs(memory.predict_saved(layer, cfg.n_layer, rc, head) - measured) <= 0.01 * measured
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("setting", ["none", "full", "uniform3"])
+@pytest.mark.parametrize("model", list(BASES))
+def test_prediction_with_chunked_loss(model, setting, dtype):
+    # T=128 in chunks of 48: two chunks under the scan and a remainder of 32.
+    mod, base = BASES[model]
+    cfg = dataclasses.replace(base, recompute=SETTINGS[setting], dtype=dtype, loss_chunk=48)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                          jax.eval_shape(lambda: mod.init_params(cfg, jax.random.PRNGKey(0))))
+    idx = jnp.zeros((B, T), jnp.int32)
+    res = memory.saved_residuals(lambda p: mod.loss_fn(p, cfg, idx, idx), params)
+    assert "lm_head" not in res.by_name()  # no chunk's logits are kept for the backward
+    layer, head = memory_model.activation_bytes(cfg, B, T)
+    predicted = memory.predict_saved(layer, cfg.n_layer, cfg.recompute, head)
+    assert abs(predicted - res.intermediates) <= 0.01 * res.intermediates, (predicted, res.intermediates)
+
+
+@pytest.mark.parametrize("model", list(BASES))
+def test_unchunked_loss_keeps_the_logits_tagged_lm_head(model):
+    mod, cfg = BASES[model]
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                          jax.eval_shape(lambda: mod.init_params(cfg, jax.random.PRNGKey(0))))
+    idx = jnp.zeros((B, T), jnp.int32)
+    res = memory.saved_residuals(lambda p: mod.loss_fn(p, cfg, idx, idx), params)
+    logits = jax.eval_shape(lambda p: mod.GPT2(cfg).apply({"params": p}, idx)[0] if model == "gpt2"
+                            else mod.Llama3(cfg).apply({"params": p}, idx)[0], params)
+    assert res.by_name()["lm_head"] == (1, logits.size * 4)

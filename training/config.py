@@ -125,6 +125,8 @@ class TrainConfig:
                                             "recompute settings (number_checkpoints, cpu_checkpointing, "
                                             "partition_activations, ...); turns recompute on (granularity full)",
                                       metavar="FILE.json")
+    loss_chunk: int = _f(0, "compute the LM head and cross-entropy over chunks of N positions, each "
+                            "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)")
     # -- optimization
     batch_size: int = _f(16, "micro-batch size (sequences per forward/backward)")
     sequence_length: int = _f(64, "tokens per sequence T")
@@ -169,6 +171,12 @@ class TrainConfig:
     dry_run: bool = _f(False, "validate everything, build and compile the train step, print a summary, "
                               "and exit without training or writing")
     progress: bool = _f(True, "show a tqdm progress bar (on stderr)")
+    profile_steps: str | None = _f(None, "write a jax.profiler trace (TensorBoard/Perfetto) of steps A+1..B, e.g. "
+                                         "0:3 for the first three, to <checkpoint_dir>/profile, else beside "
+                                         "--log_jsonl (x.jsonl -> x.profile), else runs/profile", metavar="A:B")
+    preflight: bool = _f(True, "before the first step, compare the compiled step's peak memory with the "
+                               "devices' (GPU: bytes_limit; CPU: available host RAM) and stop with advice "
+                               "(exit 2) when it does not fit")
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -192,7 +200,7 @@ class TrainConfig:
         for name, lo in (("batch_size", 1), ("sequence_length", 1), ("grad_accum_steps", 1),
                          ("num_iterations", 1), ("warmup_iters", 0), ("val_every", 0), ("val_steps", 1),
                          ("checkpoint_every", 0), ("keep_checkpoints", 1), ("recompute_num_layers", 0),
-                         ("sample_every", 0), ("sample_length", 1)):
+                         ("sample_every", 0), ("sample_length", 1), ("loss_chunk", 0)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
                 raise UsageError(f"--{name} {v!r} must be an integer >= {lo}")
@@ -225,6 +233,12 @@ class TrainConfig:
             parse_mesh(self.mesh)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if self.profile_steps is not None:
+            from training.profile import parse_steps
+            try:
+                parse_steps(self.profile_steps, self.num_iterations)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         self.recompute_configs()  # validates the recompute flags
 
     # -- derived settings

@@ -59,11 +59,11 @@ def family(name: str) -> Family:
 
 
 def config_dict(mcfg) -> dict:
-    """A model config as JSON-able values (the recompute config is left out: it does not change
-    the parameters, so a checkpoint restores under any recompute setting)."""
+    """A model config as JSON-able values (the recompute config and the loss chunking are left
+    out: they do not change the parameters, so a checkpoint restores under any such setting)."""
     out = {}
     for f in dataclasses.fields(mcfg):
-        if f.name == "recompute":
+        if f.name in ("recompute", "loss_chunk"):
             continue
         out[f.name] = getattr(mcfg, f.name)
     return out

@@ -32,10 +32,12 @@ from models.llmc_io import LlmcFormatError, read_model
 from training import checkpoint as ckpt
 from training import data as data_lib
 from training import log as log_lib
+from training import preflight
 from training import sharding as sh
 from training.config import TrainConfig, UsageError, parse_mesh
 from training.model import Family, config_dict, family
 from training.optim import make_optimizer, optimizer_settings
+from training.profile import StepProfiler
 from training.samples import make_sampler
 from training.step import init_state, make_eval_step, make_train_step
 
@@ -79,7 +81,7 @@ class RunResult:
 
 def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, block_size: int):
     over = dict(vocab_size=vocab_size, block_size=block_size, dtype=cfg.dtype, dropout=cfg.dropout,
-                scan_layers=cfg.scan_layers, recompute=recompute)
+                scan_layers=cfg.scan_layers, recompute=recompute, loss_chunk=cfg.loss_chunk)
     for k in ("n_layer", "n_head", "n_embd"):
         if getattr(cfg, k) is not None:
             over[k] = getattr(cfg, k)
@@ -252,7 +254,7 @@ def _optimizer(settings: tuple):
 
 def _init_config(mcfg):
     """The model config with everything that does not change the initial parameters reset."""
-    return dataclasses.replace(mcfg, recompute=type(mcfg.recompute)(), dropout=0.0, dtype="float32")
+    return dataclasses.replace(mcfg, recompute=type(mcfg.recompute)(), dropout=0.0, dtype="float32", loss_chunk=0)
 
 
 # The optimizer state's structure and initial values do not depend on the hyperparameters.
@@ -383,7 +385,8 @@ def describe(setup: Setup, compiled=None) -> str:
         f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
         + (", scan" if m.scan_layers else ""),
         f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy() if rc.layer_policies is None else 'per layer'}"
-                                            f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else ""),
+                                            f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else "")
+        + (f"; loss over chunks of {m.loss_chunk} positions" if m.loss_chunk else ""),
         f"data     {setup.train_ds.description}: {setup.train_ds.n_tokens:,} tokens"
         + (f"; val {setup.val_ds.description}: {setup.val_ds.n_tokens:,} tokens" if setup.val_ds else ""),
         f"batch    {cfg.batch_size} x {cfg.sequence_length} x {cfg.grad_accum_steps} accum = "
@@ -454,6 +457,10 @@ def run(cfg: TrainConfig, out=None) -> RunResult:
     t_compile = time.perf_counter()
     compiled = compile_train_step(setup)
     t_compile = time.perf_counter() - t_compile
+    if cfg.preflight:  # the compiled peak against the devices' memory: UsageError with advice
+        fit = preflight.check(setup, compiled)
+        if fit:
+            print(f"preflight {fit}", file=out)
     if cfg.dry_run:
         print(describe(setup, compiled), file=out)
         print(f"dry run: the train step compiled in {t_compile:.1f} s; nothing was trained or written", file=out)
@@ -487,6 +494,10 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
             losses.append(float(eval_fn(params, sh.put_batch(x, xs), sh.put_batch(y, xs))))
         return float(np.mean(losses))
 
+    profiler = StepProfiler.from_config(cfg, out)
+    if profiler.last and profiler.last <= start:
+        raise UsageError(f"--profile_steps {cfg.profile_steps}: this run resumes after step {start}, so none of "
+                         f"those steps runs; choose steps after {start}")
     peak = log_lib.peak_flops(devices[0], cfg.dtype)
     flops_step = setup.fam.flops_per_token(setup.mcfg, cfg.sequence_length) * cfg.tokens_per_step
     est = log_lib.compiled_estimate(compiled)
@@ -503,10 +514,11 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
             x, y = setup.train_ds.batch(position, cfg.seed, cfg.batch_size, cfg.sequence_length,
                                         cfg.grad_accum_steps)
             xd, yd = sh.put_batch(x, setup.x_sharding), sh.put_batch(y, setup.x_sharding)
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, xd, yd)
-            metrics = jax.device_get(metrics)
-            dt = time.perf_counter() - t0
+            with profiler.step(step + 1):  # a jax.profiler trace of --profile_steps
+                t0 = time.perf_counter()
+                state, metrics = compiled(state, xd, yd)
+                metrics = jax.device_get(metrics)
+                dt = time.perf_counter() - t0
             position += 1
             loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
             if not _finite(loss, norm):
@@ -539,6 +551,7 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
                                              "model_config": config_dict(setup.mcfg), "train_config": cfg.to_dict()})
                 last_saved = n
     finally:
+        profiler.close()
         bar.close()
         writer.close()
         if checkpointer:

@@ -1,0 +1,123 @@
+"""The chunked LM head and loss (`loss_chunk`, models/layers.py `lm_head`): the same loss and
+gradients as the plain head, for both models, with remat off and on; the (B, T, V) logits never
+exist in the program; `--loss_chunk` changes the compiled train step."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import gpt2, llama3
+from remat import RecomputeConfig
+from remat.memory import compiled_memory
+from training import config_from_args, run
+from training.run import compile_train_step, prepare
+
+MODELS = {"gpt2": (gpt2, gpt2.GPT2Config), "llama3": (llama3, llama3.Llama3Config)}
+B, T = 2, 16
+# Chunked vs plain in float32: the same operations on the same rows, only the weight gradient is
+# summed chunk by chunk (and the loss too), so they differ by float32 summation order (~1e-7).
+TOL = 1e-6
+RECOMPUTE = {"none": RecomputeConfig(), "full": RecomputeConfig(granularity="full")}
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}  # faster XLA:CPU compiles (as in test_models.py)
+
+
+def _cfg(model, **kw):
+    return MODELS[model][1].preset("tiny", **kw)
+
+
+def _batch(vocab):
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return jax.random.randint(k1, (B, T), 0, vocab), jax.random.randint(k2, (B, T), 0, vocab)
+
+
+@functools.lru_cache(maxsize=None)
+def _value_and_grad(model, cfg):
+    mod = MODELS[model][0]
+    params = mod.init_params(_cfg(model), jax.random.key(0))
+    x, y = _batch(cfg.vocab_size)
+    step = jax.jit(jax.value_and_grad(lambda p: mod.loss_fn(p, cfg, x, y))).lower(params)
+    loss, grads = step.compile(COMPILER_OPTIONS)(params)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+# Chunks of 5 over T=16: three under the scan and a remainder of 1; chunks of 4 divide T. The fast
+# run covers each model once, remat off for one and on for the other; the rest are `slow`.
+FAST = {("gpt2", "none", 5), ("llama3", "full", 5)}
+
+
+@pytest.mark.parametrize("model, remat, chunk", [
+    pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
+    for c in [(m, r, 5) for m in MODELS for r in RECOMPUTE] + [("gpt2", "none", 4), ("llama3", "full", 4)]])
+def test_chunked_gradients_equal_unchunked(model, remat, chunk):
+    loss0, g0 = _value_and_grad(model, _cfg(model, recompute=RECOMPUTE[remat]))
+    loss, g = _value_and_grad(model, _cfg(model, recompute=RECOMPUTE[remat], loss_chunk=chunk))
+    assert abs(loss - loss0) <= TOL * abs(loss0)
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g0), jax.tree.leaves(g0), jax.tree.leaves(g)):
+        err, scale = np.abs(a.astype(np.float64) - b).max(), np.abs(a).max()
+        assert err <= TOL * scale, f"{jax.tree_util.keystr(path[0])}: max|Δg| {err:.3e} > {TOL}·{scale:.3e}"
+
+
+def _avals(jaxpr):
+    """Every value a jaxpr (and its sub-jaxprs: scan bodies, checkpoint regions, custom VJPs) makes."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval for v in eqn.outvars)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _avals(inner)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_full_logits_never_exist_in_forward_or_backward(model):
+    mod = MODELS[model][0]
+    params = mod.init_params(_cfg(model), jax.random.key(0))
+    x, y = _batch(_cfg(model).vocab_size)
+
+    V = params["wte"].shape[0]
+
+    def positions(cfg):  # the most positions of any (B, positions, V) value in the value-and-grad program
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda p: mod.loss_fn(p, cfg, x, y)))(params).jaxpr
+        return max(a.shape[1] for a in _avals(jaxpr) if a.ndim == 3 and a.shape[::2] == (B, V))
+
+    assert positions(_cfg(model)) == T  # the plain head builds the logits (the check can fail)
+    assert positions(_cfg(model, loss_chunk=4)) == 4  # chunked: one chunk's logits at a time
+
+
+def test_lm_head_logits_when_asked():
+    cfg = _cfg("gpt2", loss_chunk=4)
+    params = gpt2.init_params(cfg, jax.random.key(0))
+    x, y = _batch(cfg.vocab_size)
+    logits, loss = gpt2.GPT2(cfg).apply({"params": params}, x, y)
+    assert logits is None and loss is not None  # chunked with targets: no logits are built
+    plain_logits, _ = gpt2.GPT2(_cfg("gpt2")).apply({"params": params}, x)
+    np.testing.assert_array_equal(gpt2.GPT2(cfg).apply({"params": params}, x)[0], plain_logits)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_config_rejects_negative_chunk(model):
+    with pytest.raises(ValueError, match="loss_chunk=-1"):
+        _cfg(model, loss_chunk=-1)
+
+
+def test_flag_changes_the_compiled_train_step(tmp_path):
+    """--loss_chunk reaches the compiled train step: its temp buffer falls by more than the
+    logits (8 x 64 x 4096 float32 = 8 MiB) that the plain head keeps and differentiates."""
+    data = tmp_path / "t.txt"
+    data.write_bytes(bytes(range(256)) * 64)
+    argv = ["--preset", "tiny", "--n_layer", "1", "--vocab_size", "4096", "--batch_size", "8", "--sequence_length", "64",
+            "--val_every", "0", "--data", str(data)]
+    temps = {}
+    for chunk in (0, 16):
+        setup = prepare(config_from_args(argv + ["--loss_chunk", str(chunk)]))
+        assert setup.mcfg.loss_chunk == chunk
+        temps[chunk] = compile_train_step(setup).memory_analysis().temp_size_in_bytes
+    assert temps[0] - temps[16] >= 8 * 64 * 4096 * 4, temps
+    with pytest.raises(Exception, match="loss_chunk"):
+        config_from_args(argv + ["--loss_chunk", "-3"])

@@ -1,0 +1,199 @@
+"""Memory preflight: before the first step, the compiled train step's peak against what the devices hold.
+
+The peak is XLA's estimate for the compiled step (arguments + outputs + temp − aliased, per device;
+`training.log.compiled_estimate`). What there is: on a GPU/TPU `memory_stats()['bytes_limit']` of
+the devices in the mesh (the smallest); on CPU the host's available RAM (`MemAvailable` in
+/proc/meminfo), shared by all CPU devices of the mesh, so the need is the per-device peak times
+their number. When the step does not fit, `check` raises a UsageError whose one line says what it
+needs, what there is, and the setting to try, found by compiling (not running) at most a few
+candidates, most memory-saving first:
+
+  1. full remat (every layer), the run's `--loss_chunk`;  2. the same with `--loss_chunk 128`.
+     The first that fits gives `--recompute_method auto --memory_budget B` (plus `--loss_chunk`):
+     the planner (remat.plan_for_budget) then picks the cheapest recompute per layer that fits B,
+     which is 80% of what there is (per device), rounded down.
+  3. If neither fits, a smaller `--batch_size` (a multiple of the mesh's size) with
+     `--grad_accum_steps` raised to keep the sequences per step, `--activation_recompute` and the
+     chunked loss: concrete flags, verified by compiling exactly the configuration they give (at most
+     3 tries); or, when the parameters and optimizer state alone exceed the budget, a smaller
+     model or more devices.
+
+It runs after the step is compiled and before anything is trained or written, for `--dry_run` too.
+`train.py --no-preflight` skips the check (and then may die of XLA's RESOURCE_EXHAUSTED).
+
+Example:
+    >>> compiled = compile_train_step(setup)
+    >>> check(setup, compiled)   # raises UsageError("the train step needs 3055.2 GiB ...")
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from remat.planner import parse_size, recompute_config
+from training.config import UsageError
+from training.log import compiled_estimate, gib
+
+HEADROOM = 0.8       # a suggested budget leaves 20% to the rest of the process (and, on CPU, the host)
+DEFAULT_CHUNK = 128  # --loss_chunk suggested when the run has none (at most a quarter of T)
+BATCH_TRIES = 3      # compilations at most to verify a suggested smaller batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """Bytes the mesh's devices can hold, where the figure comes from, and how many compiled
+    per-device peaks share it (CPU devices all live in host RAM)."""
+    bytes: int
+    what: str
+    sharing: int = 1
+
+    @property
+    def budget_flag(self) -> str:
+        """A per-device `--memory_budget` that leaves HEADROOM, rounded down (0.1 GiB or 1 MiB)."""
+        n = self.bytes * HEADROOM / self.sharing
+        return f"{math.floor(n / 2 ** 30 * 10) / 10:g}GiB" if n >= 2 ** 30 else f"{max(1, int(n // 2 ** 20))}MiB"
+
+    @property
+    def budget(self) -> int:
+        """`budget_flag` in bytes."""
+        return parse_size(self.budget_flag)
+
+
+def host_available() -> int | None:
+    """Available host RAM in bytes: /proc/meminfo's MemAvailable (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def capacity(devices) -> Capacity | None:
+    """What the devices hold: accelerator `bytes_limit` (smallest over `devices`), or host RAM."""
+    devices = list(devices)
+    if all(d.platform == "cpu" for d in devices):
+        avail = host_available()
+        return None if avail is None else Capacity(avail, "available host RAM (MemAvailable)", len(devices))
+    limits = []
+    for d in devices:
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # some backends raise instead of returning None
+            stats = {}
+        if stats.get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    if not limits:
+        return None
+    return Capacity(min(limits), f"the device memory limit ({devices[0].platform} bytes_limit)", 1)
+
+
+def check(setup, compiled, compile_step=None) -> str | None:
+    """Raise UsageError (one line: need, capacity, what to try) unless the compiled step fits.
+
+    Args:
+      setup: the run's `training.run.Setup`; compiled: its compiled train step.
+      compile_step: `(setup, model_config) -> compiled` (default `training.run.compile_train_step`),
+        used to compile the candidate settings of the advice.
+    Returns:
+      a line for the run's summary ("needs X of Y ...: fits"), or None when the capacity is unknown.
+    """
+    if compile_step is None:
+        from training.run import compile_train_step as compile_step
+    cap = capacity(setup.mesh.devices.flat)
+    peak = compiled_estimate(compiled)
+    if cap is None or peak is None:
+        return None
+    need = peak * cap.sharing
+    if need <= cap.bytes:
+        return f"the train step needs {gib(need)} of {gib(cap.bytes)} {cap.what}: fits"
+    per = f" ({cap.sharing} devices x {gib(peak)})" if cap.sharing > 1 else ""
+    head = f"the train step needs {gib(need)}{per} (XLA's compiled peak) but {cap.what} is {gib(cap.bytes)}"
+    try:
+        hint = advice(setup, cap, compile_step)
+    except Exception as e:  # a candidate that does not even compile must not hide the finding
+        hint = (f"compiling a more memory-saving setting failed ({type(e).__name__}); lower --batch_size or "
+                f"--sequence_length, or add --activation_recompute --loss_chunk 128")
+    raise UsageError(f"{head}; {hint}; or pass --no-preflight to try anyway")
+
+
+def _full(mcfg):
+    """Full remat on every layer, written as the planner writes its minimum (the same program)."""
+    return recompute_config(("full",) * mcfg.n_layer)
+
+
+def _peak(setup, compile_step, mcfg) -> tuple[int, object]:
+    compiled = compile_step(setup, mcfg)
+    return compiled_estimate(compiled), compiled
+
+
+def advice(setup, cap: Capacity, compile_step) -> str:
+    """The setting to try, found by compiling the most memory-saving candidates (see the module doc)."""
+    cfg, mcfg = setup.cfg, setup.mcfg
+    budget = cap.budget
+    chunk = mcfg.loss_chunk or min(DEFAULT_CHUNK, max(1, cfg.sequence_length // 4))
+    full = _full(mcfg)
+    auto = f"--recompute_method auto --memory_budget {cap.budget_flag}"
+    drop = [f for f, on in (("--recompute_granularity", cfg.recompute_granularity not in (None, "full")),
+                            ("--recompute_modules", cfg.recompute_modules is not None),
+                            ("--remat_policy", cfg.remat_policy is not None),
+                            ("--use_reentrant", cfg.use_reentrant), ("--scan_layers", cfg.scan_layers)) if on]
+    without = f" (without {', '.join(drop)})" if drop else ""
+    planner = "the planner then picks the cheapest recompute per layer that fits"
+    last = None
+    for c in dict.fromkeys((mcfg.loss_chunk, chunk)):
+        cand = dataclasses.replace(mcfg, recompute=full, loss_chunk=c)
+        p, compiled = _peak(setup, compile_step, cand)
+        last = (p, compiled)
+        what = "full remat" + (f" and --loss_chunk {c}" if c else "")
+        if p <= budget:
+            flags = auto + (f" --loss_chunk {c}" if c != mcfg.loss_chunk else "")
+            return f"{what} needs {gib(p * cap.sharing)}: try {flags}{without} ({planner})"
+    p_min, compiled = last
+    return _batch_advice(setup, cap, compile_step, chunk, p_min, compiled)
+
+
+def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
+    """A smaller micro-batch with full remat and the chunked loss, as concrete flags, verified by
+    compiling exactly the configuration they give."""
+    cfg, budget = setup.cfg, cap.budget
+    temp = int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+    fixed = p_min - temp  # parameters, optimizer state, gradients, the batch: what temp is not
+    what = f"even full remat with --loss_chunk {chunk} needs {gib(p_min * cap.sharing)}"
+    step = setup.mesh.size  # the batch is sharded over every mesh axis
+    drop = [f for f, on in (("--recompute_granularity", cfg.recompute_granularity not in (None, "full")),
+                            ("--recompute_method", cfg.recompute_method != "none"),
+                            ("--memory_budget", cfg.memory_budget is not None),
+                            ("--recompute_modules", cfg.recompute_modules is not None),
+                            ("--remat_policy", cfg.remat_policy is not None)) if on]
+    without = f" (without {', '.join(drop)})" if drop else ""
+    b, seqs = cfg.batch_size, cfg.batch_size * cfg.grad_accum_steps  # sequences per optimizer step
+    for _ in range(BATCH_TRIES):
+        if fixed >= budget or temp <= 0:
+            return (f"{what} and the parameters and optimizer state alone need {gib(fixed * cap.sharing)}: use a "
+                    f"smaller model, or shard them over more devices (--mesh fsdp=N)")
+        b = (int(b * (budget - fixed) / temp) // step) * step
+        if b < step:
+            break
+        accum = math.ceil(seqs / b)
+        tcfg = dataclasses.replace(cfg, batch_size=b, grad_accum_steps=accum, activation_recompute=True,
+                                   recompute_granularity=None, recompute_method="none", memory_budget=None,
+                                   recompute_modules=None, remat_policy=None, loss_chunk=chunk)
+        trial = dataclasses.replace(setup, cfg=tcfg)
+        p, compiled = _peak(trial, compile_step, dataclasses.replace(setup.mcfg, recompute=tcfg.recompute,
+                                                                     loss_chunk=chunk))
+        if p <= budget:
+            keep = f" --grad_accum_steps {accum}" if accum != cfg.grad_accum_steps else ""
+            return (f"{what}: reduce the micro-batch, e.g. --batch_size {b}{keep} --activation_recompute "
+                    f"--loss_chunk {chunk}{without}, which needs {gib(p * cap.sharing)} "
+                    f"({b * accum * cfg.sequence_length:,} tokens per step)")
+        temp = int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+        fixed = p - temp
+    return (f"{what}, and no smaller batch found fits: use a shorter --sequence_length, a smaller model, or "
+            f"more devices (--mesh fsdp=N)")
