@@ -16,8 +16,10 @@
 
 Flags are generated from `training.TrainConfig` (`python train.py --help`). Bad input (an unknown
 value, inconsistent recompute flags, a missing or malformed data file, a mismatched --init_from,
---resume without a checkpoint, a mesh that does not fit) exits with status 2 and one line on
-stderr, before anything is written. A NaN/inf loss stops the run with status 1.
+--resume without a checkpoint or with changed training flags, an unusable --checkpoint_dir or
+--log_jsonl, a model or batch too large for the devices) exits with status 2 and one line on
+stderr, before anything is written. A NaN/inf loss or a failed checkpoint save stops the run with
+status 1; Ctrl-C exits 130 and SIGTERM 143 (an in-flight save is completed first).
 """
 from __future__ import annotations
 
@@ -33,9 +35,13 @@ def main(argv=None) -> int:
         cfg = config_from_args(argv, prog=PROG, description=__doc__)
     except UsageError as e:
         usage_exit(str(e), PROG)
-    import training
+    from training import signals
 
+    signals.install(PROG)  # Ctrl-C / SIGTERM: exit 130 / 143 with one line (training/signals.py)
+    import training
     from models.llmc_io import LlmcFormatError
+    from training.checkpoint import CheckpointSaveError
+    from training.run import Interrupted
 
     try:
         training.run(cfg)
@@ -44,9 +50,19 @@ def main(argv=None) -> int:
     except training.TrainingDiverged as e:
         sys.stderr.write(f"{PROG}: stopped: {e}\n")
         return 1
+    except CheckpointSaveError as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        return 1
+    except Interrupted as e:
+        sys.stderr.write(f"{PROG}: {e}\n")
+        return e.code
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")
         return 130
+    if signals.pending():  # a signal during the last save: it completed, the run is whole
+        sys.stderr.write(f"{PROG}: {signals.describe(signals.pending())} after the last step; the run and its "
+                         f"checkpoint are complete\n")
+        return signals.exit_code(signals.pending())
     return 0
 
 
