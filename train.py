@@ -23,6 +23,7 @@ status 1; Ctrl-C exits 130 and SIGTERM 143 (an in-flight save is completed first
 """
 from __future__ import annotations
 
+import os
 import sys
 
 PROG = "train.py"
@@ -52,7 +53,12 @@ def main(argv=None) -> int:
         return 1
     except CheckpointSaveError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
-        return 1
+        # NOTE: orbax's save threads and futures are left failed; a normal interpreter teardown
+        # prints their tracebacks. Nothing else is in flight (the save is abandoned; orbax leaves
+        # it in a temporary directory the next run removes), so leave without the teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     except Interrupted as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         return e.code

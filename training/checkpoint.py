@@ -39,6 +39,7 @@ RUNTIME_FIELDS = ("dtype", "dropout")
 # full disk). Every save error is re-raised by `Checkpointer.check`/`close` and reported as one
 # line, so stderr is kept for the run's own messages.
 _logging.getLogger("absl").setLevel(_logging.CRITICAL)
+_logging.getLogger("asyncio").setLevel(_logging.CRITICAL)  # orbax's futures of a failed save
 warnings.filterwarnings("ignore", module="orbax")
 
 
@@ -230,8 +231,23 @@ def restore(directory: str, step: int, abstract_state, partial: bool = False, ve
         mngr.close()
 
 
+_OS_ERRORS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
+              "Input/output error", "File too large")
+
+
+def _save_reason(e: BaseException) -> str:
+    """The OS error behind a failed save (tensorstore wraps it in a long spec), else the first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e)
+    for reason in _OS_ERRORS:
+        if reason in text:
+            return reason
+    return _first_line(e)
+
+
 def _first_line(e: BaseException, limit: int = 160) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
+    text = " ".join(str(e).split()).split(" See full TensorStore details")[0] or type(e).__name__
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -282,8 +298,9 @@ class Checkpointer:
 
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving `state` and `meta` (with the format tag and the state's digest) as `step`;
-        returns before the write. Raises CheckpointSaveError if an earlier save failed."""
-        self.check()
+        returns before the write. Raises CheckpointSaveError if the previous save failed."""
+        if self.in_flight is not None:
+            self.wait()  # orbax waits for the previous save anyway; this names it if it failed
         meta = {"format": FORMAT, **meta, "digest": state_digest(state)}
         try:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -331,5 +348,5 @@ class CheckpointSaveError(RuntimeError):
         self.step = step
         kept = (f"step {saved} is the last complete checkpoint there" if saved is not None
                 else "no checkpoint of this run is complete there")
-        super().__init__(f"saving step {step} to {directory} failed: {_first_line(error)}; {kept} (free space or "
+        super().__init__(f"saving step {step} to {directory} failed: {_save_reason(error)}; {kept} (free space or "
                          f"pass another --checkpoint_dir, then continue with --resume)")
