@@ -465,7 +465,8 @@ def describe(setup: Setup, compiled=None) -> str:
     segs = remat.plan(m.n_layer, rc) if rc.enabled else ()
     regions = sum(1 for s in segs if s.checkpointed)
     lines = [
-        f"model    {cfg.model} {cfg.preset}: {setup.fam.num_params(m):,} params, {m.n_layer} layers, "
+        f"model    {cfg.model} {cfg.preset if setup.init_params is None else 'from ' + str(cfg.init_from)}: "
+        f"{setup.fam.num_params(m):,} params, {m.n_layer} layers, "
         f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
         + (", scan" if m.scan_layers else ""),
         f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy() if rc.layer_policies is None else 'per layer'}"
