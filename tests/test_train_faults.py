@@ -413,10 +413,10 @@ def test_sigterm_completes_the_save_in_flight_and_exits_143(tmp_path, text_file)
 
 @pytest.mark.slow
 def test_full_disk_save_error_is_one_line_at_the_failed_save(tmp_path, text_file):
-    """A real 600 KiB tmpfs (a user namespace): step 2 fits, step 4 does not."""
+    """A real 800 KiB tmpfs (a user namespace): one step (~550 KiB) fits, the next does not."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    cmd = (f"mount -t tmpfs -o size=600k tmpfs {mnt} && exec {sys.executable} {ROOT}/train.py --data {text_file} "
+    cmd = (f"mount -t tmpfs -o size=800k tmpfs {mnt} && exec {sys.executable} {ROOT}/train.py --data {text_file} "
            f"--num_iterations 12 --checkpoint_every 2 --checkpoint_dir {mnt}/ck --no-progress --val_every 0")
     p = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=300)

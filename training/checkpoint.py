@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging as _logging
 import os
+import sys
 import warnings
 
 import jax
@@ -332,13 +333,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the save in flight (CheckpointSaveError if it failed), then release the manager."""
-        try:
-            self.wait()
-        finally:
-            try:
-                self.manager.close()
-            except Exception:  # the save error, already raised above, may be raised again here
-                pass
+        # NOTE: after a failed save the manager is left open: closing it stops the event loop its
+        # failed threads still post to ("Event loop is closed" tracebacks); train.py exits at once.
+        self.wait()
+        self.manager.close()
 
 
 class CheckpointSaveError(RuntimeError):
@@ -350,3 +348,18 @@ class CheckpointSaveError(RuntimeError):
                 else "no checkpoint of this run is complete there")
         super().__init__(f"saving step {step} to {directory} failed: {_save_reason(error)}; {kept} (free space or "
                          f"pass another --checkpoint_dir, then continue with --resume)")
+
+
+def quiet_failed_save_threads() -> None:
+    """Drop the "RuntimeError: Event loop is closed" tracebacks that tensorstore's I/O threads report
+    (through sys.unraisablehook) after orbax gave up on a failed asynchronous save: dozens of them
+    for a full disk. The failure itself is reported once, as one line, by the training loop; every
+    other unraisable exception is printed as before."""
+    previous = sys.unraisablehook
+
+    def hook(u):
+        if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed":
+            return
+        previous(u)
+
+    sys.unraisablehook = hook

@@ -103,3 +103,4 @@ def _watch(fd: int) -> None:
                 _leave(f"{prog}: {describe(sig)} again: exiting now; a checkpoint save in flight is abandoned "
                        f"(the earlier steps are intact; continue with --resume)", exit_code(sig))
             _leave(f"{prog}: {describe(sig)} while {phase}; nothing was written", exit_code(sig))
+
