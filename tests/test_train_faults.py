@@ -217,15 +217,24 @@ def test_init_from_takes_every_shape_field_from_the_header(model, tmp_path, text
     state, _ = _initial_state(setup)
     for k, v in mod.to_llmc(cfg, params).items():
         np.testing.assert_array_equal(mod.to_llmc(setup.mcfg, state["params"])[k], v)
-    if model == "gpt2":  # and it trains (one compile is enough for the default suite)
-        res, out = _run(argv)
-        assert len(res.history) == 2 and all(math.isfinite(h["loss"]) for h in res.history)
-        assert f"{mod.num_params(cfg):,} params" in out and f"from {path}" in out
     with pytest.raises(UsageError, match=r"--n_layer 2 but the file has n_layer 3; --n_embd 64 but the file has "
                                          r"n_embd 48"):
         prepare(config_from_args(argv + ["--n_embd", "64", "--n_layer", "2"]))
     with pytest.raises(UsageError, match="--vocab_size 256 but the file has vocab_size 300"):
         prepare(config_from_args(argv + ["--vocab_size", "256"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama3", "gpt2"])
+def test_init_from_a_non_preset_file_trains(model, tmp_path, text_file):
+    mod = llama3 if model == "llama3" else gpt2
+    cfg = CUSTOM[model]
+    path = tmp_path / f"{model}.bin"
+    llmc.save(str(path), cfg, mod.init_params(cfg, jax.random.PRNGKey(3)))
+    res, out = _run(["--model", model, "--init_from", str(path), "--data", text_file, "--sequence_length", "32",
+                     "--batch_size", "4", "--num_iterations", "2"] + QUIET)
+    assert len(res.history) == 2 and all(math.isfinite(h["loss"]) for h in res.history)
+    assert f"model    {model} from {path}: {mod.num_params(cfg):,} params, 3 layers, width 48, vocab 300" in out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -556,7 +556,8 @@ def run(cfg: TrainConfig, out=None) -> RunResult:
         print(memory_report(setup), file=out)
         return RunResult([], None, setup, stopped="memory_report")
     signals.set_phase("compiling the train step")
-    print(f"compile  the train step ({cfg.model} {cfg.preset}, micro-batch {cfg.batch_size}x{cfg.sequence_length})",
+    model = cfg.preset if setup.init_params is None else f"from {cfg.init_from}"
+    print(f"compile  the train step ({cfg.model} {model}, micro-batch {cfg.batch_size}x{cfg.sequence_length})",
           file=out, flush=True)
     t_compile = time.perf_counter()
     try:
