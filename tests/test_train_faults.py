@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -38,7 +39,7 @@ COMMON = ["--preset", "tiny", "--lr_decay_iters", "6"] + QUIET
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "code.txt"
-    path.write_bytes(b"".join(open(f, "rb").read() for f in default_corpus()[:3])[:60000])
+    path.write_bytes(b"".join(pathlib.Path(f).read_bytes() for f in default_corpus()[:3])[:60000])
     return str(path)
 
 
@@ -82,7 +83,7 @@ def test_model_too_large_for_the_devices_is_a_usage_error(text_file, tmp_path):
 
 def _big_text(tmp_path):
     path = tmp_path / "big.txt"
-    path.write_bytes(b"".join(open(f, "rb").read() for f in default_corpus()[:60])[:250000])
+    path.write_bytes(b"".join(pathlib.Path(f).read_bytes() for f in default_corpus()[:60])[:250000])
     return str(path)
 
 
