@@ -19,12 +19,16 @@
 
 Flags are generated from `training.TrainConfig` (`python train.py --help`). Bad input (an unknown
 value, inconsistent recompute flags, a missing or malformed data file, a mismatched --init_from,
---resume without a checkpoint, a mesh that does not fit, a train step whose compiled peak exceeds
-the devices' memory: the preflight, with a setting to try; --no-preflight skips it) exits with
-status 2 and one line on stderr, before anything is written. A NaN/inf loss stops the run with status 1.
+--resume without a checkpoint or with changed training flags, an unusable --checkpoint_dir or
+--log_jsonl, a mesh that does not fit, a model or batch too large for the devices: the preflight
+compares the compiled peak with the devices' memory and names a setting to try; --no-preflight
+skips it) exits with status 2 and one line on stderr, before anything is written. A NaN/inf loss
+or a failed checkpoint save stops the run with status 1; Ctrl-C exits 130 and SIGTERM 143 (an
+in-flight save is completed first).
 """
 from __future__ import annotations
 
+import os
 import sys
 
 PROG = "train.py"
@@ -37,9 +41,15 @@ def main(argv=None) -> int:
         cfg = config_from_args(argv, prog=PROG, description=__doc__)
     except UsageError as e:
         usage_exit(str(e), PROG)
-    import training
+    from training import signals
 
+    signals.install(PROG)  # Ctrl-C / SIGTERM: exit 130 / 143 with one line (training/signals.py)
+    import training
     from models.llmc_io import LlmcFormatError
+    from training.checkpoint import CheckpointSaveError, quiet_failed_save_threads
+    from training.run import Interrupted
+
+    quiet_failed_save_threads()
 
     try:
         training.run(cfg)
@@ -48,9 +58,24 @@ def main(argv=None) -> int:
     except training.TrainingDiverged as e:
         sys.stderr.write(f"{PROG}: stopped: {e}\n")
         return 1
+    except CheckpointSaveError as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        # NOTE: orbax's save threads and futures are left failed; a normal interpreter teardown
+        # prints their tracebacks. Nothing else is in flight (the save is abandoned; orbax leaves
+        # it in a temporary directory the next run removes), so leave without the teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    except Interrupted as e:
+        sys.stderr.write(f"{PROG}: {e}\n")
+        return e.code
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")
         return 130
+    if signals.pending():  # a signal during the last save: it completed, the run is whole
+        sys.stderr.write(f"{PROG}: {signals.describe(signals.pending())} after the last step; the run and its "
+                         f"checkpoint are complete\n")
+        return signals.exit_code(signals.pending())
     return 0
 
 

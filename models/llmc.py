@@ -72,14 +72,31 @@ def load(path, recompute: RecomputeConfig | None = None, *, scan_layers: bool = 
       norm_eps, rope_theta, ffn_dim_multiplier: overrides for LLaMA-3 headers whose float slots
         were written as truncated integers (llm.c master).
     Raises:
-      LlmcFormatError (a ValueError) naming the file and the problem; never returns a partial model.
+      LlmcFormatError (a ValueError) naming the file and the problem (a non-regular file, a bad header,
+      a wrong size, NaN/inf weights); never returns a partial model.
     Example:
       >>> config, params = load("gpt2_124M.bin", RecomputeConfig(granularity="full"))
     """
     kind, header, tensors, _ = read_model(path, norm_eps=norm_eps, rope_theta=rope_theta,
                                           ffn_dim_multiplier=ffn_dim_multiplier)
+    check_finite(path, tensors)
     config = config_for(kind, header, recompute=recompute or RecomputeConfig(), scan_layers=scan_layers, dtype=dtype)
     return config, _module(config).from_llmc(config, tensors)
+
+
+def check_finite(path, tensors: dict) -> None:
+    """Raise LlmcFormatError naming the file and the first tensor (in file order) holding NaN or inf.
+
+    Example:
+      >>> check_finite("model.bin", read_model("model.bin")[2])
+    """
+    for name, arr in tensors.items():
+        bad = ~np.isfinite(arr)
+        if bad.any():
+            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise LlmcFormatError(f"{path}: tensor {name} holds {int(bad.sum())} non-finite values (the first, "
+                                  f"{arr[idx]} at index {list(idx)}); the weights are corrupt or diverged, pass a "
+                                  f"model file with finite weights")
 
 
 def save(path, config, params, dtype: str = "float32") -> None:

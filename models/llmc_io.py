@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import secrets
+import stat
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
@@ -339,6 +340,13 @@ def bfloat16_bits_to_float32(words: np.ndarray) -> np.ndarray:
 
 def _open_checked(path: str, what: str) -> tuple[BinaryIO, int, np.ndarray]:
     """Open ``path``, check it holds at least a header, return (file, size, header ints)."""
+    # NOTE: a FIFO (or a character device) would block `open`/`read` forever: check the kind first.
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+                else "a character device" if stat.S_ISCHR(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "not a regular file")
+        raise _fail(path, f"this is {kind}, not a regular file", f"pass the path of an llm.c {what} on disk")
     f = open(path, "rb")
     try:
         size = os.fstat(f.fileno()).st_size

@@ -242,10 +242,13 @@ def _llmc_file(directory, **overrides):
 
 
 @pytest.mark.parametrize("overrides", [dict(n_layer=3), dict(n_embd=64), dict(vocab_size=300)])
-def test_init_from_with_other_shapes(overrides, capsys, tmp_path_factory, tmp_path, text_file):
+def test_init_from_flags_that_disagree_with_the_header(overrides, capsys, tmp_path_factory, tmp_path, text_file):
+    """The shape comes from the file's header (issue 10); a flag that says otherwise exits 2 naming both."""
+    (k, v), = overrides.items()
     path = _llmc_file(tmp_path_factory.mktemp("m"), **overrides)
-    line = _exit2(["--init_from", path, "--data", text_file], capsys, tmp_path)
-    assert "do not match --preset tiny" in line
+    flag = {"n_layer": "2", "n_embd": "32", "vocab_size": "256"}[k]
+    line = _exit2(["--init_from", path, "--data", text_file, f"--{k}", flag], capsys, tmp_path)
+    assert f"--{k} {flag} but the file has {k} {v}" in line
 
 
 def test_init_from_wrong_model_kind(capsys, tmp_path_factory, tmp_path, text_file):

@@ -169,9 +169,11 @@ def test_existing_checkpoints_need_resume(tmp_path, text_file):
                      "--resume"])
     with pytest.raises(ValueError, match="already at step 3"):
         _run(TINY + ["--data", text_file, "--checkpoint_dir", str(ck), "--resume"])
-    # optimizer flags may change on resume (the state's structure does not depend on them)
-    res, _ = _run(TINY + ["--data", text_file, "--checkpoint_dir", str(ck), "--resume", "--num_iterations", "4",
-                          "--grad_clip", "0", "--learning_rate", "1e-4"])
+    # training flags must not change on resume (tests/test_train_faults.py checks more); the step count may
+    with pytest.raises(ValueError, match=r"other settings: --learning_rate 0.0001 \(checkpoint: 0.003\)"):
+        _run(TINY + ["--data", text_file, "--checkpoint_dir", str(ck), "--resume", "--num_iterations", "4",
+                     "--learning_rate", "1e-4"])
+    res, _ = _run(TINY + ["--data", text_file, "--checkpoint_dir", str(ck), "--resume", "--num_iterations", "4"])
     assert [h["step"] for h in res.history] == [4]
 
 

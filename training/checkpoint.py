@@ -2,7 +2,8 @@
 
 A checkpoint directory holds one sub-directory per saved step with two items:
   state  the train state pytree: params, opt_state, step, rng (see training/step.py)
-  meta   JSON: format tag, step, data position, model family and config, the TrainConfig
+  meta   JSON: format tag, step, data position, model family and config, the TrainConfig, and a
+         digest of every array of the state (`state_digest`), checked on restore
 
 orbax writes each step into a temporary directory and renames it when complete, so a process
 killed mid-save leaves the earlier steps intact and the partial one invisible to `latest_step`.
@@ -20,9 +21,12 @@ from __future__ import annotations
 import dataclasses
 import logging as _logging
 import os
+import sys
 import warnings
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from training.config import UsageError
@@ -31,18 +35,23 @@ FORMAT = "remat-train/1"
 # Model config fields that do not change the parameters: a run may resume with other values.
 RUNTIME_FIELDS = ("dtype", "dropout")
 
-# orbax logs through absl at WARNING for routine events (read-only managers, async threads):
-# keep stderr for the run's own messages.
-_logging.getLogger("absl").setLevel(_logging.ERROR)
+# orbax logs through absl at WARNING for routine events (read-only managers, async threads), and
+# logs a failed asynchronous save at ERROR with every chained traceback (hundreds of lines for a
+# full disk). Every save error is re-raised by `Checkpointer.check`/`close` and reported as one
+# line, so stderr is kept for the run's own messages.
+_logging.getLogger("absl").setLevel(_logging.CRITICAL)
+_logging.getLogger("asyncio").setLevel(_logging.CRITICAL)  # orbax's futures of a failed save
 warnings.filterwarnings("ignore", module="orbax")
 
 
 @dataclasses.dataclass(frozen=True)
 class DirInfo:
-    """What a checkpoint directory holds: its latest complete step and that step's metadata."""
+    """What a checkpoint directory holds: its latest intact step and that step's metadata, every
+    complete step, and the newer steps found damaged on the way ((step, reason), newest first)."""
     step: int | None
     meta: dict | None
     steps: tuple = ()
+    damaged: tuple = ()
 
 
 def _read_only(directory: str, handlers: bool = True) -> ocp.CheckpointManager:
@@ -66,10 +75,11 @@ def leaf_shapes(tree, is_leaf=None) -> dict:
 
 
 def inspect_dir(directory: str, flag: str = "--checkpoint_dir") -> DirInfo:
-    """The latest complete step and its metadata, without writing anything.
+    """The latest step whose metadata reads back intact, and that metadata, without writing anything.
 
-    Returns DirInfo(step=None) when the directory is missing or holds no complete step; raises
-    UsageError when it holds steps that are not this script's checkpoints.
+    Newer steps with missing items or unreadable metadata are listed in `damaged`. Returns
+    DirInfo(step=None) when the directory is missing or holds no complete step; raises UsageError
+    when it holds steps that are not this script's checkpoints, or only damaged ones.
     """
     if not os.path.isdir(directory):
         return DirInfo(None, None)
@@ -78,23 +88,47 @@ def inspect_dir(directory: str, flag: str = "--checkpoint_dir") -> DirInfo:
         steps = tuple(mngr.all_steps())
         if not steps:
             return DirInfo(None, None)
-        step = max(steps)
-        items = set(os.listdir(os.path.join(directory, str(step)))) if os.path.isdir(
-            os.path.join(directory, str(step))) else set()
-        if not {"state", "meta"} <= items:
+        damaged = []
+        for step in sorted(steps, reverse=True):
+            try:
+                meta = read_meta(mngr, directory, step, flag)
+            except CheckpointDamaged as e:
+                damaged.append((step, str(e)))
+                continue
+            return DirInfo(step, meta, steps, tuple(damaged))
+        raise UsageError(f"{flag} {directory}: no step is intact ({damaged[0][1]}); pass a directory train.py "
+                         f"--checkpoint_dir wrote")
+    finally:
+        mngr.close()
+
+
+def read_meta(mngr, directory: str, step: int, flag: str) -> dict:
+    """The metadata of `step`. CheckpointDamaged when items are missing or unreadable; UsageError
+    when the step is not a train.py checkpoint."""
+    path = os.path.join(directory, str(step))
+    items = set(os.listdir(path)) if os.path.isdir(path) else set()
+    if not {"state", "meta"} <= items:
+        if not items & {"state", "meta"}:
             raise UsageError(f"{flag} {directory}: step {step} is not a checkpoint written by train.py (it has "
                              f"{sorted(items) or 'no items'}, expected state and meta); pass the directory "
                              f"train.py --checkpoint_dir wrote")
-        try:
-            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        except Exception as e:  # a corrupt or foreign meta item
-            raise UsageError(f"{flag} {directory}: step {step}: cannot read its metadata ({type(e).__name__}); pass a "
-                             f"directory train.py --checkpoint_dir wrote") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise UsageError(f"{flag} {directory}: step {step} is not a train.py checkpoint (format "
-                             f"{meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}); "
-                             f"pass a directory train.py --checkpoint_dir wrote")
-        return DirInfo(step, meta, steps)
+        raise CheckpointDamaged(f"step {step} has lost its {'state' if 'meta' in items else 'meta'} item")
+    try:
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as e:  # a truncated or corrupt meta item
+        raise CheckpointDamaged(f"step {step}: its metadata cannot be read ({_first_line(e)})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise UsageError(f"{flag} {directory}: step {step} is not a train.py checkpoint (format "
+                         f"{meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}); "
+                         f"pass a directory train.py --checkpoint_dir wrote")
+    return meta
+
+
+def step_meta(directory: str, step: int, flag: str) -> dict:
+    """read_meta of one step (opens and closes a read-only manager)."""
+    mngr = _read_only(directory)
+    try:
+        return read_meta(mngr, directory, step, flag)
     finally:
         mngr.close()
 
@@ -115,28 +149,133 @@ def check_compatible(info: DirInfo, directory: str, model: str, model_config: di
                          f"preset and flags it was trained with")
 
 
-def restore(directory: str, step: int, abstract_state, partial: bool = False):
+class CheckpointDamaged(RuntimeError):
+    """A saved step cannot be read back as it was written (missing or truncated files, changed bytes)."""
+
+
+# NOTE: the digest. orbax 0.12 / tensorstore checksum only the zarr3 shard index (crc32c), not the
+# array data, so bytes overwritten in a data file restore silently (64 bytes: 304 wrong values).
+# Each save therefore stores, beside the step, two 32-bit sums per array of its raw words weighted
+# by odd multipliers of the position: any change of one word changes the first sum (an odd weight
+# is invertible mod 2**32), and a random change of many words goes unnoticed with probability
+# ~2**-64. It is one jitted reduction on the device (no host copy), and restore recomputes it.
+_GOLD = 0x9E3779B1
+
+
+def _words(x):
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size in (1, 2, 4):
+        u = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+        return jax.lax.bitcast_convert_type(x, u).astype(jnp.uint32).ravel()
+    return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()  # 8-byte dtypes: (..., 2) words
+
+
+@jax.jit
+def _digest_leaves(leaves):
+    out = []
+    for x in leaves:
+        w = _words(x)
+        i = jnp.arange(w.size, dtype=jnp.uint32)
+        out.append(jnp.stack([jnp.sum(w * (2 * i + 1), dtype=jnp.uint32),
+                              jnp.sum(w * (i * jnp.uint32(_GOLD) | jnp.uint32(1)) + i, dtype=jnp.uint32)]))
+    return out
+
+
+def state_digest(tree) -> dict:
+    """{'params.wte': 'xxxxxxxx-xxxxxxxx', ...}: a content digest of every array leaf of `tree`.
+
+    Example:
+      >>> state_digest({"w": jnp.ones(3)})
+      {'w': '...'}
+    """
+    flat = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if leaf is not None]
+    sums = jax.device_get(_digest_leaves([leaf for _, leaf in flat]))
+    return {".".join(_key_name(k) for k in path): f"{int(a):08x}-{int(b):08x}"
+            for (path, _), (a, b) in zip(flat, np.asarray(sums).reshape(-1, 2) if sums else [])}
+
+
+def verify_digest(tree, meta: dict, where: str) -> None:
+    """Raise CheckpointDamaged when an array of `tree` differs from the digest saved in `meta`
+    (steps written before digests existed are not checked)."""
+    saved = (meta or {}).get("digest")
+    if not saved:
+        return
+    for name, d in state_digest(tree).items():
+        if name in saved and saved[name] != d:
+            raise CheckpointDamaged(f"{where}: array {name} does not match the digest written with it (its bytes "
+                                    f"changed after the save)")
+
+
+def restore(directory: str, step: int, abstract_state, partial: bool = False, verify: bool = True):
     """Restore (state, meta) of `step`; `abstract_state` gives shapes, dtypes and shardings.
 
     With `partial=True` only the subtrees present in `abstract_state` are read (e.g. params).
+    Raises CheckpointDamaged (one line) when the step's files are missing, truncated or unreadable,
+    or (with `verify`) its arrays differ from the digest saved with them.
     """
     mngr = _read_only(directory, handlers=not partial)
     try:
         state_args = (ocp.args.PyTreeRestore(item=abstract_state, partial_restore=True,
                                              restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
                       if partial else ocp.args.StandardRestore(abstract_state))
-        out = mngr.restore(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()))
+        try:
+            out = mngr.restore(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()))
+        except Exception as e:  # tensorstore / orbax errors of missing, truncated or corrupt files
+            raise CheckpointDamaged(f"step {step} cannot be read ({_first_line(e)})") from None
+        if verify:
+            verify_digest(out.state, out.meta, f"step {step}")
         return out.state, out.meta
     finally:
         mngr.close()
+
+
+_OS_ERRORS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
+              "Input/output error", "File too large")
+
+
+def _save_reason(e: BaseException) -> str:
+    """The OS error behind a failed save (tensorstore wraps it in a long spec), else the first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e)
+    for reason in _OS_ERRORS:
+        if reason in text:
+            return reason
+    return _first_line(e)
+
+
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split()).split(" See full TensorStore details")[0] or type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def set_aside(directory: str, step: int) -> str:
+    """Rename a damaged step directory out of orbax's sight (`damaged_step_<N>`), so that the run
+    can save that step again; returns the new path. Nothing is deleted."""
+    src = os.path.join(directory, str(step))
+    dst = os.path.join(directory, f"damaged_step_{step}")
+    k = 1
+    while os.path.lexists(dst):
+        k += 1
+        dst = os.path.join(directory, f"damaged_step_{step}.{k}")
+    os.rename(src, dst)
+    return dst
 
 
 def saved_shapes(directory: str, step: int) -> dict:
     """{'params.wte': shape, ...} of a saved state, from orbax's metadata (no array is read)."""
     mngr = _read_only(directory)
     try:
-        tree = mngr.item_metadata(step)["state"]
+        try:
+            tree = mngr.item_metadata(step)["state"]
+        except Exception as e:  # a truncated or missing manifest
+            raise CheckpointDamaged(f"step {step}: its array metadata cannot be read ({_first_line(e)})") from None
         tree = getattr(tree, "tree", tree)
+        if tree is None:
+            raise CheckpointDamaged(f"step {step}: its array metadata is missing")
         return leaf_shapes(tree, is_leaf=lambda x: hasattr(x, "shape"))
     finally:
         mngr.close()
@@ -155,20 +294,72 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True,
                                             cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=opts)
+        self.in_flight: int | None = None   # the step being written in the background
+        self.saved: int | None = None       # the last step known complete on disk
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Start saving `state` and `meta` (with the format tag) as `step`; returns before the write."""
-        meta = {"format": FORMAT, **meta}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        """Start saving `state` and `meta` (with the format tag and the state's digest) as `step`;
+        returns before the write. Raises CheckpointSaveError if the previous save failed."""
+        if self.in_flight is not None:
+            self.wait()  # orbax waits for the previous save anyway; this names it if it failed
+        meta = {"format": FORMAT, **meta, "digest": state_digest(state)}
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:
+            raise CheckpointSaveError(step, self.directory, e, self.saved) from None
+        self.in_flight = step
+
+    def check(self) -> None:
+        """Raise CheckpointSaveError (one line) if the last asynchronous save has failed; cheap, so
+        the training loop calls it after every step and the error surfaces at the save that failed."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            raise CheckpointSaveError(self.in_flight, self.directory, e, self.saved) from None
+        if self.in_flight is not None and not self.manager.is_saving_in_progress():
+            self.saved, self.in_flight = self.in_flight, None
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk."""
-        self.manager.wait_until_finished()
+        """Block until every started save is complete on disk (CheckpointSaveError if one failed)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointSaveError(self.in_flight, self.directory, e, self.saved) from None
+        self.check()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the save in flight (CheckpointSaveError if it failed), then release the manager."""
+        # NOTE: after a failed save the manager is left open: closing it stops the event loop its
+        # failed threads still post to ("Event loop is closed" tracebacks); train.py exits at once.
+        self.wait()
         self.manager.close()
+
+
+class CheckpointSaveError(RuntimeError):
+    """An asynchronous save failed (a full disk, say); the message is one line naming the step."""
+
+    def __init__(self, step, directory: str, error: BaseException, saved=None):
+        self.step = step
+        kept = (f"step {saved} is the last complete checkpoint there" if saved is not None
+                else "no checkpoint of this run is complete there")
+        super().__init__(f"saving step {step} to {directory} failed: {_save_reason(error)}; {kept} (free space or "
+                         f"pass another --checkpoint_dir, then continue with --resume)")
+
+
+def quiet_failed_save_threads() -> None:
+    """Drop the "RuntimeError: Event loop is closed" tracebacks that tensorstore's I/O threads report
+    (through sys.unraisablehook) after orbax gave up on a failed asynchronous save: dozens of them
+    for a full disk. The failure itself is reported once, as one line, by the training loop; every
+    other unraisable exception is printed as before."""
+    previous = sys.unraisablehook
+
+    def hook(u):
+        if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed":
+            return
+        previous(u)
+
+    sys.unraisablehook = hook

@@ -34,6 +34,7 @@ MESH_AXES = ("data", "fsdp")
 TENSOR_AXIS = None  # no tensor-parallel mesh axis yet: DeepSpeed's partition_activations has nothing to split
 DEFAULT_PRESET = "tiny"
 DEFAULT_PROMPT_TOKENS = 32  # the default sample prompt: this many tokens from the start of the validation data
+SEED_MAX = 2**31 - 1  # the seed enters the jitted init as an int32
 
 
 class UsageError(ValueError):
@@ -139,7 +140,7 @@ class TrainConfig:
     lr_decay_iters: int | None = _f(None, "steps of the warmup+cosine schedule (default --num_iterations)")
     weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
     grad_clip: float = _f(1.0, "clip gradients to this global norm (0: no clipping)")
-    seed: int = _f(1337, "seed for initialization, data order and dropout")
+    seed: int = _f(1337, f"seed for initialization, data order and dropout (0..{SEED_MAX})")
     # -- data
     data: tuple[str, ...] = _f((), "training data: llm.c token shards (*.bin, magic 20240520) or text files "
                                     "(byte-level tokens); glob patterns allowed; default: the Python "
@@ -204,6 +205,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
                 raise UsageError(f"--{name} {v!r} must be an integer >= {lo}")
+        if not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX:
+            raise UsageError(f"--seed {self.seed!r} is out of range; use an integer in 0..{SEED_MAX}")
         for name, lo, hi, closed in (("learning_rate", 0.0, math.inf, False), ("lr_decay", 0.0, 1.0, True),
                                      ("weight_decay", 0.0, math.inf, True), ("grad_clip", 0.0, math.inf, True),
                                      ("dropout", 0.0, 1.0, "left"), ("temperature", 0.0, math.inf, True)):

@@ -95,16 +95,29 @@ def format_line(step: int, total: int, m: dict) -> str:
 
 
 class JsonlWriter:
-    """Appends one JSON object per step to a file (flushed per line, so a killed run keeps its log)."""
+    """Appends one JSON object per step to a file (flushed per line, so a killed run keeps its log).
 
-    def __init__(self, path: str | None, append: bool):
+    The file is opened at the first record, so a run that fails before its first step leaves no
+    log. With `append`, records of steps after `keep_through` (logged by a killed run after its
+    last checkpoint, and about to be logged again by the resumed run) and a torn last line are
+    dropped first, so the log holds each step once.
+    """
+
+    def __init__(self, path: str | None, append: bool, keep_through: int | None = None):
         self.fh = None
-        if path and jax.process_index() == 0:
-            parent = os.path.dirname(os.path.abspath(path))
-            os.makedirs(parent, exist_ok=True)
-            self.fh = open(path, "a" if append else "w")
+        self.path = path if path and jax.process_index() == 0 else None
+        self.append, self.keep_through = append, keep_through
+
+    def _open(self):
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        if self.append and self.keep_through is not None and os.path.isfile(self.path):
+            truncate_after(self.path, self.keep_through)
+        self.fh = open(self.path, "a" if self.append else "w")
 
     def write(self, record: dict) -> None:
+        if self.path and self.fh is None:
+            self._open()
         if self.fh:
             self.fh.write(json.dumps(record) + "\n")
             self.fh.flush()
@@ -113,3 +126,30 @@ class JsonlWriter:
         if self.fh:
             self.fh.close()
             self.fh = None
+
+
+def truncate_after(path: str, step: int) -> int:
+    """Drop the records of steps after `step` (and unparsable lines; records without a step stay)
+    from a JSONL log, atomically
+    (a temporary file renamed over it). Returns how many lines were dropped.
+
+    Example:
+      >>> truncate_after("runs/x.jsonl", 500)   # the run resumes from checkpoint step 500
+    """
+    with open(path) as fh:
+        lines = fh.read().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line torn by a kill mid-write
+            continue
+        if isinstance(rec, dict) and (not isinstance(rec.get("step"), int) or rec["step"] <= step):
+            keep.append(line)
+    dropped = len(lines) - len(keep)
+    if dropped:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            fh.write("".join(l + "\n" for l in keep))
+        os.replace(tmp, path)
+    return dropped

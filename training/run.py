@@ -28,12 +28,14 @@ import numpy as np
 from tqdm import tqdm
 
 import remat
-from models.llmc_io import LlmcFormatError, read_model
+from models.llmc_io import LlmcFormatError
 from training import checkpoint as ckpt
+from training import checks
 from training import data as data_lib
 from training import log as log_lib
 from training import preflight
 from training import sharding as sh
+from training import signals
 from training.config import TrainConfig, UsageError, parse_mesh
 from training.model import Family, config_dict, family
 from training.optim import make_optimizer, optimizer_settings
@@ -46,6 +48,44 @@ VAL_FRACTION = 0.02
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf; the message says which step and what was kept."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT/SIGTERM stopped training at a step boundary (in-flight save completed); `code` is the
+    exit status (130 / 143) and the message says what was kept."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+# TrainConfig fields that may differ when resuming: recompute settings, logging and evaluation,
+# checkpoint cadence, the step count to stop at, and where it runs (the mesh). Every other field
+# (model, data, batch, optimizer, seed, dtype, dropout...) must equal the stored run config.
+RESUME_MAY_CHANGE = frozenset({
+    "activation_recompute", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "recompute_modules", "remat_policy", "use_reentrant", "memory_budget",
+    "log_jsonl", "progress", "val_every", "val_steps", "memory_report", "dry_run",
+    "num_iterations", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "init_from", "mesh",
+    "recompute_segments", "recompute_every", "cpu_checkpointing", "deepspeed_config", "loss_chunk",
+    "preflight", "profile_steps", "sample_every", "sample_length", "prompt", "temperature", "top_k", "tokenizer",
+})
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write("warning: " + " ".join(message.split()) + "\n")
+    sys.stderr.flush()
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
+
+
+def _oom_error(cfg: TrainConfig, where: str, e: BaseException) -> UsageError:
+    detail = " ".join(str(e).split())[:200] if not isinstance(e, MemoryError) else "host MemoryError"
+    return UsageError(f"out of memory {where} ({detail}); lower --batch_size ({cfg.batch_size}) or "
+                      f"--sequence_length ({cfg.sequence_length}), add --grad_accum_steps, or turn on "
+                      f"--activation_recompute (see --memory_report)")
 
 
 @dataclasses.dataclass
@@ -65,7 +105,10 @@ class Setup:
     x_sharding: Any
     start_step: int = 0
     resume_meta: dict | None = None
-    init_tensors: dict | None = None   # llm.c tensors for --init_from FILE.bin
+    resume_older: tuple = ()           # older steps to fall back to if the start step fails to restore
+    resume_changes: tuple = ()         # "--flag new (was old)" for allowed changes on --resume
+    damaged_steps: tuple = ()          # steps newer than the start found damaged (set aside before saving)
+    init_params: Any = None            # parameters read from --init_from FILE.bin (shape from its header)
     init_dir_step: int | None = None   # step to read params from for --init_from DIR
     sampler: Any = None                # training.samples.Sampler for --sample_every
 
@@ -98,34 +141,42 @@ def _load_data(paths, what):
         raise UsageError(f"{what} {e}") from None
 
 
-def _read_llmc(cfg: TrainConfig, mcfg):
-    """read_model for --init_from FILE; LLaMA-3 files from llm.c master (float header slots
-    truncated) are read with the preset's values for those slots."""
+# Model config fields an llm.c header fixes, and the flags that may also set them.
+_SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+
+
+def _load_llmc(cfg: TrainConfig, fam: Family):
+    """--init_from FILE.bin: (model config from the file's header, parameters), via models.llmc.load.
+
+    Every shape field comes from the header (the preset is not consulted for shapes); a shape flag
+    that disagrees with it is a UsageError naming both values. LLaMA-3 files from llm.c master
+    (float header slots truncated to integers) are read with the preset's values for those slots.
+    """
+    from models import llmc
+
     path = cfg.init_from
+    kw = dict(scan_layers=cfg.scan_layers, dtype=cfg.dtype)
     try:
-        return read_model(path)
-    except LlmcFormatError as e:
-        first = e
-    if cfg.model == "llama3":
         try:
-            return read_model(path, norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_theta,
-                              ffn_dim_multiplier=mcfg.ffn_dim_multiplier)
-        except (LlmcFormatError, ValueError):
-            pass
-    raise UsageError(f"--init_from {first}") from None
-
-
-def _check_llmc_header(cfg: TrainConfig, mcfg, header) -> None:
-    if cfg.model != "llama3":
-        return
-    for name in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
-        a, b = float(getattr(header, name)), float(getattr(mcfg, name))
-        if not math.isclose(a, b, rel_tol=1e-6):
-            raise UsageError(f"--init_from {cfg.init_from}: its {name} is {a:g} but --preset {cfg.preset} has {b:g}; "
-                             f"pass the preset the file was written for")
-    if bool(header.use_scaled_rope) != bool(mcfg.use_scaled_rope):
-        raise UsageError(f"--init_from {cfg.init_from}: use_scaled_rope differs from --preset {cfg.preset}; pass the "
-                         f"preset the file was written for")
+            mcfg, params = llmc.load(path, **kw)
+        except LlmcFormatError as e:
+            if cfg.model != "llama3" or "truncated integers" not in str(e):
+                raise
+            base = fam.config(cfg.preset)
+            mcfg, params = llmc.load(path, norm_eps=base.norm_eps, rope_theta=base.rope_theta,
+                                     ffn_dim_multiplier=base.ffn_dim_multiplier, **kw)
+    except (LlmcFormatError, ValueError) as e:
+        raise UsageError(f"--init_from {e}") from None
+    kind = "gpt2" if type(mcfg).__name__ == "GPT2Config" else "llama3"
+    if kind != cfg.model:
+        raise UsageError(f"--init_from {path} is an llm.c {kind} model but this run is --model {cfg.model}; "
+                         f"pass --model {kind}")
+    bad = [f"--{k} {getattr(cfg, k)} but the file has {k} {getattr(mcfg, k)}" for k in _SHAPE_FLAGS
+           if getattr(cfg, k) is not None and getattr(cfg, k) != getattr(mcfg, k)]
+    if bad:
+        raise UsageError(f"--init_from {path}: the model shape comes from the file's header: {'; '.join(bad)}; "
+                         f"drop those flags (or pass a file written with that shape)")
+    return dataclasses.replace(mcfg, dropout=cfg.dropout), params
 
 
 def prepare(cfg: TrainConfig) -> Setup:
@@ -143,6 +194,10 @@ def prepare(cfg: TrainConfig) -> Setup:
     if cfg.init_from and not os.path.exists(cfg.init_from):
         raise UsageError(f"--init_from {cfg.init_from}: no such file or directory; pass an llm.c .bin model "
                          f"file or a train.py checkpoint directory")
+    file_mcfg = init_params = None
+    if init_is_file:
+        file_mcfg, init_params = _load_llmc(cfg, fam)
+        base = file_mcfg
     if cfg.vocab_size is not None:
         vocab = cfg.vocab_size
     elif train_ds.kind == "text" and not cfg.init_from:
@@ -155,7 +210,10 @@ def prepare(cfg: TrainConfig) -> Setup:
         block = base.block_size
     else:
         block = max(base.block_size, cfg.sequence_length)
-    mcfgs = [(label, _model_config(cfg, fam, rc, vocab, block)) for label, rc in recomputes]
+    if file_mcfg is not None:
+        mcfgs = [(label, dataclasses.replace(file_mcfg, recompute=rc)) for label, rc in recomputes]
+    else:
+        mcfgs = [(label, _model_config(cfg, fam, rc, vocab, block)) for label, rc in recomputes]
     mcfg = mcfgs[0][1]
     if cfg.sequence_length > mcfg.block_size:
         raise UsageError(f"--sequence_length {cfg.sequence_length} exceeds the model's block_size "
@@ -173,6 +231,7 @@ def prepare(cfg: TrainConfig) -> Setup:
 
     sampler = make_sampler(cfg, mcfg, train_ds, val_ds)  # validates --tokenizer and --prompt
     mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
+    checks.check_model_size(fam.num_params(mcfg), parse_mesh(cfg.mesh)["fsdp"], list(mesh.devices.flat))
     tx, schedule = _optimizer(optimizer_settings(cfg))
     abstract_state = jax.eval_shape(lambda: init_state(fam, mcfg, tx, cfg.seed))
     state_sharding = sh.state_shardings(mesh, abstract_state)
@@ -181,6 +240,10 @@ def prepare(cfg: TrainConfig) -> Setup:
     if cfg.memory_report:
         return setup
 
+    if cfg.checkpoint_dir:
+        checks.check_output_dir(cfg.checkpoint_dir, "--checkpoint_dir")
+    if cfg.log_jsonl:
+        checks.check_output_file(cfg.log_jsonl, "--log_jsonl")
     mcfg_dict = config_dict(mcfg)
     if cfg.checkpoint_dir:
         info = ckpt.inspect_dir(cfg.checkpoint_dir, "--resume" if cfg.resume else "--checkpoint_dir")
@@ -188,30 +251,13 @@ def prepare(cfg: TrainConfig) -> Setup:
             if info.step is None:
                 raise UsageError(f"--resume: {cfg.checkpoint_dir} holds no complete checkpoint (it is empty or "
                                  f"missing); run without --resume to start fresh")
-            ckpt.check_compatible(info, cfg.checkpoint_dir, cfg.model, mcfg_dict, "--resume")
-            if info.step >= cfg.num_iterations:
-                raise UsageError(f"--resume: {cfg.checkpoint_dir} is already at step {info.step} >= "
-                                 f"--num_iterations {cfg.num_iterations}; raise --num_iterations to train on")
-            _check_saved_state(cfg.checkpoint_dir, info.step, abstract_state)
-            setup.start_step, setup.resume_meta = info.step, info.meta
+            _choose_resume_step(setup, info, mcfg_dict)
         elif info.step is not None:
             raise UsageError(f"--checkpoint_dir {cfg.checkpoint_dir} already holds checkpoints (latest step "
                              f"{info.step}); pass --resume to continue, or choose a new directory")
 
-    if cfg.init_from and init_is_file:
-        kind, header, tensors, _dtype = _read_llmc(cfg, mcfg)
-        if kind != cfg.model:
-            raise UsageError(f"--init_from {cfg.init_from} is an llm.c {kind} model but this run is --model "
-                             f"{cfg.model}; pass --model {kind}")
-        want = fam.llmc_shapes(mcfg)
-        bad = [f"{k} {tuple(np.shape(tensors[k]))} vs {want[k]}" for k in want
-               if k in tensors and tuple(np.shape(tensors[k])) != tuple(want[k])]
-        if bad or set(want) != set(tensors):
-            raise UsageError(f"--init_from {cfg.init_from}: its shapes do not match --preset {cfg.preset}"
-                             f"{' (' + ', '.join(bad[:3]) + ')' if bad else ''}; pass the preset (and "
-                             f"--vocab_size/--block_size) the file was written for")
-        _check_llmc_header(cfg, mcfg, header)
-        setup.init_tensors = tensors
+    if init_params is not None:
+        setup.init_params = init_params
     elif cfg.init_from:
         info = ckpt.inspect_dir(cfg.init_from, "--init_from")
         if info.step is None:
@@ -228,6 +274,51 @@ def prepare(cfg: TrainConfig) -> Setup:
                              f"(e.g. {diff}); pass the preset and --scan_layers setting it was trained with")
         setup.init_dir_step = info.step
     return setup
+
+
+def _choose_resume_step(setup: Setup, info, mcfg_dict: dict) -> None:
+    """The newest step of --checkpoint_dir whose metadata and array metadata read back and match this
+    run; newer damaged steps are skipped with a one-line warning each (their data is checked again,
+    against the saved digest, when `_initial_state` restores it)."""
+    cfg, d = setup.cfg, setup.cfg.checkpoint_dir
+    damaged = list(info.damaged)
+    older = sorted((s for s in info.steps if s <= info.step), reverse=True)
+    for i, step in enumerate(older):
+        try:
+            meta = info.meta if step == info.step else ckpt.step_meta(d, step, "--resume")
+            changes = _check_resume_step(cfg, d, step, meta, mcfg_dict, setup.abstract_state)
+        except ckpt.CheckpointDamaged as e:
+            damaged.append((step, str(e)))
+            continue
+        for s_, why in damaged:
+            _warn(f"--resume {d}: {why}; falling back to step {step}, the newest intact one")
+        setup.start_step, setup.resume_meta, setup.resume_changes = step, meta, tuple(changes)
+        setup.resume_older, setup.damaged_steps = tuple(older[i + 1:]), tuple(s_ for s_, _ in damaged)
+        return
+    raise UsageError(f"--resume {d}: no step is intact ({damaged[0][1]}); run without --resume in a new "
+                     f"--checkpoint_dir to start fresh")
+
+
+def _check_resume_step(cfg: TrainConfig, directory: str, step: int, meta: dict, mcfg_dict: dict,
+                       abstract_state) -> list[str]:
+    """UsageError unless checkpoint `step` can continue this run; returns the allowed flag changes."""
+    ckpt.check_compatible(ckpt.DirInfo(step, meta), directory, cfg.model, mcfg_dict, "--resume")
+    saved_cfg = meta.get("train_config") or {}
+    now = cfg.to_dict()
+    norm = lambda v: tuple(v) if isinstance(v, list) else v
+    diff = [k for k in now if k in saved_cfg and norm(saved_cfg[k]) != norm(now[k])]
+    bad = [k for k in diff if k not in RESUME_MAY_CHANGE]
+    show = lambda k: f"--{k} {now[k]!r} (checkpoint: {norm(saved_cfg[k])!r})"
+    if bad:
+        raise UsageError(f"--resume {directory}: step {step} was trained with other settings: "
+                         f"{', '.join(show(k) for k in bad)}; resume with the flags it was trained with (only "
+                         f"recompute settings, logging, evaluation, checkpoint cadence, --mesh and --num_iterations "
+                         f"may change)")
+    if step >= cfg.num_iterations:
+        raise UsageError(f"--resume: {directory} is already at step {step} >= --num_iterations "
+                         f"{cfg.num_iterations}; raise --num_iterations to train on")
+    _check_saved_state(directory, step, abstract_state)
+    return [show(k) for k in diff if k not in ("resume", "checkpoint_dir")]
 
 
 def _check_saved_state(directory: str, step: int, abstract_state) -> None:
@@ -381,7 +472,8 @@ def describe(setup: Setup, compiled=None) -> str:
     segs = remat.plan(m.n_layer, rc) if rc.enabled else ()
     regions = sum(1 for s in segs if s.checkpointed)
     lines = [
-        f"model    {cfg.model} {cfg.preset}: {setup.fam.num_params(m):,} params, {m.n_layer} layers, "
+        f"model    {cfg.model} {cfg.preset if setup.init_params is None else 'from ' + str(cfg.init_from)}: "
+        f"{setup.fam.num_params(m):,} params, {m.n_layer} layers, "
         f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
         + (", scan" if m.scan_layers else ""),
         f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy() if rc.layer_policies is None else 'per layer'}"
@@ -409,13 +501,31 @@ def _initial_state(setup: Setup):
     cfg = setup.cfg
     if setup.resume_meta is not None:
         abstract = _abstract_with_sharding(setup.abstract_state, setup.state_sharding)
-        state, meta = ckpt.restore(cfg.checkpoint_dir, setup.start_step, abstract)
-        return state, int(meta["data_position"])
-    if setup.init_tensors is not None:
-        params = setup.fam.from_llmc(setup.mcfg, setup.init_tensors)
+        d, mcfg_dict = cfg.checkpoint_dir, config_dict(setup.mcfg)
+        steps = [setup.start_step, *setup.resume_older]
+        for i, step in enumerate(steps):
+            try:
+                if i:
+                    _check_resume_step(cfg, d, step, ckpt.step_meta(d, step, "--resume"), mcfg_dict,
+                                       setup.abstract_state)
+                state, meta = ckpt.restore(d, step, abstract)
+            except ckpt.CheckpointDamaged as e:
+                if i + 1 == len(steps):
+                    raise UsageError(f"--resume {d}: {e}, and no older step is intact; run without --resume in a "
+                                     f"new --checkpoint_dir to start fresh") from None
+                _warn(f"--resume {d}: {e}; falling back to step {steps[i + 1]}, the newest intact one")
+                setup.damaged_steps += (step,)
+                continue
+            setup.start_step, setup.resume_meta = step, meta
+            return state, int(meta["data_position"])
+    if setup.init_params is not None:
+        params = setup.init_params
     elif setup.init_dir_step is not None:
         abstract = {"params": _abstract_with_sharding(setup.abstract_state["params"], setup.state_sharding["params"])}
-        params = ckpt.restore(cfg.init_from, setup.init_dir_step, abstract, partial=True)[0]["params"]
+        try:
+            params = ckpt.restore(cfg.init_from, setup.init_dir_step, abstract, partial=True)[0]["params"]
+        except ckpt.CheckpointDamaged as e:
+            raise UsageError(f"--init_from {cfg.init_from}: {e}; pass an intact checkpoint directory") from None
     else:
         return _init_jit(setup.fam.name, _init_config(setup.mcfg), setup.mesh)(cfg.seed), 0
     return _fresh_with_params(setup, jax.device_put(params, setup.state_sharding["params"])), 0
@@ -454,8 +564,17 @@ def run(cfg: TrainConfig, out=None) -> RunResult:
     if cfg.memory_report:
         print(memory_report(setup), file=out)
         return RunResult([], None, setup, stopped="memory_report")
+    signals.set_phase("compiling the train step")
+    model = cfg.preset if setup.init_params is None else f"from {cfg.init_from}"
+    print(f"compile  the train step ({cfg.model} {model}, micro-batch {cfg.batch_size}x{cfg.sequence_length})",
+          file=out, flush=True)
     t_compile = time.perf_counter()
-    compiled = compile_train_step(setup)
+    try:
+        compiled = compile_train_step(setup)
+    except Exception as e:
+        if _is_oom(e):
+            raise _oom_error(cfg, "compiling the train step", e) from None
+        raise
     t_compile = time.perf_counter() - t_compile
     if cfg.preflight:  # the compiled peak against the devices' memory: UsageError with advice
         fit = preflight.check(setup, compiled)
@@ -475,10 +594,12 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
     devices = list(mesh.devices.flat)
     print(describe(setup, compiled), file=out)
     print(f"compile  {t_compile:.1f} s", file=out)
+    signals.set_phase("restoring the train state")
     state, position = _initial_state(setup)
     start = setup.start_step
     if start:
-        print(f"resume   from step {start} of {cfg.checkpoint_dir} (data position {position})", file=out)
+        print(f"resume   from step {start} of {cfg.checkpoint_dir} (data position {position})"
+              + (f"; changed: {', '.join(setup.resume_changes)}" if setup.resume_changes else ""), file=out)
 
     eval_fn = None
     if setup.val_ds is not None and cfg.val_every > 0:
@@ -501,24 +622,41 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
     peak = log_lib.peak_flops(devices[0], cfg.dtype)
     flops_step = setup.fam.flops_per_token(setup.mcfg, cfg.sequence_length) * cfg.tokens_per_step
     est = log_lib.compiled_estimate(compiled)
-    checkpointer = ckpt.Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
-    writer = log_lib.JsonlWriter(cfg.log_jsonl, append=start > 0)
+    checkpointer = None  # created at the first save: a run that fails before it leaves no directory
+
+    def save(n):
+        nonlocal checkpointer
+        if checkpointer is None:
+            for s_ in sorted(s_ for s_ in setup.damaged_steps if s_ > start):
+                moved = ckpt.set_aside(cfg.checkpoint_dir, s_)
+                print(f"resume   damaged step {s_} moved to {moved} (step {s_} is trained and saved again)", file=out)
+            checkpointer = ckpt.Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints)
+        checkpointer.save(n, state, {"step": n, "data_position": position, "model": cfg.model,
+                                     "model_config": config_dict(setup.mcfg), "train_config": cfg.to_dict()})
+
+    writer = log_lib.JsonlWriter(cfg.log_jsonl, append=start > 0, keep_through=start)
     history, times, last_saved = [], [], (start if start else None)
     bar = tqdm(total=cfg.num_iterations, initial=start, desc="train", unit="step", file=sys.stderr,
                disable=(not cfg.progress or jax.process_index() != 0) or None, dynamic_ncols=True,
                leave=False)
     t_run = time.perf_counter()
-    stopped = None
+    stopped, n = None, start
+    signals.set_phase("training")
     try:
         for step in range(start, cfg.num_iterations):
-            x, y = setup.train_ds.batch(position, cfg.seed, cfg.batch_size, cfg.sequence_length,
-                                        cfg.grad_accum_steps)
-            xd, yd = sh.put_batch(x, setup.x_sharding), sh.put_batch(y, setup.x_sharding)
-            with profiler.step(step + 1):  # a jax.profiler trace of --profile_steps
-                t0 = time.perf_counter()
-                state, metrics = compiled(state, xd, yd)
-                metrics = jax.device_get(metrics)
-                dt = time.perf_counter() - t0
+            try:
+                x, y = setup.train_ds.batch(position, cfg.seed, cfg.batch_size, cfg.sequence_length,
+                                            cfg.grad_accum_steps)
+                xd, yd = sh.put_batch(x, setup.x_sharding), sh.put_batch(y, setup.x_sharding)
+                with profiler.step(step + 1):  # a jax.profiler trace of --profile_steps
+                    t0 = time.perf_counter()
+                    state, metrics = compiled(state, xd, yd)
+                    metrics = jax.device_get(metrics)
+                    dt = time.perf_counter() - t0
+            except Exception as e:
+                if _is_oom(e):
+                    raise _oom_error(cfg, f"at step {step + 1}", e) from None
+                raise
             position += 1
             loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
             if not _finite(loss, norm):
@@ -546,10 +684,13 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
             tqdm.write(log_lib.format_line(n, cfg.num_iterations, rec), file=out)
             if setup.sampler is not None and setup.sampler.due(n):  # after the step's timing
                 tqdm.write(setup.sampler.report(state["params"], n), file=out)
-            if checkpointer and (n == cfg.num_iterations or (cfg.checkpoint_every and n % cfg.checkpoint_every == 0)):
-                checkpointer.save(n, state, {"step": n, "data_position": position, "model": cfg.model,
-                                             "model_config": config_dict(setup.mcfg), "train_config": cfg.to_dict()})
+            if cfg.checkpoint_dir and (n == cfg.num_iterations or (cfg.checkpoint_every and n % cfg.checkpoint_every == 0)):
+                save(n)
                 last_saved = n
+            if checkpointer:
+                checkpointer.check()  # a failed asynchronous save surfaces here, at the save that failed
+            if signals.pending():
+                break
     finally:
         profiler.close()
         bar.close()
@@ -558,6 +699,13 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
             checkpointer.close()  # waits for in-flight saves: the last good checkpoint is complete
     if stopped:
         raise TrainingDiverged(stopped)
+    sig = signals.pending()
+    if sig:
+        kept = (f"checkpoint step {last_saved} in {cfg.checkpoint_dir} is complete; continue with --resume"
+                if last_saved is not None else "no checkpoint was written"
+                + ("" if cfg.checkpoint_dir else " (no --checkpoint_dir)"))
+        raise Interrupted(f"{signals.describe(sig)} after step {n} of {cfg.num_iterations}; {kept}",
+                          signals.exit_code(sig))
     wall = time.perf_counter() - t_run
     if history:
         first, last = history[0]["loss"], history[-1]["loss"]
@@ -567,5 +715,5 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
         print(f"done     {len(history)} steps in {wall:.1f} s, {avg}; loss {first:.4f} -> {last:.4f} "
               f"(mean of the last 10% of steps {tail:.4f})"
               + (f", val loss {val[-1]:.4f}" if val else "")
-              + (f"; checkpoint step {last_saved} in {cfg.checkpoint_dir}" if checkpointer else ""), file=out)
+              + (f"; checkpoint step {last_saved} in {cfg.checkpoint_dir}" if cfg.checkpoint_dir else ""), file=out)
     return RunResult(history, state, setup)
