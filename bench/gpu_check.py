@@ -18,6 +18,11 @@ Sizing (default flags): 6 settings share a 400 s budget (compile, 12 steps, 3-6 
 compiles each); a worker past its share plus 45 s is killed, so the whole run stays under 8
 minutes on one H200 (bounded by budget + grace + JAX start-up). The .sh sets
 XLA_PYTHON_CLIENT_PREALLOCATE=false so peak statistics are the program's own.
+
+Attention rows (`attention_settings`): the tiled core against cuDNN flash attention, none and
+full remat, timed and MFU only (no batch search: a compile and 12 steps each), run first so that
+the time they leave unused goes to the searches. Where cuDNN cannot run (CPU, float32) its rows
+say so ("unavailable") instead of failing the run.
 """
 from __future__ import annotations
 
@@ -49,6 +54,17 @@ def settings(n_layer: int) -> dict:
             "selective core_attn": dict(granularity="selective", modules=("core_attn",)),
             "offload mlp": dict(granularity="full", policy="custom:qkv=device,attn_context=device,"
                                                           "mlp_up=offload,mlp_act=offload")}
+
+
+def attention_settings() -> dict:
+    """{name: (attention core, RecomputeConfig kwargs)}: tiled vs cudnn, none and full remat."""
+    return {f"attn {core} {rc}": (core, {} if rc == "none" else dict(granularity="full"))
+            for core in ("tiled", "cudnn") for rc in ("none", "full")}
+
+
+def _all_settings(n_layer: int) -> dict:
+    """{name: (attention core, RecomputeConfig kwargs)} of every row, the attention rows first."""
+    return {**attention_settings(), **{k: ("auto", v) for k, v in settings(n_layer).items()}}
 
 
 def is_oom(err: BaseException) -> bool:
@@ -131,10 +147,13 @@ def worker(a) -> dict:
     t_start = time.monotonic()
     deadline = t_start + a.seconds if a.seconds else None
     n_layer = a.n_layer or gpt2.PRESETS[a.preset]["n_layer"]
-    cfg = _model_config(a, settings(n_layer)[a.worker])
+    core, recompute = _all_settings(n_layer)[a.worker]
+    attention_row = a.worker in attention_settings()
+    cfg = dataclasses.replace(_model_config(a, recompute), attention=core)
     dev = jax.local_devices()[0]
     T = a.seq
-    params = jax.jit(lambda k: gpt2.init_params(cfg, k))(jax.random.key(0))
+    # parameters do not depend on the attention core: initialize with one that runs everywhere
+    params = jax.jit(lambda k: gpt2.init_params(dataclasses.replace(cfg, attention="tiled"), k))(jax.random.key(0))
     step = jax.jit(jax.value_and_grad(lambda p, i, t: gpt2.loss_fn(p, cfg, i, t)))
 
     def tokens(b):
@@ -145,7 +164,13 @@ def worker(a) -> dict:
                jax=jax.__version__, error=None)
     idx, tgt = tokens(a.batch)
     t0 = time.monotonic()
-    compiled = step.lower(params, idx, tgt).compile()
+    try:
+        lowered = step.lower(params, idx, tgt)
+    except ValueError as e:  # an attention core that cannot run here (cuDNN on a CPU)
+        if not attention_row:
+            raise
+        return dict(row, unavailable=str(e), wall_s=time.monotonic() - t_start)
+    compiled = lowered.compile()
     row["compile_s"] = time.monotonic() - t0
     row["temp_bytes"], flops = compiled_stats(compiled)
     for _ in range(2):
@@ -189,6 +214,9 @@ def worker(a) -> dict:
         return ok
 
     clock = lambda: time.monotonic() + max(trial_s)
+    if attention_row:  # timed only: no batch search
+        row.update(search=None, max_batch=None, wall_s=time.monotonic() - t_start)
+        return row
     row["search"] = largest_batch(timed_fits, a.batch, a.max_batch, bisect=a.bisect, deadline=deadline, clock=clock)
     row["max_batch"] = row["search"]["max_batch"]
     row["wall_s"] = time.monotonic() - t_start
@@ -228,8 +256,12 @@ def report(meta: dict, rows: dict) -> str:
         if r.get("error"):
             body.append([name, "—", "—", "—", "—", "—", "—", f"error: {r['error'][:80]}"])
             continue
+        if r.get("unavailable"):
+            body.append([name, "—", "—", "—", "—", "—", "—", f"unavailable: {r['unavailable'][:100]}"])
+            continue
         s = r["search"]
-        mb = f"{r['max_batch']}" + (" (cap)" if s["capped"] else "" if s["complete"] else " (≥, out of time)")
+        mb = "— (not searched)" if s is None else (
+            f"{r['max_batch']}" + (" (cap)" if s["capped"] else "" if s["complete"] else " (≥, out of time)"))
         body.append([name, fmt(None if r["peak_bytes_in_use"] is None else r["peak_bytes_in_use"] / GiB),
                      fmt(r["temp_bytes"] / GiB), fmt(r["step_ms"], ".1f"), fmt(r["tokens_per_s"], ",.0f"),
                      f"{100 * r['mfu']:.1f}%", mb, fmt(r["compile_s"], ".1f")])
@@ -265,12 +297,12 @@ def parent(a) -> int:
     out_dir = os.path.abspath(a.out or os.environ.get("OUT") or os.path.join("out", "gpu_check"))
     from models.gpt2 import PRESETS  # models/ imports no device: the parent leaves the GPU to the workers
     n_layer = a.n_layer or PRESETS[a.preset]["n_layer"]
-    names = list(settings(n_layer))
+    names = list(_all_settings(n_layer))
     if a.settings:
         names = [s.strip() for s in a.settings.split(",") if s.strip()]
-        bad = [s for s in names if s not in settings(n_layer)]
+        bad = [s for s in names if s not in _all_settings(n_layer)]
         if bad:
-            raise SystemExit(f"unknown setting(s) {bad}; valid: {', '.join(settings(n_layer))}")
+            raise SystemExit(f"unknown setting(s) {bad}; valid: {', '.join(_all_settings(n_layer))}")
     meta = dict(preset=a.preset, n_layer=n_layer, seq=a.seq, batch=a.batch, dtype=a.dtype, steps=a.steps,
                 max_batch=a.max_batch, bisect=a.bisect, peak_tflops=a.peak_tflops, budget_s=a.budget_s,
                 date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
