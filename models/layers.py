@@ -6,7 +6,8 @@ in models/ is written as a trailing comment on the line that makes the value: `y
 
 Activations are tagged with `checkpoint_name(x, remat.names.X)` at the points that
 remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here tag the rest.
-`attn_probs` is never tagged: the attention core below does not keep its probabilities.
+`attn_probs` tags only cuDNN's residuals (models/attention.py): the tiled and xla cores never keep
+their probabilities.
 
 # NOTE: lean residuals. A plain JAX formulation keeps what autodiff finds convenient: GELU's and
 # LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs; ~800 MiB for the
