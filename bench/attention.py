@@ -2,6 +2,7 @@
 
     python -m bench.attention                                  # T = 1024, 2048, 4096
     python -m bench.attention --seqs 1024 --steps 3 --json out/bench/attention.json
+    python -m bench.attention --tile_sweep 64,128,256 --shapes 8x256,1x1024   # the default tile
 
 GPT-2, 8 layers, C=256, 4 heads, B=1, vocabulary 1024, float32 (the reference width at long
 sequences). Per T, the settings none / full / selective core_attn, each with `attention="xla"`
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 
 from bench import common, policies
@@ -67,6 +69,51 @@ def run(seqs=SEQS, *, batch: int = 1, steps: int = 3, tile: int = DEFAULT_TILE, 
     return {"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}
 
 
+def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int = 64, log=None) -> dict:
+    """One attention core's forward + backward (the reference width: 4 heads of 64), per (B, T):
+    compiled temp and step time of the xla core and of the tiled core at each tile, interleaved.
+
+    Example:
+      >>> res = tile_sweep([(1, 64)], [16, 32], steps=1)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from models import attention, layers
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    info, rows = machine(), []
+    for B, T in shapes:
+        x = jnp.full((B, T, n_head * head_dim), 0.01, jnp.float32)
+        cores = {"xla": lambda q, k, v: layers.causal_attention(q, k, v, n_head, n_head)}
+        for t in tiles:
+            if t <= T:
+                cores[f"tiled {t}"] = functools.partial(
+                    lambda q, k, v, t: attention.tiled_causal_attention(q, k, v, n_head, n_head, tile=t), t=t)
+        steps_by, temps = {}, {}
+        for name, fn in cores.items():
+            log(f"B={B} T={T}: compiling {name} ...")
+            c = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).sum(), argnums=(0, 1, 2))).lower(x, x, x).compile()
+            temps[name] = policies.compiled_stats(c)[0]
+            steps_by[name] = functools.partial(lambda c: jax.block_until_ready(c(x, x, x)), c)
+        times = interleaved_ms(steps_by, n=steps, warmup=1)
+        for name in cores:
+            rows.append(dict(batch=B, seq=T, core=name, temp_bytes=temps[name], step_ms=median(times[name]),
+                             temp_vs_xla=temps[name] / temps["xla"],
+                             time_vs_xla=median(times[name]) / median(times["xla"])))
+    return {"meta": dict(info, steps=steps, n_head=n_head, head_dim=head_dim, command=None), "rows": rows}
+
+
+def sweep_report(res: dict) -> str:
+    m = res["meta"]
+    head = (f"One attention layer ({m['n_head']} heads of {m['head_dim']}), forward + backward, float32; median of "
+            f"{m['steps']} interleaved steps after 1 warm-up; jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, "
+            f"load average {m['loadavg'][0] if m.get('loadavg') else '?'} at the start)")
+    body = [[r["batch"], r["seq"], r["core"], fmt(r["temp_bytes"] / MiB, ".1f"), fmt(r["temp_vs_xla"]),
+             fmt(r["step_ms"], ".1f"), fmt(r["time_vs_xla"])] for r in res["rows"]]
+    return "\n".join([head, "", markdown_table(["B", "T", "core", "temp MiB", "temp × xla", "step ms", "time × xla"],
+                                               body)])
+
+
 def evaluate(rows: list[dict]) -> list[Target]:
     """At the longest T: tiled full-remat temp ≤ 0.5× xla's; tiled no-remat step no slower than xla's."""
     T = max(r["seq"] for r in rows)
@@ -105,8 +152,19 @@ def main(argv=None) -> int:
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="layers under lax.scan")
     for k, v in SHAPE.items():
         p.add_argument(f"--{k}", type=int, default=v)
+    p.add_argument("--tile_sweep", default=None, help="instead: one attention layer at these tiles, e.g. 64,128,256")
+    p.add_argument("--shapes", default="8x256,1x1024,1x4096", help="with --tile_sweep: BxT shapes")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
     a = p.parse_args(argv)
+    if a.tile_sweep:
+        try:
+            tiles = [int(t) for t in a.tile_sweep.split(",")]
+            shapes = [tuple(int(n) for n in s.split("x")) for s in a.shapes.split(",")]
+            assert tiles and shapes and min(tiles) > 0 and all(len(s) == 2 and min(s) > 0 for s in shapes)
+        except (ValueError, AssertionError):
+            raise SystemExit(f"--tile_sweep {a.tile_sweep!r} --shapes {a.shapes!r}: give e.g. --tile_sweep 64,128 "
+                             f"--shapes 8x256,1x1024") from None
+        return common.publish(tile_sweep(shapes, tiles, steps=a.steps), sweep_report, "bench.attention", argv, a.json)
     try:
         seqs = tuple(int(x) for x in a.seqs.split(",") if x.strip())
     except ValueError:
