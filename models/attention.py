@@ -333,4 +333,10 @@ def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, attention: str = "
     if impl == "xla":
         from models import layers  # layers imports this module
         return layers.causal_attention(q, k, v, n_head, n_kv_head, dropout_rate=dropout_rate, key=key)
-    return cudnn_causal_attention(q, k, v, n_head, n_kv_head)
+    try:
+        return cudnn_causal_attention(q, k, v, n_head, n_kv_head)
+    except ValueError:
+        if attention != "auto":
+            raise
+        # auto: a shape cuDNN turns down at trace time (its own checks) runs tiled instead
+        return tiled_causal_attention(q, k, v, n_head, n_kv_head, tile=tile, dropout_rate=dropout_rate, key=key)
