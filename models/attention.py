@@ -30,9 +30,11 @@ from remat import names
 
 F32 = jnp.float32
 ATTENTION = ("auto", "tiled", "xla", "cudnn")
-# NOTE: DEFAULT_TILE was measured on XLA:CPU (docs/BENCHMARKS.md, "Attention cores"): one GPT-2
+# NOTE: DEFAULT_TILE was measured on XLA:CPU (docs/BENCHMARKS.md, "The default tile"): one GPT-2
 # reference attention layer (C=256, 4 heads), forward + backward, tiles 64/128/256/512 at
-# T=256..4096. See the recorded table for the figures behind the choice.
+# T=256..4096 (`python -m bench.attention --tile_sweep ...`). 128 was the fastest at T=1024 and
+# 4096 (0.48× and 0.41× of the xla core's time) with temp within 1% of the smallest; 64 is faster
+# at T=256 (0.81× vs 0.95×) but compiles T/64 blocks per pass (minutes at T=4096).
 DEFAULT_TILE = 128
 
 
@@ -271,7 +273,7 @@ def cudnn_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, implementati
     f = named_residuals(functools.partial(_dpa, implementation=implementation), names.ATTN_PROBS)
     try:
         y = f(q.reshape(B, T, n_head, D), k.reshape(B, T, n_kv_head, D), v.reshape(B, T, n_kv_head, D))
-    except (RuntimeError, NotImplementedError) as e:  # "cuDNN is not detected", unsupported shapes
+    except (RuntimeError, NotImplementedError, ValueError) as e:  # "cuDNN is not detected", unsupported shapes
         raise ValueError(f"attention='cudnn' cannot run here ({e}); use attention='tiled' "
                          f"(--attention tiled), which runs on every backend") from None
     return y.reshape(B, T, n_head * D)  # (B, T, H·D)
