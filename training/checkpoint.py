@@ -29,7 +29,7 @@ from training.config import UsageError
 
 FORMAT = "remat-train/1"
 # Model config fields that do not change the parameters: a run may resume with other values.
-RUNTIME_FIELDS = ("dtype", "dropout", "attention", "attention_tile")  # they do not change the parameters
+RUNTIME_FIELDS = ("dtype", "dropout", "attention", "attention_tile")
 
 # orbax logs through absl at WARNING for routine events (read-only managers, async threads):
 # keep stderr for the run's own messages.
