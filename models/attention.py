@@ -95,10 +95,10 @@ def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = 
 # block (t rows × e_i columns), so no running max/sum across key tiles is needed, the masked
 # tiles above the diagonal are simply not in any block, and only the last t columns need the
 # causal mask. A block is at most t × T, which bounds compiled temp by O(B·H·T·t). A
-# lax.fori_loop/scan over (query, key) tile pairs with an online softmax has the same bound
-# but runs t×t matmuls one after another, which XLA:CPU cannot spread over its threads; measured
-# slower (docs/BENCHMARKS.md, "Attention cores"). The price of the static loop is program size:
-# T/t blocks in the forward and in the backward.
+# lax.fori_loop/scan over (query, key) tile pairs with an online softmax would have a t × t bound
+# but would run t × t matmuls one after another, which XLA:CPU cannot spread over its threads
+# (not built or measured here; a GPU wants cuDNN's kernel anyway). The price of the static loop
+# is program size: T/t blocks in the forward and in the backward (compile time grows with T/t).
 
 def _split(x, n_kv_head, groups):
     """(B, T, K·G·D) → (B, K, G, T, D)."""
@@ -147,7 +147,8 @@ def _after(xs, *prev):
     # alive at once: O(T²) temp again (measured 392 MiB at T=4096, tile 128, against 776 MiB
     # untiled). `lax.optimization_barrier` does not hold: XLA:CPU removes it before scheduling.
     # A data dependency does: one element of each `prev` times zero (XLA keeps x·0 for floats, as it
-    # is NaN for x = NaN or inf), added to the block's inputs where they are sliced anyway.
+    # is NaN for x = NaN or inf), added to the block's inputs where they are sliced anyway. So a
+    # NaN or inf in block i's results turns block i+1's NaN too; the loss is NaN either way.
     """
     dep = sum(p.reshape(-1)[0].astype(F32) for p in prev) * 0
     return tuple((x + dep.astype(x.dtype)) for x in xs)
@@ -188,7 +189,6 @@ def _tiled_bwd(n_head, n_kv_head, tile, rate, res, dy):
     q, k, v, key, lse = res
     q5, kh, vh, G, scale = _heads(q, k, v, n_head, n_kv_head)
     dy5 = _split(dy, n_kv_head, G)  # (B, K, G, T, D)
-    lse_rows = lse.reshape(lse.shape[:2] + (-1,))  # (B, K, G·T) in (g, t) order
     T = q.shape[1]
     # NOTE: dk and dv gather a partial sum from every query tile whose keys reach them. They are
     # kept per key tile and accumulated in float32 (one rounding to k's dtype at the end, as a
@@ -201,7 +201,7 @@ def _tiled_bwd(n_head, n_kv_head, tile, rate, res, dy):
         ks, vs = kh[:, :, :e], vh[:, :, :e]  # (B, K, e, D)
         if dqs:  # one block at a time (see _after)
             qi, dyi, ks, vs = _after((qi, dyi, ks, vs), dqs[-1], *dks[:i], *dvs[:i])
-        lse_i = _unrows(lse_rows, G)[:, :, :, a:e].reshape(qi.shape[:3])  # (B, K, G·t)
+        lse_i = lse[:, :, :, a:e].reshape(qi.shape[:3])  # (B, K, G·t)
         p, _ = _block_probs(qi, ks, a, G, scale, lse_i)  # (B, K, G·t, e)
         dp = jnp.einsum("bkrd,bksd->bkrs", dyi, vs, preferred_element_type=F32)
         pd = p
