@@ -41,6 +41,11 @@ Targets, restated from what the analytic model says is possible (`targets_from_m
     1.34×; with it, the attention core's T² backward scratch, which no layer remat removes, caps
     the ratio at 2.49×. Predicted largest batches at a 132 GiB limit: none 325, full 813 (unchunked:
     136 and 183).
+
+Attention rows (`attention_settings`): the tiled core against cuDNN flash attention, none and
+full remat, timed and MFU only (no batch search: a compile and 12 steps each), run first so that
+the time they leave unused goes to the searches. Where cuDNN cannot run (CPU, float32) its rows
+say so ("unavailable") instead of failing the run.
 """
 from __future__ import annotations
 
@@ -72,6 +77,17 @@ def settings(n_layer: int) -> dict:
             "selective core_attn": dict(granularity="selective", modules=("core_attn",)),
             "offload mlp": dict(granularity="full", policy="custom:qkv=device,attn_context=device,"
                                                           "mlp_up=offload,mlp_act=offload")}
+
+
+def attention_settings() -> dict:
+    """{name: (attention core, RecomputeConfig kwargs)}: tiled vs cudnn, none and full remat."""
+    return {f"attn {core} {rc}": (core, {} if rc == "none" else dict(granularity="full"))
+            for core in ("tiled", "cudnn") for rc in ("none", "full")}
+
+
+def _all_settings(n_layer: int) -> dict:
+    """{name: (attention core, RecomputeConfig kwargs)} of every row, the attention rows first."""
+    return {**attention_settings(), **{k: ("auto", v) for k, v in settings(n_layer).items()}}
 
 
 def is_oom(err: BaseException) -> bool:
@@ -207,6 +223,8 @@ def bisections(a, name: str) -> int:
 def predicted_cost(a, name: str, model: dict, limit: float) -> float:
     """Seconds one worker needs: its compilations (timing + seeded search) and its steps."""
     step = lambda b: b * a.seq * model["flops_per_token"] / (ASSUMED_MFU * a.peak_tflops * 1e12)
+    if name in attention_settings():  # timed only: one compilation, no batch search
+        return COMPILE_S + (2 + a.steps) * step(a.batch)
     guess = predicted_batch(model, limit)
     trials = [int(0.9 * guess), int(1.125 * guess)] + [guess] * bisections(a, name)
     return (1 + len(trials)) * COMPILE_S + (2 + a.steps) * step(a.batch) + sum(step(b) for b in trials)
@@ -243,10 +261,13 @@ def worker(a) -> dict:
     t_start = time.monotonic()
     deadline = t_start + a.seconds if a.seconds else None
     n_layer = a.n_layer or gpt2.PRESETS[a.preset]["n_layer"]
-    cfg = _model_config(a, settings(n_layer)[a.worker])
+    core, recompute = _all_settings(n_layer)[a.worker]
+    attention_row = a.worker in attention_settings()
+    cfg = dataclasses.replace(_model_config(a, recompute), attention=core)
     dev = jax.local_devices()[0]
     T = a.seq
-    params = jax.jit(lambda k: gpt2.init_params(cfg, k))(jax.random.key(0))
+    # parameters do not depend on the attention core: initialize with one that runs everywhere
+    params = jax.jit(lambda k: gpt2.init_params(dataclasses.replace(cfg, attention="tiled"), k))(jax.random.key(0))
     step = jax.jit(jax.value_and_grad(lambda p, i, t: gpt2.loss_fn(p, cfg, i, t)))
 
     def tokens(b):
@@ -260,7 +281,13 @@ def worker(a) -> dict:
     row["predicted_batch"] = predicted_batch(model, limit) if limit else None  # seeds the search
     idx, tgt = tokens(a.batch)
     t0 = time.monotonic()
-    compiled = step.lower(params, idx, tgt).compile()
+    try:
+        lowered = step.lower(params, idx, tgt)
+    except ValueError as e:  # an attention core that cannot run here (cuDNN on a CPU)
+        if not attention_row:
+            raise
+        return dict(row, unavailable=str(e), wall_s=time.monotonic() - t_start)
+    compiled = lowered.compile()
     row["compile_s"] = time.monotonic() - t0
     row["temp_bytes"], flops = compiled_stats(compiled)
     for _ in range(2):
@@ -304,6 +331,9 @@ def worker(a) -> dict:
         return ok
 
     clock = lambda: time.monotonic() + max(trial_s)
+    if attention_row:  # timed only: no batch search
+        row.update(search=None, max_batch=None, wall_s=time.monotonic() - t_start)
+        return row
     row["search"] = largest_batch(timed_fits, a.batch, a.max_batch, bisect=bisections(a, a.worker), deadline=deadline,
                                   clock=clock,
                                   guess=row["predicted_batch"])
@@ -364,9 +394,13 @@ def report(meta: dict, rows: dict) -> str:
         if r.get("error"):
             body.append([name, "—", "—", "—", "—", "—", "—", "—", f"error: {r['error'][:80]}"])
             continue
+        if r.get("unavailable"):
+            body.append([name, "—", "—", "—", "—", "—", "—", f"unavailable: {r['unavailable'][:100]}"])
+            continue
         s = r["search"]
-        mb = f"{r['max_batch']}" + (" (cap)" if s["capped"] else "" if s["complete"] else " (≥, out of time)")
-        if s["complete"] and not s["capped"] and s.get("first_fail") and s["first_fail"] > r["max_batch"] + 1:
+        mb = "— (not searched)" if s is None else (
+            f"{r['max_batch']}" + (" (cap)" if s["capped"] else "" if s["complete"] else " (≥, out of time)"))
+        if s is not None and s["complete"] and not s["capped"] and s.get("first_fail") and s["first_fail"] > r["max_batch"] + 1:
             mb += f" (< {s['first_fail']})"
         body.append([name, fmt(None if r["peak_bytes_in_use"] is None else r["peak_bytes_in_use"] / GiB),
                      fmt(r["temp_bytes"] / GiB), fmt(r["step_ms"], ".1f"), fmt(r["tokens_per_s"], ",.0f"),
@@ -406,12 +440,12 @@ def parent(a) -> int:
     out_dir = os.path.abspath(a.out or os.environ.get("OUT") or os.path.join("out", "gpu_check"))
     from models.gpt2 import PRESETS  # models/ imports no device: the parent leaves the GPU to the workers
     n_layer = a.n_layer or PRESETS[a.preset]["n_layer"]
-    names = list(settings(n_layer))
+    names = list(_all_settings(n_layer))
     if a.settings:
         names = [s.strip() for s in a.settings.split(",") if s.strip()]
-        bad = [s for s in names if s not in settings(n_layer)]
+        bad = [s for s in names if s not in _all_settings(n_layer)]
         if bad:
-            raise SystemExit(f"unknown setting(s) {bad}; valid: {', '.join(settings(n_layer))}")
+            raise SystemExit(f"unknown setting(s) {bad}; valid: {', '.join(_all_settings(n_layer))}")
     meta = dict(preset=a.preset, n_layer=n_layer, seq=a.seq, batch=a.batch, dtype=a.dtype, steps=a.steps,
                 max_batch=a.max_batch, bisect=a.bisect, bisect_other=a.bisect_other, peak_tflops=a.peak_tflops,
                 budget_s=a.budget_s, loss_chunk=a.loss_chunk,
@@ -419,7 +453,8 @@ def parent(a) -> int:
                 command="bash bench/gpu_check.sh " + " ".join(sys.argv[1:]),
                 env={k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
                                                     "XLA_CLIENT_MEM_FRACTION", "XLA_FLAGS", "JAX_PLATFORMS")})
-    models = {name: analytic(a, settings(n_layer)[name]) for name in names}
+    every = _all_settings(n_layer)
+    models = {name: analytic(a, every[name][1]) for name in names}
     meta["analytic"] = {name: dict(m, predicted_batch=predicted_batch(m, NOMINAL_LIMIT),
                                    predicted_cost_s=predicted_cost(a, name, m, NOMINAL_LIMIT)) for name, m in models.items()}
     meta["goals"] = targets_from_model(models) or None

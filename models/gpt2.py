@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from models.attention import ATTENTION, DEFAULT_TILE
 from models.layers import (MLP, CausalSelfAttention, LayerNorm, check_llmc_tensors, embed, lm_head,
                            stack_layers, unstack_layers)
 from remat import RecomputeConfig, names
@@ -44,7 +45,8 @@ class Block(nn.Module):
         x = checkpoint_name(x, names.BLOCK_INPUT)  # (B, T, C)
         h = checkpoint_name(LayerNorm(dt, name="ln_1")(x), names.LN_1)
         x = x + CausalSelfAttention(cfg.n_head, cfg.n_head, dt, cfg.dropout, use_bias=True,
-                                    proj_std=proj_std, name="attn")(h, deterministic)
+                                    proj_std=proj_std, attention=cfg.attention,
+                                    attention_tile=cfg.attention_tile, name="attn")(h, deterministic)
         h = checkpoint_name(LayerNorm(dt, name="ln_2")(x), names.LN_2)
         return x + MLP(4 * cfg.n_embd, dt, cfg.dropout, proj_std, name="mlp")(h, deterministic)
 
@@ -63,6 +65,8 @@ class GPT2Config:
       recompute: the activation-recompute settings (remat.RecomputeConfig).
       loss_chunk: 0, or N > 0 to compute the LM head and loss over chunks of N positions, each
         rematerialized, so the (B, T, Vp) logits never exist (`models.layers.lm_head`).
+      attention: the attention core, auto | tiled | xla | cudnn (models/attention.py);
+        attention_tile: the tiled core's query tile.
     Example:
       >>> GPT2Config.preset("d12", dtype="bfloat16").padded_vocab_size
       50304
@@ -78,6 +82,8 @@ class GPT2Config:
     scan_layers: bool = False
     recompute: RecomputeConfig = RecomputeConfig()
     loss_chunk: int = 0
+    attention: str = "auto"
+    attention_tile: int = DEFAULT_TILE
 
     def __post_init__(self):
         if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
@@ -100,6 +106,10 @@ class GPT2Config:
             raise ValueError(f"GPT2Config.dropout={self.dropout!r} must be in [0, 1)")
         if not isinstance(self.recompute, RecomputeConfig):
             raise ValueError(f"GPT2Config.recompute={self.recompute!r} must be a remat.RecomputeConfig")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"GPT2Config.attention={self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
+        if not isinstance(self.attention_tile, int) or isinstance(self.attention_tile, bool) or self.attention_tile < 1:
+            raise ValueError(f"GPT2Config.attention_tile={self.attention_tile!r} must be a positive int, e.g. {DEFAULT_TILE}")
         self.recompute.validate_for(self.n_layer)
 
     @property

@@ -6,7 +6,8 @@ in models/ is written as a trailing comment on the line that makes the value: `y
 
 Activations are tagged with `checkpoint_name(x, remat.names.X)` at the points that
 remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here tag the rest.
-`attn_probs` is never tagged: the attention core below does not keep its probabilities.
+`attn_probs` tags only cuDNN's residuals (models/attention.py): the tiled and xla cores never keep
+their probabilities.
 
 # NOTE: lean residuals. A plain JAX formulation keeps what autodiff finds convenient: GELU's and
 # LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs; ~800 MiB for the
@@ -35,6 +36,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from models import attention as attention_lib
 from remat import names
 
 F32 = jnp.float32
@@ -163,12 +165,18 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def attention_dropout_mask(key, rate: float, shape):
-    """The keep-mask the attention core draws for dropout on its probabilities ((B, K, G, T, T))."""
-    return jax.random.bernoulli(key, 1.0 - rate, shape)
+    """The keep-mask the attention cores draw for dropout on their probabilities ((B, K, G, T, T)).
+
+    A pure function of (key, position) (`models.attention.dropout_keep`): every core, tiling and
+    remat setting draws the same bits.
+    """
+    return attention_lib.dropout_keep(key, rate, shape)
 
 
 def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, dropout_rate: float = 0.0, key=None):
     """Causal softmax attention with grouped-query heads; keeps q, k, v and the log-sum-exp.
+
+    The `xla` core of `models.attention.causal_attention`: the whole (T, T) score matrix per kv head.
 
     Query head h reads kv head h // (n_head // n_kv_head) (llm.c's repeat_kv). Scores, softmax
     and the backward's probabilities are float32; the context comes back in v's dtype.
@@ -514,6 +522,8 @@ class CausalSelfAttention(nn.Module):
     """c_attn → (RoPE) → causal GQA core → c_proj → dropout; tags qkv, attn_context, attn_out.
 
     Attributes:
+      attention, attention_tile: the core (`models.attention.causal_attention`: auto, tiled, xla,
+        cudnn) and the tiled core's query tile.
       n_head, n_kv_head: query and key/value heads (n_kv_head == n_head: plain multi-head).
       rope_theta: apply RoPE to q and k when set (`use_scaled_rope`: LLaMA-3.1 scaling).
       proj_std: init std of c_proj (GPT-2 scales it by 1/sqrt(2·n_layer)).
@@ -528,6 +538,8 @@ class CausalSelfAttention(nn.Module):
     rope_theta: float | None = None
     use_scaled_rope: bool = False
     proj_std: float = 0.02
+    attention: str = "auto"
+    attention_tile: int = attention_lib.DEFAULT_TILE
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
@@ -541,7 +553,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (checkpoint_name(t, names.QKV) for t in (q, k, v))
         rate = 0.0 if deterministic else self.dropout
         key = self.make_rng("dropout") if rate > 0 else None
-        y = causal_attention(q, k, v, H, K, dropout_rate=rate, key=key)  # (B, T, C)
+        y = attention_lib.causal_attention(q, k, v, H, K, attention=self.attention, tile=self.attention_tile,
+                                           dropout_rate=rate, key=key)  # (B, T, C)
         y = checkpoint_name(y, names.ATTN_CONTEXT)
         y = checkpoint_name(Linear(C, self.use_bias, self.dtype, self.proj_std, name="c_proj")(y), names.ATTN_OUT)
         return nn.Dropout(self.dropout)(y, deterministic)

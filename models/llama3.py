@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from models.attention import ATTENTION, DEFAULT_TILE
 from models.layers import (CausalSelfAttention, LMHead, RMSNorm, SwiGLU, check_llmc_tensors, embed,
                            stack_layers, unstack_layers)
 from remat import RecomputeConfig, names
@@ -49,7 +50,8 @@ class Block(nn.Module):
         h = checkpoint_name(RMSNorm(dt, cfg.norm_eps, name="ln_1")(x), names.LN_1)
         x = x + CausalSelfAttention(cfg.n_head, cfg.n_kv_head, dt, cfg.dropout, use_bias=False,
                                     rope_theta=cfg.rope_theta, use_scaled_rope=cfg.use_scaled_rope,
-                                    proj_std=proj_std, name="attn")(h, deterministic)
+                                    proj_std=proj_std, attention=cfg.attention,
+                                    attention_tile=cfg.attention_tile, name="attn")(h, deterministic)
         h = checkpoint_name(RMSNorm(dt, cfg.norm_eps, name="ln_2")(x), names.LN_2)
         return x + SwiGLU(cfg.ffn_hidden, dt, cfg.dropout, proj_std, name="mlp")(h, deterministic)
 
@@ -63,7 +65,8 @@ class Llama3Config:
       n_layer, n_head, n_kv_head, n_embd: depth, query heads, key/value heads, width C.
       ffn_dim_multiplier, multiple_of: the SwiGLU width rule (see `ffn_hidden`).
       norm_eps: RMSNorm epsilon; rope_theta, use_scaled_rope: RoPE base and LLaMA-3.1 scaling.
-      dropout, dtype ("float32"|"bfloat16" compute), scan_layers, recompute, loss_chunk: as for GPT-2.
+      dropout, dtype ("float32"|"bfloat16" compute), scan_layers, recompute, loss_chunk, attention,
+        attention_tile: as for GPT-2.
     Example:
       >>> Llama3Config.preset("tiny").ffn_hidden
       96
@@ -84,6 +87,8 @@ class Llama3Config:
     scan_layers: bool = False
     recompute: RecomputeConfig = RecomputeConfig()
     loss_chunk: int = 0
+    attention: str = "auto"
+    attention_tile: int = DEFAULT_TILE
 
     def __post_init__(self):
         if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
@@ -107,6 +112,10 @@ class Llama3Config:
             raise ValueError(f"Llama3Config.dropout={self.dropout!r} must be in [0, 1)")
         if not isinstance(self.recompute, RecomputeConfig):
             raise ValueError(f"Llama3Config.recompute={self.recompute!r} must be a remat.RecomputeConfig")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"Llama3Config.attention={self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
+        if not isinstance(self.attention_tile, int) or isinstance(self.attention_tile, bool) or self.attention_tile < 1:
+            raise ValueError(f"Llama3Config.attention_tile={self.attention_tile!r} must be a positive int, e.g. {DEFAULT_TILE}")
         self.recompute.validate_for(self.n_layer)
 
     @property

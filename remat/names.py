@@ -8,7 +8,10 @@ of these constants. Policies (`remat.policies`) refer only to these names.
 | `block_input`   | the input of each transformer layer (the residual stream)       |
 | `ln_1`          | output of the norm before attention                              |
 | `qkv`           | the q, k, v projections (after RoPE for LLaMA)                   |
-| `attn_probs`    | the softmax probabilities inside the attention core (B,H,T,T)    |
+| `attn_probs`    | the attention core's saved state: the (B,H,T,T) probabilities of |
+|                 | a plain core; with `attention="cudnn"` every residual cuDNN's    |
+|                 | VJP keeps (q, k, v, output, softmax statistics). The tiled and   |
+|                 | xla cores keep only q, k, v and the log-sum-exp (untagged)       |
 | `attn_context`  | the attention core's output, heads merged (B,T,C)                |
 | `attn_out`      | the attention output projection                                  |
 | `ln_2`          | output of the norm before the MLP                                |

@@ -210,3 +210,44 @@ def test_loss_chunk_bench_rows_and_target():
     assert t["name"].startswith("full remat + loss_chunk 8 temp ≤ 0.5×") and t["met"] == (
         rows[("full", 8)]["temp_bytes"] <= 0.5 * rows[("full", 0)]["temp_bytes"])
     assert "| full | 8 |" in loss_chunk.report(res)
+
+
+def test_gpu_check_attention_rows():
+    assert list(gpu_check.attention_settings()) == ["attn tiled none", "attn tiled full", "attn cudnn none",
+                                                    "attn cudnn full"]
+    assert list(gpu_check._all_settings(12))[:4] == list(gpu_check.attention_settings())  # run first
+    # A cuDNN row where cuDNN cannot run (this CPU) is reported unavailable, in-process worker.
+    a = gpu_check._parser().parse_args(["--smoke", "--worker", "attn cudnn none"])
+    a.preset, a.seq, a.batch, a.steps, a.max_batch, a.bisect = "tiny", 32, 2, 2, 4, 1
+    row = gpu_check.worker(a)
+    if jax.default_backend() != "gpu":
+        assert "cannot run" in row["unavailable"] and "tiled" in row["unavailable"]
+        meta = dict(preset="tiny", n_layer=2, seq=32, batch=2, dtype="bfloat16", steps=2, peak_tflops=989.0,
+                    max_batch=4, date="-")
+        assert "| attn cudnn none | — |" in gpu_check.report(meta, {"attn cudnn none": row})
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_attention_rows(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", "--settings", "attn tiled full,attn cudnn full",
+                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    tiled = rows["attn tiled full"]
+    assert tiled["error"] is None and tiled["step_ms"] > 0 and 0 < tiled["mfu"] < 1 and tiled["search"] is None
+    assert "unavailable" in rows["attn cudnn full"] and "| attn cudnn full |" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow  # six compilations (three settings × two cores)
+def test_attention_bench_tiny():
+    from bench import attention as bench_attention
+    res = bench_attention.run((48,), n_layer=1, n_embd=32, n_head=4, vocab=256, steps=1, tile=16, log=lambda _: None)
+    rows = {(r["setting"], r["attention"]): r for r in res["rows"]}
+    assert list(rows) == [(s, c) for s in bench_attention.SETTINGS for c in bench_attention.CORES]
+    for (s, c), r in rows.items():
+        assert r["temp_vs_xla"] == pytest.approx(r["temp_bytes"] / rows[(s, "xla")]["temp_bytes"])
+        assert r["loss"] == pytest.approx(rows[("none", "xla")]["loss"], rel=1e-6)  # same model, any core
+    assert [t["name"] for t in res["targets"]] == ["T=48: full-remat compiled temp, tiled ≤ 0.5× xla's",
+                                                   "T=48: no-remat step time, tiled ≤ xla's"]
+    assert "| 48 | full | tiled |" in bench_attention.report(res)

@@ -33,7 +33,7 @@ from training.config import UsageError
 
 FORMAT = "remat-train/1"
 # Model config fields that do not change the parameters: a run may resume with other values.
-RUNTIME_FIELDS = ("dtype", "dropout")
+RUNTIME_FIELDS = ("dtype", "dropout", "attention", "attention_tile")
 
 # orbax logs through absl at WARNING for routine events (read-only managers, async threads), and
 # logs a failed asynchronous save at ERROR with every chained traceback (hundreds of lines for a

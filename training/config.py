@@ -21,6 +21,7 @@ import sys
 import typing
 from typing import Sequence
 
+from models.attention import ATTENTION, DEFAULT_TILE
 from remat import RecomputeConfig, policies
 from remat import deepspeed as remat_deepspeed
 from remat import flags as recompute_flags
@@ -128,6 +129,10 @@ class TrainConfig:
                                       metavar="FILE.json")
     loss_chunk: int = _f(0, "compute the LM head and cross-entropy over chunks of N positions, each "
                             "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)")
+    attention: str = _f("auto", "attention core: tiled (query tiles, masked tiles skipped; any backend) | xla "
+                                "(the whole T x T scores) | cudnn (cuDNN flash attention: NVIDIA GPU, bfloat16, "
+                                "no dropout) | auto (cudnn where it runs, else tiled)", choices=ATTENTION)
+    attention_tile: int = _f(DEFAULT_TILE, "query tile of --attention tiled")
     # -- optimization
     batch_size: int = _f(16, "micro-batch size (sequences per forward/backward)")
     sequence_length: int = _f(64, "tokens per sequence T")
@@ -193,14 +198,16 @@ class TrainConfig:
             raise UsageError(f"--preset {self.preset!r} is not a {self.model} preset; use one of {', '.join(presets)}")
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
+        if self.attention not in ATTENTION:
+            raise UsageError(f"--attention {self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters", "top_k",
                      "recompute_every"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise UsageError(f"--{name} {v!r} must be a positive integer (or left unset for the default)")
         for name, lo in (("batch_size", 1), ("sequence_length", 1), ("grad_accum_steps", 1),
-                         ("num_iterations", 1), ("warmup_iters", 0), ("val_every", 0), ("val_steps", 1),
-                         ("checkpoint_every", 0), ("keep_checkpoints", 1), ("recompute_num_layers", 0),
+                         ("num_iterations", 1), ("warmup_iters", 0), ("attention_tile", 1), ("val_every", 0),
+                         ("val_steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("recompute_num_layers", 0),
                          ("sample_every", 0), ("sample_length", 1), ("loss_chunk", 0)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:

@@ -36,6 +36,7 @@ from training import log as log_lib
 from training import preflight
 from training import sharding as sh
 from training import signals
+from models import attention
 from training.config import TrainConfig, UsageError, parse_mesh
 from training.model import Family, config_dict, family
 from training.optim import make_optimizer, optimizer_settings
@@ -124,14 +125,18 @@ class RunResult:
 
 def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, block_size: int):
     over = dict(vocab_size=vocab_size, block_size=block_size, dtype=cfg.dtype, dropout=cfg.dropout,
-                scan_layers=cfg.scan_layers, recompute=recompute, loss_chunk=cfg.loss_chunk)
+                scan_layers=cfg.scan_layers, recompute=recompute, loss_chunk=cfg.loss_chunk,
+                attention=cfg.attention, attention_tile=cfg.attention_tile)
     for k in ("n_layer", "n_head", "n_embd"):
         if getattr(cfg, k) is not None:
             over[k] = getattr(cfg, k)
     try:
-        return fam.config(cfg.preset, **over)
+        mcfg = fam.config(cfg.preset, **over)
+        # cudnn where it cannot run is a usage error now, not a trace-time failure later
+        attention.resolve(mcfg.attention, mcfg.compute_dtype, mcfg.n_embd // mcfg.n_head, mcfg.dropout > 0)
+        return mcfg
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(str(e).replace("attention='cudnn'", "--attention cudnn").replace("attention='tiled' (--attention tiled)", "--attention tiled")) from None
 
 
 def _load_data(paths, what):

@@ -1,0 +1,344 @@
+"""Causal attention cores and the one switch between them: `tiled`, `xla`, `cudnn`, or `auto`.
+
+- `tiled` (`tiled_causal_attention`): query tiles of `tile` positions; tile i reads keys
+  [0, end of tile i) only, so the key tiles above the diagonal are never computed, forward or
+  backward, and only the diagonal tile is masked. Keeps q, k, v and the log-sum-exp; compiled temp
+  grows as B·H·T·tile instead of B·H·T².
+- `xla`: `models.layers.causal_attention`, the whole (T, T) score matrix per kv head (the core
+  before this module); the same residuals and dropout bits, for comparison.
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (cuDNN flash attention; GPU,
+  bf16/fp16, no dropout), its residuals tagged `names.ATTN_PROBS` (see `cudnn_causal_attention`).
+- `auto`: cudnn where it runs (a GPU, bf16/fp16, no dropout, a head size cuDNN takes), else tiled.
+
+Shapes: B batch, T sequence, H query heads, K kv heads, G = H/K, D head size, t query tile,
+S keys a tile reads.
+
+Example:
+    >>> y = causal_attention(q, k, v, 4, 2, attention="tiled", tile=128)  # (B, T, H·D)
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from remat import names
+
+F32 = jnp.float32
+ATTENTION = ("auto", "tiled", "xla", "cudnn")
+# NOTE: DEFAULT_TILE was measured on XLA:CPU (docs/BENCHMARKS.md, "The default tile"): one GPT-2
+# reference attention layer (C=256, 4 heads), forward + backward, tiles 64/128/256/512 at
+# T=256..4096 (`python -m bench.attention --tile_sweep ...`). 128 was the fastest at T=1024 and
+# 4096 (0.48× and 0.41× of the xla core's time) with temp within 1% of the smallest; 64 is faster
+# at T=256 (0.81× vs 0.95×) but compiles T/64 blocks per pass (minutes at T=4096).
+DEFAULT_TILE = 128
+
+
+# ------------------------------------------------------------------------------------------------
+# Dropout bits: a pure function of (key, batch, head, query position, key position).
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with probability ~1/2."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def dropout_keep(key, rate: float, shape, q_offset: int = 0):
+    """The dropout keep-mask of a (B, K, G, t, S) block of attention probabilities.
+
+    Element (b, kv, g, i, j) is kept iff hash(key, b, head kv·G+g, query q_offset+i, key j) ≥
+    rate·2³², so any tiling, the forward and the backward, and every remat setting draw the same
+    bit for the same position.
+    Example:
+      >>> keep = dropout_keep(jax.random.key(0), 0.1, (2, 4, 1, 16, 16))
+    """
+    B, K, G, t, S = shape
+    # NOTE: counter-based, like Philox in cuDNN/PyTorch: the two seed words come from the key
+    # (jax.random.bits), the counters are positions. One finalizer round per element; the row
+    # hash (b, head, query) is mixed first on the small (B, K, G, t) array.
+    seed = jax.random.bits(key, (2,), jnp.uint32)
+    u = lambda shp, axis: lax.broadcasted_iota(jnp.uint32, shp, axis)
+    hb = _fmix32(seed[0] + u((B, 1, 1, 1, 1), 0) * jnp.uint32(0x9E3779B9))
+    head = u((1, K, G, 1, 1), 1) * jnp.uint32(G) + u((1, K, G, 1, 1), 2)
+    hh = _fmix32(hb ^ (seed[1] + head * jnp.uint32(0x85EBCA77)))
+    hr = _fmix32(hh ^ ((u((1, 1, 1, t, 1), 3) + jnp.uint32(q_offset)) * jnp.uint32(0xC2B2AE3D)))  # (B, K, G, t, 1)
+    h = _fmix32(hr + u((1, 1, 1, 1, S), 4) * jnp.uint32(0x27D4EB2F))  # (B, K, G, t, S)
+    return h >= jnp.uint32(min(round(rate * 2.0 ** 32), 2 ** 32 - 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# The tiled core.
+
+def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = DEFAULT_TILE,
+                           dropout_rate: float = 0.0, key=None):
+    """Causal GQA attention in query tiles that skip the masked key tiles; keeps q, k, v and the lse.
+
+    Same arguments and result as `models.layers.causal_attention`, plus `tile`, the query tile
+    (any T: the last tile may be shorter).
+    Example:
+      >>> y = tiled_causal_attention(q, k, v, 4, 2, tile=64)  # (B, T, H·D)
+    """
+    if key is None or dropout_rate == 0.0:
+        key, dropout_rate = None, 0.0
+    return _tiled(q, k, v, key, n_head, n_kv_head, int(tile), float(dropout_rate))
+
+
+# NOTE: why a static loop over query tiles and no online softmax. Query tile i reads the keys
+# [0, e_i), e_i its end: a static, growing prefix. The softmax over that prefix is taken in one
+# block (t rows × e_i columns), so no running max/sum across key tiles is needed, the masked
+# tiles above the diagonal are simply not in any block, and only the last t columns need the
+# causal mask. A block is at most t × T, which bounds compiled temp by O(B·H·T·t). A
+# lax.fori_loop/scan over (query, key) tile pairs with an online softmax would have a t × t bound
+# but would run t × t matmuls one after another, which XLA:CPU cannot spread over its threads
+# (not built or measured here; a GPU wants cuDNN's kernel anyway). The price of the static loop
+# is program size: T/t blocks in the forward and in the backward (compile time grows with T/t).
+
+def _split(x, n_kv_head, groups):
+    """(B, T, K·G·D) → (B, K, G, T, D)."""
+    B, T, F = x.shape
+    return x.reshape(B, T, n_kv_head, groups, F // (n_kv_head * groups)).transpose(0, 2, 3, 1, 4)
+
+
+def _merge(x5):
+    """(B, K, G, T, D) → (B, T, K·G·D): the inverse of `_split`."""
+    B, K, G, T, D = x5.shape
+    return x5.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * D)
+
+
+def _rows(x5, a, b):
+    """Positions [a, b) of every head in a kv group, folded into rows: (B, K, G·(b-a), D)."""
+    B, K, G, _, D = x5.shape
+    return x5[:, :, :, a:b].reshape(B, K, G * (b - a), D)
+
+
+def _unrows(x, G):
+    """(B, K, G·t, ...) → (B, K, G, t, ...)."""
+    return x.reshape(x.shape[:2] + (G, x.shape[2] // G) + x.shape[3:])
+
+
+def _block_probs(qi, ks, a, G, scale, lse=None):
+    """Probabilities of query rows [a, a+t) (all G heads) over keys [0, S), float32, and their lse."""
+    s = jnp.einsum("bkrd,bksd->bkrs", qi, ks, preferred_element_type=F32) * scale  # (B, K, G·t, S)
+    R, S = s.shape[-2:]
+    qpos = a + lax.broadcasted_iota(jnp.int32, (R, S), 0) % (R // G)
+    s = jnp.where(qpos >= lax.broadcasted_iota(jnp.int32, (R, S), 1), s, -jnp.inf)
+    if lse is None:  # the diagonal is never masked, so every row max is finite
+        lse = jax.nn.logsumexp(s, axis=-1)  # (B, K, G·t)
+    return jnp.exp(s - lse[..., None]), lse
+
+
+def _block_keep(key, rate, p, a, G):
+    B, K, R, S = p.shape
+    return dropout_keep(key, rate, (B, K, G, R // G, S), a).reshape(p.shape)
+
+
+def _after(xs, *prev):
+    """The arrays `xs`, made to depend on the arrays `prev`: block i+1 reads them after block i.
+
+    # NOTE: the blocks are independent, and XLA:CPU's scheduler otherwise starts them all
+    # (and slices every key prefix) before finishing any, keeping every block's (t, S) scores
+    # alive at once: O(T²) temp again (measured 392 MiB at T=4096, tile 128, against 776 MiB
+    # untiled). `lax.optimization_barrier` does not hold: XLA:CPU removes it before scheduling.
+    # A data dependency does: one element of each `prev` times zero (XLA keeps x·0 for floats, as it
+    # is NaN for x = NaN or inf), added to the block's inputs where they are sliced anyway. So a
+    # NaN or inf in block i's results turns block i+1's NaN too; the loss is NaN either way.
+    """
+    dep = sum(p.reshape(-1)[0].astype(F32) for p in prev) * 0
+    return tuple((x + dep.astype(x.dtype)) for x in xs)
+
+
+def _tiles(T, tile):
+    return [(a, min(a + tile, T)) for a in range(0, T, tile)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _tiled(q, k, v, key, n_head, n_kv_head, tile, rate):
+    return _tiled_fwd(q, k, v, key, n_head, n_kv_head, tile, rate)[0]
+
+
+def _heads(q, k, v, n_head, n_kv_head):
+    G = n_head // n_kv_head
+    return (_split(q, n_kv_head, G), _split(k, n_kv_head, 1)[:, :, 0], _split(v, n_kv_head, 1)[:, :, 0],
+            G, 1.0 / math.sqrt(q.shape[-1] // n_head))
+
+
+def _tiled_fwd(q, k, v, key, n_head, n_kv_head, tile, rate):
+    q5, kh, vh, G, scale = _heads(q, k, v, n_head, n_kv_head)  # (B, K, G, T, D), (B, K, T, D) ×2
+    ys, lses = [], []
+    for a, e in _tiles(q.shape[1], tile):
+        qi, ks, vs = _rows(q5, a, e), kh[:, :, :e], vh[:, :, :e]  # (B, K, G·t, D), (B, K, e, D) ×2
+        if ys:  # one block at a time (see _after)
+            qi, ks, vs = _after((qi, ks, vs), ys[-1], lses[-1])
+        p, lse = _block_probs(qi, ks, a, G, scale)  # (B, K, G·t, e)
+        if rate:
+            p = jnp.where(_block_keep(key, rate, p, a, G), p / (1.0 - rate), 0.0)
+        ys.append(_unrows(jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), vs), G))  # (B, K, G, t, D)
+        lses.append(_unrows(lse, G))  # (B, K, G, t)
+    y = _merge(jnp.concatenate(ys, axis=3))  # (B, T, H·D)
+    return y, (q, k, v, key, jnp.concatenate(lses, axis=3))  # lse (B, K, G, T) float32
+
+
+def _tiled_bwd(n_head, n_kv_head, tile, rate, res, dy):
+    q, k, v, key, lse = res
+    q5, kh, vh, G, scale = _heads(q, k, v, n_head, n_kv_head)
+    dy5 = _split(dy, n_kv_head, G)  # (B, K, G, T, D)
+    T = q.shape[1]
+    # NOTE: dk and dv gather a partial sum from every query tile whose keys reach them. They are
+    # kept per key tile and accumulated in float32 (one rounding to k's dtype at the end, as a
+    # single matmul would): `dk.at[:, :, :e].add(...)` on whole (B, K, T, D) arrays copied the
+    # array at every tile (measured +128 MiB at T=4096, tile 128).
+    tiles = _tiles(T, tile)
+    dks, dvs, dqs = [None] * len(tiles), [None] * len(tiles), []
+    for i, (a, e) in enumerate(tiles):
+        qi, dyi = _rows(q5, a, e), _rows(dy5, a, e)  # (B, K, G·t, D)
+        ks, vs = kh[:, :, :e], vh[:, :, :e]  # (B, K, e, D)
+        if dqs:  # one block at a time (see _after)
+            qi, dyi, ks, vs = _after((qi, dyi, ks, vs), dqs[-1], *dks[:i], *dvs[:i])
+        lse_i = lse[:, :, :, a:e].reshape(qi.shape[:3])  # (B, K, G·t)
+        p, _ = _block_probs(qi, ks, a, G, scale, lse_i)  # (B, K, G·t, e)
+        dp = jnp.einsum("bkrd,bksd->bkrs", dyi, vs, preferred_element_type=F32)
+        pd = p
+        if rate:
+            keep = _block_keep(key, rate, p, a, G)
+            pd = jnp.where(keep, p / (1.0 - rate), 0.0)
+            dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
+        dv_i = jnp.einsum("bkrs,bkrd->bksd", pd.astype(v.dtype), dyi, preferred_element_type=F32)  # (B, K, e, D)
+        ds = (p * (dp - (dp * p).sum(-1, keepdims=True)) * scale).astype(q.dtype)  # (B, K, G·t, e)
+        dqs.append(_unrows(jnp.einsum("bkrs,bksd->bkrd", ds, ks), G))  # (B, K, G, t, D)
+        dk_i = jnp.einsum("bkrs,bkrd->bksd", ds, qi, preferred_element_type=F32)  # (B, K, e, D)
+        for j, (c, f) in enumerate(tiles[:i + 1]):
+            dks[j] = dk_i[:, :, c:f] if dks[j] is None else dks[j] + dk_i[:, :, c:f]
+            dvs[j] = dv_i[:, :, c:f] if dvs[j] is None else dvs[j] + dv_i[:, :, c:f]
+    dq = _merge(jnp.concatenate(dqs, axis=3))  # (B, T, H·D)
+    kv = lambda ts, like: _merge(jnp.concatenate(ts, axis=2)[:, :, None].astype(like.dtype))  # → (B, T, K·D)
+    return dq, kv(dks, k), kv(dvs, v), None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# cuDNN, with named residuals.
+
+def named_residuals(fn, name: str):
+    """`fn(*args)` whose backward keeps what `jax.vjp(fn)` keeps, each residual tagged `name`.
+
+    A remat policy then decides about those residuals by name (`save_names:`, `offload_names:`,
+    the selective presets) as it does for any tagged activation.
+    Example:
+      >>> f = named_residuals(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), names.ATTN_PROBS)
+    """
+    treedef = []  # set while tracing the forward; the backward is always traced after it
+
+    @jax.custom_vjp
+    def f(*args):
+        return fn(*args)
+
+    def fwd(*args):
+        y, pullback = jax.vjp(fn, *args)
+        leaves, td = jax.tree.flatten(pullback)  # a jax.tree_util.Partial: residual arrays as leaves
+        treedef[:] = [td]
+        return y, tuple(checkpoint_name(x, name) for x in leaves)
+
+    def bwd(res, dy):
+        return jax.tree.unflatten(treedef[0], res)(dy)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _dpa(q, k, v, implementation):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def cudnn_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, implementation: str = "cudnn"):
+    """`jax.nn.dot_product_attention(is_causal=True)` on (B, T, H·D) inputs; residuals tagged attn_probs.
+
+    # NOTE: cuDNN's VJP keeps q, k, v, the output and the softmax statistics. Tagged
+    # `attn_probs` (the attention core's own state), `core_attn` recomputes the cuDNN forward in
+    # the backward, `none` keeps them, and `save_names:`/`offload_names:` name them. With
+    # `implementation="xla"` the same wrapper runs on any backend (tests use it on CPU).
+    Example:
+      >>> y = cudnn_causal_attention(q, k, v, 4, 2)  # (B, T, H·D), bf16 on a GPU
+    """
+    B, T, _ = q.shape
+    D = q.shape[-1] // n_head
+    f = named_residuals(functools.partial(_dpa, implementation=implementation), names.ATTN_PROBS)
+    try:
+        y = f(q.reshape(B, T, n_head, D), k.reshape(B, T, n_kv_head, D), v.reshape(B, T, n_kv_head, D))
+    except (RuntimeError, NotImplementedError, ValueError) as e:  # "cuDNN is not detected", unsupported shapes
+        raise ValueError(f"attention='cudnn' cannot run here ({e}); use attention='tiled' "
+                         f"(--attention tiled), which runs on every backend") from None
+    return y.reshape(B, T, n_head * D)  # (B, T, H·D)
+
+
+# ------------------------------------------------------------------------------------------------
+# The switch.
+
+def _cudnn_problem(dtype, head_dim: int, dropout: bool) -> str | None:
+    """Why cuDNN flash attention cannot run this call here, or None."""
+    if jax.default_backend() != "gpu" or "NVIDIA" not in getattr(jax.devices()[0], "device_kind", ""):
+        return f"it needs an NVIDIA GPU and the backend is {jax.default_backend()}"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"it computes in bfloat16/float16 and the compute dtype is {jnp.dtype(dtype).name}"
+    if dropout:
+        return "jax.nn.dot_product_attention has no dropout and attention dropout is on"
+    if head_dim % 8 or head_dim > 128:
+        return f"cuDNN flash attention takes head sizes that are multiples of 8 up to 128, not {head_dim}"
+    return None
+
+
+def resolve(attention: str, dtype, head_dim: int, dropout: bool = False) -> str:
+    """The core `attention` names here: `auto` → cudnn where it runs, else tiled.
+
+    Raises ValueError for an unknown name, or for cudnn where it cannot run (naming `tiled`).
+    Example:
+      >>> resolve("auto", jnp.float32, 64)
+      'tiled'
+    """
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} is not valid; use one of {', '.join(ATTENTION)}")
+    if attention in ("tiled", "xla"):
+        return attention
+    problem = _cudnn_problem(dtype, head_dim, dropout)
+    if attention == "auto":
+        return "tiled" if problem else "cudnn"
+    if problem:
+        raise ValueError(f"attention='cudnn' cannot run: {problem}; use attention='tiled' "
+                         f"(--attention tiled), which runs on every backend")
+    return "cudnn"
+
+
+def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, attention: str = "auto",
+                     tile: int = DEFAULT_TILE, dropout_rate: float = 0.0, key=None):
+    """Causal GQA attention by the core `attention` names (`resolve`); (B, T, H·D) in and out.
+
+    Args:
+      q: (B, T, H·D); k, v: (B, T, K·D), heads contiguous in the last axis.
+      n_head, n_kv_head: H and K (query head h reads kv head h // (H/K)).
+      attention: auto | tiled | xla | cudnn; tile: the tiled core's query tile.
+      dropout_rate, key: dropout on the probabilities; off when `key` is None or the rate is 0.
+    Example:
+      >>> y = causal_attention(q, k, v, 4, 4, attention="tiled", tile=64)
+    """
+    dropout = key is not None and dropout_rate > 0.0
+    impl = resolve(attention, q.dtype, q.shape[-1] // n_head, dropout)
+    if impl == "tiled":
+        return tiled_causal_attention(q, k, v, n_head, n_kv_head, tile=tile, dropout_rate=dropout_rate, key=key)
+    if impl == "xla":
+        from models import layers  # layers imports this module
+        return layers.causal_attention(q, k, v, n_head, n_kv_head, dropout_rate=dropout_rate, key=key)
+    try:
+        return cudnn_causal_attention(q, k, v, n_head, n_kv_head)
+    except ValueError:
+        if attention != "auto":
+            raise
+        # auto: a shape cuDNN turns down at trace time (its own checks) runs tiled instead
+        return tiled_causal_attention(q, k, v, n_head, n_kv_head, tile=tile, dropout_rate=dropout_rate, key=key)
