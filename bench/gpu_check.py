@@ -277,7 +277,7 @@ def worker(a) -> dict:
     row = dict(setting=a.worker, batch=a.batch, seq=T, device=str(dev), platform=dev.platform,
                jax=jax.__version__, error=None, loss_chunk=a.loss_chunk)
     limit = (dev.memory_stats() or {}).get("bytes_limit")
-    model = analytic(a, settings(n_layer)[a.worker])
+    model = analytic(a, recompute)
     row["predicted_batch"] = predicted_batch(model, limit) if limit else None  # seeds the search
     idx, tgt = tokens(a.batch)
     t0 = time.monotonic()
