@@ -223,8 +223,10 @@ def bisections(a, name: str) -> int:
 def predicted_cost(a, name: str, model: dict, limit: float) -> float:
     """Seconds one worker needs: its compilations (timing + seeded search) and its steps."""
     step = lambda b: b * a.seq * model["flops_per_token"] / (ASSUMED_MFU * a.peak_tflops * 1e12)
-    if name in attention_settings():  # timed only: one compilation, no batch search
-        return COMPILE_S + (2 + a.steps) * step(a.batch)
+    if name in attention_settings():  # timed only, no batch search
+        # NOTE: two compilations' worth: the tiled core unrolls T/tile query blocks per layer in
+        # the forward and the backward, so its compile is the slowest of any row.
+        return 2 * COMPILE_S + (2 + a.steps) * step(a.batch)
     guess = predicted_batch(model, limit)
     trials = [int(0.9 * guess), int(1.125 * guess)] + [guess] * bisections(a, name)
     return (1 + len(trials)) * COMPILE_S + (2 + a.steps) * step(a.batch) + sum(step(b) for b in trials)
