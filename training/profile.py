@@ -11,7 +11,7 @@ XProf: `tensorboard --logdir DIR`) and `perfetto_trace.json.gz` (https://ui.perf
 step is a `StepTraceAnnotation("train", step_num=n)`.
 
 Example:
-    >>> prof = StepProfiler.from_config(cfg, start_step=0, out=sys.stdout)
+    >>> prof = StepProfiler.from_config(cfg, out=sys.stdout)
     >>> with prof.step(n): state, metrics = compiled(state, x, y)
 """
 from __future__ import annotations

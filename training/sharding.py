@@ -9,7 +9,7 @@
 
 Example:
     >>> mesh = make_mesh({"data": 2, "fsdp": 4})
-    >>> shardings = param_shardings(mesh, params)
+    >>> shardings = state_shardings(mesh, abstract_state)
 """
 from __future__ import annotations
 
