@@ -154,7 +154,17 @@ def _after(xs, *prev):
     return tuple((x + dep.astype(x.dtype)) for x in xs)
 
 
+# NOTE: program size. Each pass unrolls one block per query tile, and the backward one per
+# (query tile, key tile) pair on or below the diagonal, so the program grows as (T/tile)²: at
+# T=100000 and tile 128 the backward alone would be ~300k blocks (compiling for tens of minutes in
+# tens of GiB). Past MAX_TILES tiles the tile is widened to ceil(T / MAX_TILES); temp then grows as
+# T²/MAX_TILES instead of T·tile. 32 keeps every measured shape (T ≤ 4096 at tile 128) as it was.
+MAX_TILES = 32
+
+
 def _tiles(T, tile):
+    """[(start, end)] of the query tiles: `tile` rows each (the last may be shorter), at most MAX_TILES."""
+    tile = max(tile, -(-T // MAX_TILES))
     return [(a, min(a + tile, T)) for a in range(0, T, tile)]
 
 

@@ -212,3 +212,24 @@ def test_train_attention_flag(tmp_path):
     assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "--attention cudnn cannot run" in lines[0] and "use --attention tiled" in lines[0]
     assert not (tmp_path / "l.jsonl").exists()
+
+
+@pytest.mark.parametrize("T,tile", [(1024, 8), (100_000, 128), (37, 16), (4096, 128)])
+def test_tile_count_is_bounded_and_tiles_cover_the_sequence(T, tile):
+    # The unrolled program grows as (T/tile)²: past MAX_TILES the tile widens (a T=100000 step
+    # compiled for over ten minutes in >12 GiB before this bound).
+    tiles = attention._tiles(T, tile)
+    assert len(tiles) <= attention.MAX_TILES
+    assert tiles[0][0] == 0 and tiles[-1][1] == T and all(e == a2 for (_, e), (a2, _) in zip(tiles, tiles[1:]))
+    if -(-T // tile) <= attention.MAX_TILES:
+        assert len(tiles) == -(-T // tile)  # within the bound the tile is as asked
+
+
+def test_widened_tiles_match_the_float64_reference():
+    # T=70 at tile 1 asks for 70 tiles: widened to 3 rows (24 tiles, the last one 1 row).
+    B, T, H, K, D = 1, 70, 2, 1, 4
+    assert len(attention._tiles(T, 1)) == 24
+    q, k, v, dy = _inputs(B, T, H, K, D)
+    y, g = jax.jit(lambda *a: _vjp(lambda q, k, v: attention.tiled_causal_attention(q, k, v, H, K, tile=1), *a))(q, k, v, dy)
+    y_ref, g_ref = _reference(q, k, v, dy, H, K)
+    assert _rel(y, y_ref) <= 1e-6 and max(_rel(a, b) for a, b in zip(g, g_ref)) <= 1e-6
