@@ -60,6 +60,7 @@ import sys
 import time
 
 from bench.common import Target, fmt, markdown_table, targets_markdown
+from remat.memory import is_oom
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak (NVIDIA H200 SXM datasheet)
 
@@ -88,12 +89,6 @@ def attention_settings() -> dict:
 def _all_settings(n_layer: int) -> dict:
     """{name: (attention core, RecomputeConfig kwargs)} of every row, the attention rows first."""
     return {**attention_settings(), **{k: ("auto", v) for k, v in settings(n_layer).items()}}
-
-
-def is_oom(err: BaseException) -> bool:
-    """True for XLA's out-of-memory errors (at compile or run time), on any backend."""
-    msg = str(err)
-    return any(s in msg for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM when allocating"))
 
 
 def largest_batch(fits, start: int, cap: int, *, bisect: int = 3, deadline: float | None = None,

@@ -27,6 +27,18 @@ except ImportError as e:  # pragma: no cover - exercised only on an incompatible
 _NAMED = re.compile(r"named '([^']+)'")
 
 
+_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM when allocating")
+
+
+def is_oom(err: BaseException) -> bool:
+    """True for an out-of-memory error: XLA's (at compile or run time, any backend) or Python's.
+
+    Example:
+      >>> is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB"))
+      True
+    """
+    return isinstance(err, MemoryError) or any(s in str(err) for s in _OOM_MARKERS)
+
 @dataclasses.dataclass(frozen=True)
 class Residual:
     """One saved value: tag name (or its source), shape, dtype, bytes, JAX's description, kind."""

@@ -78,10 +78,6 @@ def _warn(message: str) -> None:
     sys.stderr.flush()
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
-
-
 def _oom_error(cfg: TrainConfig, where: str, e: BaseException) -> UsageError:
     detail = " ".join(str(e).split())[:200] if not isinstance(e, MemoryError) else "host MemoryError"
     return UsageError(f"out of memory {where} ({detail}); lower --batch_size ({cfg.batch_size}) or "
@@ -577,7 +573,7 @@ def run(cfg: TrainConfig, out=None) -> RunResult:
     try:
         compiled = compile_train_step(setup)
     except Exception as e:
-        if _is_oom(e):
+        if remat.memory.is_oom(e):
             raise _oom_error(cfg, "compiling the train step", e) from None
         raise
     t_compile = time.perf_counter() - t_compile
@@ -659,7 +655,7 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
                     metrics = jax.device_get(metrics)
                     dt = time.perf_counter() - t0
             except Exception as e:
-                if _is_oom(e):
+                if remat.memory.is_oom(e):
                     raise _oom_error(cfg, f"at step {step + 1}", e) from None
                 raise
             position += 1
