@@ -32,6 +32,7 @@ import math
 import os
 
 from remat.planner import parse_size, recompute_config
+from training.checks import device_memory_limit
 from training.config import UsageError
 from training.log import compiled_estimate, gib
 
@@ -81,14 +82,7 @@ def capacity(devices) -> Capacity | None:
     if all(d.platform == "cpu" for d in devices):
         avail = host_available()
         return None if avail is None else Capacity(avail, "available host RAM (MemAvailable)", len(devices))
-    limits = []
-    for d in devices:
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:  # some backends raise instead of returning None
-            stats = {}
-        if stats.get("bytes_limit"):
-            limits.append(int(stats["bytes_limit"]))
+    limits = [lim for lim in map(device_memory_limit, devices) if lim is not None]
     if not limits:
         return None
     return Capacity(min(limits), f"the device memory limit ({devices[0].platform} bytes_limit)", 1)
