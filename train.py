@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     signals.install(PROG)  # Ctrl-C / SIGTERM: exit 130 / 143 with one line (training/signals.py)
     import training
     from models.llmc_io import LlmcFormatError
-    from training.checkpoint import CheckpointSaveError, quiet_failed_save_threads
+    from training.saving import CheckpointSaveError, quiet_failed_save_threads
     from training.run import Interrupted
 
     quiet_failed_save_threads()

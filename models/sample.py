@@ -300,11 +300,11 @@ def load_model(path: str, step: int | None = None, **llmc_overrides):
       >>> config, params, info = load_model("runs/x")
     """
     from models import llmc
-    from training import checkpoint as ckpt
+    from training import saving
     from training.model import family
 
     if os.path.isdir(path):
-        info = ckpt.inspect_dir(path, "CHECKPOINT")
+        info = saving.inspect_dir(path, "CHECKPOINT")
         if info.step is None:
             raise ValueError(f"{path}: the directory holds no complete checkpoint; pass a train.py "
                              f"--checkpoint_dir or an llm.c model .bin")
@@ -318,7 +318,7 @@ def load_model(path: str, step: int | None = None, **llmc_overrides):
         abstract = jax.eval_shape(lambda: fam.module.init_params(config, jax.random.PRNGKey(0)))
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abstract)
         try:
-            params = ckpt.restore(path, step, {"params": abstract}, partial=True)[0]["params"]
+            params = saving.restore(path, step, {"params": abstract}, partial=True)[0]["params"]
         except Exception as e:  # orbax reports a shape/structure mismatch or unreadable arrays
             raise ValueError(f"{path}: step {step}: cannot restore its parameters ({type(e).__name__}); pass a "
                              f"directory train.py --checkpoint_dir wrote with this version") from None

@@ -79,12 +79,12 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, text_file):
     assert killed_during, f"never saw a save in progress (rc {proc.returncode}): {proc.stderr.read()[-2000:]}"
     assert proc.returncode == -signal.SIGKILL
 
-    from training import checkpoint as ckpt, config_from_args, prepare
-    info = ckpt.inspect_dir(str(ck))
+    from training import config_from_args, prepare, saving
+    info = saving.inspect_dir(str(ck))
     assert info.step is not None and info.step >= 1
     resume = common + ["--resume", "--num_iterations", str(info.step + 2)]
     setup = prepare(config_from_args(resume))
-    state, meta = ckpt.restore(str(ck), info.step, setup.abstract_state)
+    state, meta = saving.restore(str(ck), info.step, setup.abstract_state)
     assert int(state["step"]) == info.step == meta["data_position"]
 
     logged = {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}

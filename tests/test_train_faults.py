@@ -25,7 +25,7 @@ from models import gpt2, llama3
 from models import llmc
 from models.llmc_io import LlmcFormatError, read_model
 from training import UsageError, config_from_args, prepare, run
-from training import checkpoint as ckpt
+from training import saving
 from training.data import default_corpus
 from training.run import _initial_state
 
@@ -273,13 +273,13 @@ def _overwrite_64_silently(step_dir, abstract):
     """Overwrite 64 bytes of the step's array data where orbax restores without an error (values
     silently wrong: what the digest is for); offsets whose bytes break decompression are undone."""
     directory, step = os.path.split(step_dir)
-    clean = ckpt.restore(directory, int(step), abstract, verify=False)[0]
+    clean = saving.restore(directory, int(step), abstract, verify=False)[0]
     size = os.path.getsize(_data_file(step_dir))
     for offset in range(size // 2, size - 64, 1009):
         f, old = _overwrite_64(step_dir, offset)
         try:
-            got = ckpt.restore(directory, int(step), abstract, verify=False)[0]
-        except ckpt.CheckpointDamaged:
+            got = saving.restore(directory, int(step), abstract, verify=False)[0]
+        except saving.CheckpointDamaged:
             got = None
         if got is not None and any(not np.array_equal(np.asarray(a), np.asarray(b))
                                    for a, b in zip(jax.tree.leaves(clean), jax.tree.leaves(got))):
@@ -317,7 +317,7 @@ def test_damaged_latest_step_falls_back_to_the_newest_intact_one(kind, two_steps
     # steps 3..6 trained again from step 2: the losses of an uninterrupted run, bit for bit
     assert [h["step"] for h in res.history] == [3, 4, 5, 6]
     assert [h["loss"] for h in res.history] == straight[2:]
-    assert ckpt.inspect_dir(d).steps == (2, 6) and os.path.isdir(os.path.join(d, "damaged_step_4"))
+    assert saving.inspect_dir(d).steps == (2, 6) and os.path.isdir(os.path.join(d, "damaged_step_4"))
 
 
 def test_no_intact_step_is_a_usage_error(two_steps, tmp_path):
@@ -417,10 +417,10 @@ def test_sigterm_completes_the_save_in_flight_and_exits_143(tmp_path, text_file)
     line = _one_line(err)
     assert line.startswith("train.py: terminated (SIGTERM) after step ") and "is complete; continue with --resume" in line
     step = int(line.split("checkpoint step ")[1].split()[0])
-    info = ckpt.inspect_dir(str(ck))
+    info = saving.inspect_dir(str(ck))
     assert info.step == step >= 5 and not [n for n in os.listdir(ck) if "tmp" in n]
     setup = prepare(config_from_args(TINY + ["--data", text_file]))
-    state, meta = ckpt.restore(str(ck), step, setup.abstract_state)  # complete, and its digest matches
+    state, meta = saving.restore(str(ck), step, setup.abstract_state)  # complete, and its digest matches
     assert int(state["step"]) == step == meta["data_position"]
 
 

@@ -16,7 +16,7 @@ import pytest
 from models import gpt2, llama3
 from models.llmc import save as save_llmc
 from training import TrainingDiverged, config_from_args, prepare, run
-from training import checkpoint as ckpt
+from training import saving
 from training.data import default_corpus
 from training.run import _initial_state
 
@@ -141,7 +141,7 @@ def test_resume_is_bit_identical(tmp_path, text_file):
     assert [r["step"] for r in lb] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in la] == [r["loss"] for r in lb]
     assert [r["grad_norm"] for r in la] == [r["grad_norm"] for r in lb]
-    info = ckpt.inspect_dir(str(ck))
+    info = saving.inspect_dir(str(ck))
     assert info.step == 6 and info.meta["data_position"] == 6 and set(info.steps) == {3, 6}
 
 
@@ -149,12 +149,12 @@ def test_checkpoint_holds_the_whole_state(tmp_path, text_file):
     ck = tmp_path / "ck"
     res, _ = _run(TINY + ["--data", text_file, "--checkpoint_dir", str(ck), "--checkpoint_every", "1",
                           "--keep_checkpoints", "1"])
-    info = ckpt.inspect_dir(str(ck))
+    info = saving.inspect_dir(str(ck))
     assert info.steps == (3,)  # keep_checkpoints 1
     setup = prepare(config_from_args(TINY + ["--data", text_file]))
-    state, meta = ckpt.restore(str(ck), 3, setup.abstract_state)
+    state, meta = saving.restore(str(ck), 3, setup.abstract_state)
     assert set(state) == {"params", "opt_state", "step", "rng"} and int(state["step"]) == 3
-    assert meta["data_position"] == 3 and meta["model"] == "gpt2" and meta["format"] == ckpt.FORMAT
+    assert meta["data_position"] == 3 and meta["model"] == "gpt2" and meta["format"] == saving.FORMAT
     for x, y in zip(jax.tree.leaves(res.state), jax.tree.leaves(state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -185,9 +185,9 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, text_file):
     with pytest.raises(TrainingDiverged, match=r"step 2: loss is nan.*last good checkpoint is step 1") as e:
         _run(argv)
     assert "\n" not in str(e.value)
-    assert ckpt.inspect_dir(str(ck)).steps == (1,)
+    assert saving.inspect_dir(str(ck)).steps == (1,)
     setup = prepare(config_from_args(TINY + ["--data", text_file]))
-    state, _ = ckpt.restore(str(ck), 1, setup.abstract_state)  # intact: restores completely
+    state, _ = saving.restore(str(ck), 1, setup.abstract_state)  # intact: restores completely
     assert int(state["step"]) == 1
     assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [1]
 

@@ -1,4 +1,6 @@
-"""orbax checkpoints: asynchronous, atomic saves of the whole train state plus JSON metadata.
+"""Saved runs (`--checkpoint_dir`, orbax): asynchronous, atomic saves of the whole train state
+plus JSON metadata. (Named `saving`, not `checkpoint`: in this project "checkpoint" means remat's
+activation checkpointing, `remat.checkpoint`.)
 
 A checkpoint directory holds one sub-directory per saved step with two items:
   state  the train state pytree: params, opt_state, step, rng (see training/step.py)
