@@ -23,7 +23,7 @@ import numpy as np
 from models import gpt2, llama3
 from models.llmc_io import GPT2Header, Llama3Header, LlmcFormatError, read_model, read_state, write_model
 from remat import RecomputeConfig
-from remat.flags import recompute_configs
+from remat import flags as recompute_flags
 
 # NOTE: tolerance. A float32 JAX port against a float32 (or float64-derived) reference differs by
 # rounding only: ~1e-6 for loss and gradients of the small models checked here. 1e-4 absolute
@@ -152,23 +152,14 @@ def verify(config, params, state) -> list[Row]:
     return rows
 
 
-def _recompute_flags(p: argparse.ArgumentParser) -> None:
-    from remat.config import GRANULARITIES, METHODS
-    p.add_argument("--activation_recompute", action=argparse.BooleanOptionalAction, default=False,
-                   help="turn activation recompute on (granularity full unless --recompute_granularity)")
-    p.add_argument("--recompute_granularity", choices=GRANULARITIES, default=None)
-    p.add_argument("--recompute_method", choices=METHODS, default="none")
-    p.add_argument("--recompute_num_layers", type=int, default=1)
-    p.add_argument("--recompute_modules", default=None, help="selective: comma list, e.g. core_attn,mlp")
-    p.add_argument("--remat_policy", default=None, help="a remat.policies name")
-    p.add_argument("--use_reentrant", action="store_true")
-
-
 def _recompute_from(a) -> RecomputeConfig:
-    return recompute_configs(activation_recompute=a.activation_recompute,
-                             recompute_granularity=a.recompute_granularity, methods=(a.recompute_method,),
-                             num_layers=a.recompute_num_layers, modules=a.recompute_modules,
-                             policy=a.remat_policy, use_reentrant=a.use_reentrant)[0][1]
+    """The RecomputeConfig of the parsed recompute flags (remat.flags, the same as train.py's)."""
+    configs = recompute_flags.from_flags(vars(a))
+    label, rc = configs[0]
+    if len(configs) > 1 or label == "auto":
+        raise ValueError(f"--recompute_method {a.recompute_method}: verify runs one setting, and auto plans against "
+                         f"train.py's compiled train step; pass one of none, uniform, block")
+    return rc
 
 
 class _Parser(argparse.ArgumentParser):
@@ -183,8 +174,7 @@ def main(argv=None) -> int:
     v.error = lambda message: p.exit(2, f"{p.prog} verify: error: {message}\n")
     v.add_argument("model", help="llm.c model file (.bin)")
     v.add_argument("state", help="llm.c debug state file (.bin)")
-    _recompute_flags(v)
-    v.add_argument("--scan_layers", action="store_true")
+    recompute_flags.add_arguments(v, train=False)  # the same recompute flags as train.py's
     v.add_argument("--loss_chunk", type=int, default=0, help="compute the loss over chunks of N positions (0: off)")
     for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
         v.add_argument(f"--{f}", type=float, default=None, help="LLaMA-3 header override")

@@ -30,6 +30,7 @@ from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: early stop
 
 from remat import check as _check
 from remat import policies as _policies
+from remat.config import check_region
 
 
 # determinism_check="values": max |forward - recompute| allowed per output leaf, relative to the
@@ -276,14 +277,7 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
 
 def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, prevent_cse, name,
          tie_to_cotangent, shard_saved, offload_saved):
-    if use_reentrant and policy is not None:
-        raise ValueError(f"checkpoint(use_reentrant=True) saves only the inputs, so policy={policy!r} "
-                         f"has no effect; drop the policy or use use_reentrant=False")
-    if determinism_check not in (True, False, "structure", "values"):
-        raise ValueError(f"determinism_check={determinism_check!r}: use True, False, 'structure' or 'values'")
-    if determinism_check == "values" and not use_reentrant:
-        raise ValueError("determinism_check='values' needs use_reentrant=True: jax.checkpoint traces the "
-                         "function once, so only the reentrant path can recompute different values")
+    check_region(use_reentrant, policy, determinism_check)  # the rules RecomputeConfig also applies
     dyn, rebuild, dyn_arg = _flatten(tuple(args), static_argnums)
     n = len(args)
     bad = [i for i in offload_saved if not -n <= i < n]

@@ -12,6 +12,31 @@ METHODS = ("none", "uniform", "block")
 DETERMINISM_CHECKS = (True, False, "structure", "values")
 
 
+class RecomputeConfigError(ValueError):
+    """A bad recompute setting. `fields` names the RecomputeConfig field(s) at fault, so a command
+    line can name its flag (`remat.flags.flag_error`) without validating the settings again."""
+
+    def __init__(self, fields, message: str):
+        super().__init__(message)
+        self.fields = (fields,) if isinstance(fields, str) else tuple(fields)
+
+
+def check_region(use_reentrant: bool, policy, determinism_check, enabled: bool = True) -> None:
+    """The rules for one recompute region's options, shared by `RecomputeConfig` and
+    `remat.checkpoint` (one copy of the rules). Raises RecomputeConfigError."""
+    if use_reentrant and policy is not None:
+        raise RecomputeConfigError(("use_reentrant", "policy"),
+                                   f"use_reentrant=True saves only the inputs, so policy={policy!r} has no effect; "
+                                   f"drop the policy or use_reentrant")
+    if determinism_check not in DETERMINISM_CHECKS:
+        raise RecomputeConfigError("determinism_check", f"determinism_check={determinism_check!r} is not valid; use "
+                                   f"True, False, 'structure' or 'values'")
+    if determinism_check == "values" and enabled and not use_reentrant:
+        raise RecomputeConfigError("determinism_check", "determinism_check='values' needs use_reentrant=True "
+                                   "(jax.checkpoint traces once, so only the reentrant path can recompute "
+                                   "different values)")
+
+
 @dataclasses.dataclass(frozen=True)
 class RecomputeConfig:
     """How a stack of layers is rematerialized.
@@ -72,61 +97,60 @@ class RecomputeConfig:
             object.__setattr__(self, "modules", tuple(self.modules))
         g, m = self.granularity, self.method
         if g not in GRANULARITIES:
-            raise ValueError(f"recompute granularity={g!r} is not valid; use one of {', '.join(GRANULARITIES)}")
+            raise RecomputeConfigError("granularity", f"recompute granularity={g!r} is not valid; use one of "
+                                       f"{', '.join(GRANULARITIES)}")
         if m not in METHODS:
-            raise ValueError(f"recompute method={m!r} is not valid; use one of {', '.join(METHODS)}")
+            raise RecomputeConfigError("method", f"recompute method={m!r} is not valid; use one of "
+                                       f"{', '.join(METHODS)}")
         if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool):
-            raise ValueError(f"recompute num_layers={self.num_layers!r} must be an int")
+            raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers!r} must be an int")
         if m in ("uniform", "block") and self.num_layers < 1:
-            raise ValueError(f"recompute num_layers={self.num_layers} with method={m!r} must be >= 1 "
-                             f"(the number of layers per region for uniform, of checkpointed layers for block)")
+            raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers} must be >= 1 with "
+                                       f"method={m!r} (the number of layers per region for uniform, of checkpointed "
+                                       "layers for block)")
         if g == "none" and m != "none":
-            raise ValueError(f"recompute method={m!r} was given but granularity='none' turns recompute off; "
-                             f"set granularity='full' (--activation_recompute --recompute_granularity full) "
-                             f"or drop the method")
+            raise RecomputeConfigError("method", f"recompute method={m!r} was given but granularity='none' turns "
+                                       "recompute off; set granularity='full' (--activation_recompute "
+                                       "--recompute_granularity full) or drop the method")
         if g == "selective" and m != "none":
-            raise ValueError(f"recompute method={m!r} applies to granularity='full' only; selective "
-                             f"recompute acts inside every layer: use method='none'")
+            raise RecomputeConfigError("method", f"recompute method={m!r} applies to granularity='full' only; "
+                                       "selective recompute acts inside every layer: use method='none'")
         unknown = [x for x in self.modules if x not in _names.MODULES]
         if unknown or (g == "selective" and not self.modules):
-            raise ValueError(f"recompute modules={self.modules!r}: unknown {unknown or 'empty list'}; "
-                             f"valid modules: {', '.join(_names.MODULES)}")
+            raise RecomputeConfigError("modules", f"recompute modules={self.modules!r}: unknown "
+                                       f"{unknown or 'empty list'}; "
+                                       f"valid modules: {', '.join(_names.MODULES)}")
         if self.policy is not None:
             try:
                 _policies.validate(self.policy)
             except ValueError as e:
-                raise ValueError(f"recompute policy: {e}") from None
+                raise RecomputeConfigError("policy", f"recompute policy={self.policy!r}: {e}") from None
         if self.use_reentrant and g == "selective":
-            raise ValueError("use_reentrant=True cannot be combined with granularity='selective': the "
-                             "reentrant path saves only each region's inputs, so selective saving means "
-                             "nothing there; use granularity='full' with use_reentrant, or drop use_reentrant")
-        if self.use_reentrant and self.policy is not None:
-            raise ValueError(f"use_reentrant=True ignores policy={self.policy!r} (a reentrant region "
-                             f"saves only its inputs); drop the policy or use_reentrant")
+            raise RecomputeConfigError("use_reentrant", "use_reentrant=True cannot be combined with "
+                                       "granularity='selective': the reentrant path saves only each region's "
+                                       "inputs, so selective saving means nothing there; use granularity='full' "
+                                       "with use_reentrant, or drop use_reentrant")
+        check_region(self.use_reentrant, self.policy, self.determinism_check, self.enabled)
         if self.layer_policies is not None:
             object.__setattr__(self, "layer_policies", tuple(self.layer_policies))
             if g != "full" or m != "none" or self.use_reentrant or self.policy is not None:
-                raise ValueError("layer_policies (one policy per layer) needs granularity='full', method='none', "
-                                 "no policy and no use_reentrant: it already says what every layer does")
+                raise RecomputeConfigError("layer_policies", "layer_policies (one policy per layer) needs "
+                                           "granularity='full', method='none', no policy and no use_reentrant: it "
+                                           "already says what every layer does")
             for i, p in enumerate(self.layer_policies):
                 if p is not None:
                     try:
                         _policies.validate(p)
                     except ValueError as e:
-                        raise ValueError(f"layer_policies[{i}]: {e}") from None
+                        raise RecomputeConfigError("layer_policies", f"layer_policies[{i}]: {e}") from None
         self._check_manual()
         if self.offload_inputs and (g == "none" or self.shard_saved_axis is not None):
-            raise ValueError("offload_inputs=True (cpu_checkpointing) needs recompute on (granularity full or "
-                             "selective) and no shard_saved_axis (a region input is either offloaded or sharded)")
+            raise RecomputeConfigError("offload_inputs", "offload_inputs=True (cpu_checkpointing) needs recompute "
+                                       "on (granularity full or selective) and no shard_saved_axis (a region input "
+                                       "is either offloaded or sharded)")
         if self.shard_saved_axis is not None and (not isinstance(self.shard_saved_axis, str) or g == "none"):
-            raise ValueError(f"shard_saved_axis={self.shard_saved_axis!r} must be a mesh axis name and needs "
-                             f"recompute on (granularity full or selective)")
-        if self.determinism_check not in DETERMINISM_CHECKS:
-            raise ValueError(f"determinism_check={self.determinism_check!r} is not valid; use True, False, "
-                             f"'structure' or 'values'")
-        if self.determinism_check == "values" and self.enabled and not self.use_reentrant:
-            raise ValueError("determinism_check='values' needs use_reentrant=True (jax.checkpoint traces once, "
-                             "so only the reentrant path can recompute different values)")
+            raise RecomputeConfigError("shard_saved_axis", f"shard_saved_axis={self.shard_saved_axis!r} must be a "
+                                       "mesh axis name and needs recompute on (granularity full or selective)")
 
     def _check_manual(self):
         """Validate (and normalize) `segments` and `every`."""
@@ -136,35 +160,40 @@ class RecomputeConfig:
             try:
                 segs = tuple((a, b) for a, b in self.segments)
             except (TypeError, ValueError):
-                raise ValueError(f"recompute segments={self.segments!r} must be (start, stop) pairs, e.g. "
-                                 f"((0, 3), (3, 5)) or '0-3,3-5'") from None
+                raise RecomputeConfigError("segments", f"recompute segments={self.segments!r} must be (start, stop) "
+                                           "pairs, e.g. ((0, 3), (3, 5)) or '0-3,3-5'") from None
             object.__setattr__(self, "segments", segs)
         segs, k = self.segments, self.every
         if segs is not None:
             if not segs:
-                raise ValueError("recompute segments=() is empty; give at least one (start, stop) range, e.g. '0-3'")
+                raise RecomputeConfigError("segments", "recompute segments=() is empty; give at least one (start, "
+                                           "stop) range, e.g. '0-3'")
             prev = 0
             for a, b in segs:
                 if not (_is_int(a) and _is_int(b)) or a < prev or b <= a:
-                    raise ValueError(f"recompute segments={_fmt_segments(segs)}: ({a!r}, {b!r}) is not valid; "
-                                     f"segments are half-open layer ranges start-stop with start < stop, in "
-                                     f"increasing order and not overlapping, e.g. 0-3,3-5")
+                    raise RecomputeConfigError("segments", f"recompute segments={_fmt_segments(segs)}: ({a!r}, "
+                                               f"{b!r}) is not valid; segments are half-open layer ranges start-stop "
+                                               "with start < stop, in increasing order and not overlapping, e.g. "
+                                               "0-3,3-5")
                 prev = b
         if k is not None and (not _is_int(k) or k < 1):
-            raise ValueError(f"recompute every={k!r} must be an integer >= 1 (every k-th layer is a region)")
+            raise RecomputeConfigError("every", f"recompute every={k!r} must be an integer >= 1 (every k-th layer is "
+                                       "a region)")
         r = self.regions
         if r is not None and (not _is_int(r) or r < 1):
-            raise ValueError(f"recompute regions={r!r} must be an integer >= 1 (the number of recompute regions)")
+            raise RecomputeConfigError("regions", f"recompute regions={r!r} must be an integer >= 1 (the number of "
+                                       "recompute regions)")
         given = [(f, v) for f, v in (("segments", segs), ("every", k), ("regions", r)) if v is not None]
         if len(given) > 1:
-            raise ValueError(f"recompute {' and '.join(f for f, _ in given)} each say which layers are regions; "
-                             f"pass only one")
+            raise RecomputeConfigError(tuple(f for f, _ in given), f"recompute {' and '.join(f for f, _ in given)} "
+                                       "each say which layers are regions; pass only one")
         for field, value in given:
             if self.granularity != "full" or self.method != "none" or self.layer_policies is not None:
                 shown = _fmt_segments(value) if field == "segments" else value
-                raise ValueError(f"recompute {field}={shown!r} needs granularity='full' and method='none' (it "
-                                 f"replaces the method) and no layer_policies; got "
-                                 f"granularity={self.granularity!r}, method={self.method!r}")
+                raise RecomputeConfigError((field, "method" if self.method != "none" else "granularity"), "recompute "
+                                           f"{field}={shown!r} needs granularity='full' and method='none' (it "
+                                           "replaces the method) and no layer_policies; got "
+                                           f"granularity={self.granularity!r}, method={self.method!r}")
 
     @property
     def enabled(self) -> bool:
@@ -187,20 +216,41 @@ class RecomputeConfig:
           >>> RecomputeConfig(granularity="full", method="block", num_layers=2).validate_for(4)
         """
         if self.layer_policies is not None and len(self.layer_policies) != n_layers:
-            raise ValueError(f"layer_policies has {len(self.layer_policies)} entries for n_layer={n_layers}; "
-                             f"give one per layer")
+            raise RecomputeConfigError("layer_policies", f"layer_policies has {len(self.layer_policies)} entries for "
+                                       f"n_layer={n_layers}; give one per layer")
         if self.segments is not None and self.segments[-1][1] > n_layers:
-            raise ValueError(f"recompute_segments={_fmt_segments(self.segments)} reaches layer "
-                             f"{self.segments[-1][1]} but n_layer={n_layers}; stops must be <= {n_layers}")
+            raise RecomputeConfigError("segments", f"recompute_segments={_fmt_segments(self.segments)} reaches layer "
+                                       f"{self.segments[-1][1]} but n_layer={n_layers}; stops must be <= {n_layers}")
         if self.every is not None and self.every > n_layers:
-            raise ValueError(f"recompute_every={self.every} exceeds n_layer={n_layers}; use 1..{n_layers}")
+            raise RecomputeConfigError("every", f"recompute_every={self.every} exceeds n_layer={n_layers}; use "
+                                       f"1..{n_layers}")
         if self.regions is not None and self.regions > n_layers:
-            raise ValueError(f"recompute regions={self.regions} (DeepSpeed's number_checkpoints, --deepspeed_config) "
-                             f"exceeds n_layer={n_layers}; use 1..{n_layers}")
+            raise RecomputeConfigError("regions", f"recompute regions={self.regions} (DeepSpeed's "
+                                       f"number_checkpoints, --deepspeed_config) exceeds n_layer={n_layers}; use "
+                                       f"1..{n_layers}")
         if self.method in ("uniform", "block") and self.num_layers > n_layers:
-            raise ValueError(f"recompute_num_layers={self.num_layers} exceeds n_layer={n_layers}; "
-                             f"use 1..{n_layers}")
+            raise RecomputeConfigError("num_layers", f"recompute_num_layers={self.num_layers} exceeds "
+                                       f"n_layer={n_layers}; use 1..{n_layers}")
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRecompute:
+    """A request to plan the recompute setting per layer (`--recompute_method auto`): what
+    `remat.plan_for_budget` is asked for. It is not a RecomputeConfig and never reaches a model;
+    the planner's answer (`BudgetPlan.recompute_config()`) does.
+
+    Args:
+      budget: the compiled peak per device to fit, in bytes.
+    Example:
+      >>> AutoRecompute(budget=12 * 2**30).budget
+      12884901888
+    """
+    budget: int
+
+    def __post_init__(self):
+        if not _is_int(self.budget) or self.budget < 1:
+            raise RecomputeConfigError("budget", f"recompute budget={self.budget!r} must be a number of bytes >= 1")
 
 
 def _is_int(v) -> bool:
@@ -222,7 +272,7 @@ def parse_segments(spec: str) -> tuple:
     for part in (p.strip() for p in spec.split(",")):
         a, dash, b = part.partition("-")
         if not dash or not a.strip().isdigit() or not b.strip().isdigit():
-            raise ValueError(f"recompute segments {spec!r}: {part!r} is not START-STOP; give half-open layer "
-                             f"ranges, e.g. 0-3,3-5 (layers 0,1,2 and 3,4)")
+            raise RecomputeConfigError("segments", f"recompute segments {spec!r}: {part!r} is not START-STOP; give "
+                                       "half-open layer ranges, e.g. 0-3,3-5 (layers 0,1,2 and 3,4)")
         out.append((int(a), int(b)))
     return tuple(out)

@@ -1,14 +1,129 @@
-"""Megatron-style recompute flags → RecomputeConfig, shared by every command line (train.py,
-`python -m models.llmc verify`), so the flags mean the same everywhere.
+"""The recompute flags of every command line (train.py, `python -m models.llmc verify`).
+
+One table, `FLAGS`, defines the vocabulary: each flag's name, type, default, help and the
+`RecomputeConfig` field it sets. `train.py` (via `training.TrainConfig`) and `models.llmc verify`
+both generate their argparse flags from it (`argparse_kwargs`, `add_arguments`), so names, help
+and parsing are the same everywhere. `from_flags` turns flag values into `RecomputeConfig`s (or an
+`AutoRecompute` request for `--recompute_method auto`). The settings are validated once, by
+`RecomputeConfig`; this module only checks what a config cannot see (a flag that would be ignored,
+`--activation_recompute` against `--recompute_granularity`) and rewords a `RecomputeConfigError`
+so that it names the flags of its fields (`flag_error`).
 
 Example:
     >>> recompute_configs(activation_recompute=True, methods=("uniform",), num_layers=2)
     [('full/uniform/2', RecomputeConfig(granularity='full', method='uniform', ...))]
+    >>> from_flags({"activation_recompute": True, "recompute_every": 2})[0][0]
+    'full/every/2'
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import re
+from typing import Any, Mapping
+
+from remat import names as _names
 from remat import policies
-from remat.config import RecomputeConfig
+from remat.config import GRANULARITIES, METHODS, AutoRecompute, RecomputeConfig, RecomputeConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One recompute flag, `--<name>`.
+
+    Args:
+      name: the flag without dashes (also the `TrainConfig` field).
+      type: bool (`--name` / `--no-name`), int or str; a default of None means "unset".
+      default: the value when the flag is not given.
+      help: the help text.
+      field: the `RecomputeConfig` field it sets (None: it sets none directly).
+      choices, metavar: as argparse's.
+      needs_recompute: giving it while recompute is off is an error (it would be ignored).
+      train_only: only `train.py` has it (it needs the train step).
+    """
+    name: str
+    type: type
+    default: Any
+    help: str
+    field: str | None = None
+    choices: tuple | None = None
+    metavar: str | None = None
+    needs_recompute: bool = False
+    train_only: bool = False
+
+
+FLAGS = (
+    Flag("activation_recompute", bool, False, "turn activation recompute on; without --recompute_granularity it "
+         "means granularity full"),
+    Flag("recompute_granularity", str, None, "none | full (whole layers) | selective (sub-modules inside every "
+         "layer); default: full with --activation_recompute, else none", "granularity", choices=GRANULARITIES),
+    Flag("recompute_method", str, "none", "for granularity full: none (each layer a region) | uniform (runs of "
+         "--recompute_num_layers layers) | block (first --recompute_num_layers layers) | auto (train.py: a setting "
+         "per layer, planned to fit --memory_budget); with --memory_report a comma list gives one row per method",
+         "method", metavar="{" + ",".join(METHODS + ("auto",)) + "}", needs_recompute=True),
+    Flag("memory_budget", str, None, "with --recompute_method auto: the compiled peak per device to fit "
+         "(arguments + outputs + temp - aliased of the train step), e.g. 12GiB, 512MiB or a number of bytes",
+         "budget", metavar="SIZE", train_only=True),
+    Flag("recompute_num_layers", int, 1, "the N of --recompute_method uniform/block (1..n_layer)", "num_layers"),
+    Flag("recompute_modules", str, None, "selective granularity: comma list of sub-modules to recompute, from "
+         f"{','.join(_names.MODULES)} (default core_attn)", "modules", needs_recompute=True),
+    Flag("remat_policy", str, None, "what a recompute region saves, a remat.policies name: "
+         + ", ".join(policies.names()) + " (selective modules combine with '+', e.g. core_attn+mlp)", "policy",
+         needs_recompute=True),
+    Flag("use_reentrant", bool, False, "recompute through a custom_vjp that saves only region inputs (full "
+         "granularity only)", "use_reentrant", needs_recompute=True),
+    Flag("scan_layers", bool, False, "run the layers under lax.scan (constant compile time in depth)"),
+    Flag("recompute_segments", str, None, "explicit recompute regions as half-open layer ranges, e.g. 0-3,3-5 "
+         "(layers 0-2 one region, 3-4 another); layers in no range are not rematerialized; replaces "
+         "--recompute_method", "segments", metavar="A-B,C-D", needs_recompute=True),
+    Flag("recompute_every", int, None, "checkpoint every k-th layer: layers 0, k, 2k, ... are each a region, the "
+         "layers between them are not rematerialized; replaces --recompute_method", "every", metavar="K",
+         needs_recompute=True),
+    Flag("cpu_checkpointing", bool, False, "keep each recompute region's input in pinned host memory between the "
+         "forward and the backward (DeepSpeed's cpu_checkpointing; on CPU nothing moves)", "offload_inputs",
+         needs_recompute=True),
+    Flag("deepspeed_config", str, None, "a DeepSpeed JSON config whose activation_checkpointing block sets the "
+         "recompute settings (number_checkpoints, cpu_checkpointing, partition_activations, ...); turns recompute "
+         "on (granularity full)", metavar="FILE.json"),
+)
+BY_NAME = {f.name: f for f in FLAGS}
+
+# The flag that sets each RecomputeConfig field, for error messages (two come from --deepspeed_config).
+FIELD_FLAGS = {**{f.field: f"--{f.name}" for f in FLAGS if f.field},
+               "regions": "--deepspeed_config number_checkpoints",
+               "shard_saved_axis": "--deepspeed_config partition_activations"}
+
+
+def argparse_kwargs(flag: Flag) -> dict:
+    """`parser.add_argument(f"--{flag.name}", **argparse_kwargs(flag))`: the one way a flag is parsed.
+
+    Example:
+      >>> argparse_kwargs(BY_NAME["recompute_every"])["type"]
+      <class 'int'>
+    """
+    kw: dict = {"help": flag.help, "default": flag.default}
+    if flag.type is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw["type"] = flag.type
+        if flag.choices is not None:
+            kw["choices"] = flag.choices
+        kw["metavar"] = flag.metavar or (None if flag.choices else {int: "N", str: "STR"}[flag.type])
+        if flag.default is not None:
+            kw["help"] += " (default: %(default)s)"
+    return kw
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, train: bool = True) -> None:
+    """Add every recompute flag (without the train.py-only ones unless `train`) to `parser`."""
+    for f in FLAGS:
+        if train or not f.train_only:
+            parser.add_argument(f"--{f.name}", **argparse_kwargs(f))
+
+
+def defaults() -> dict:
+    """{flag name: default} of every recompute flag."""
+    return {f.name: f.default for f in FLAGS}
 
 
 def granularity(activation_recompute: bool, recompute_granularity: str | None) -> str:
@@ -16,6 +131,29 @@ def granularity(activation_recompute: bool, recompute_granularity: str | None) -
     if recompute_granularity is None:
         return "full" if activation_recompute else "none"
     return recompute_granularity
+
+
+def flag_error(e: RecomputeConfigError) -> str:
+    """A RecomputeConfigError's message in flag words: `granularity='full'` → `--recompute_granularity
+    full`, prefixed by the flags of its fields unless it already starts with one.
+
+    Example:
+      >>> try:
+      ...     RecomputeConfig(granularity="full", every=0)
+      ... except RecomputeConfigError as e:
+      ...     flag_error(e)
+      '--recompute_every 0 must be an integer >= 1 (every k-th layer is a region)'
+    """
+    def sub(m):
+        flag, value = FIELD_FLAGS[m.group(1)], m.group(2)
+        if value == "True":
+            return flag
+        return f"{flag} {value[1:-1] if value[:1] == value[-1:] == chr(39) else value}"
+
+    pattern = r"\b(?:recompute[ _])?(" + "|".join(map(re.escape, FIELD_FLAGS)) + r")=('[^']*'|[^\s;:)]+)"
+    msg = re.sub(pattern, sub, re.sub(r"^recompute ", "", str(e)))
+    flags = [FIELD_FLAGS.get(f, f) for f in e.fields]
+    return msg if any(msg.startswith(f) for f in flags) else f"{' and '.join(flags)}: {msg}"
 
 
 def recompute_configs(*, activation_recompute: bool = False, recompute_granularity: str | None = None,
@@ -32,59 +170,23 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
     """
     method_flag = ",".join(methods)
     g = granularity(activation_recompute or deepspeed is not None, recompute_granularity)
+    # What a RecomputeConfig cannot see: flag words, and flags it would ignore.
     if activation_recompute and g == "none":
         raise ValueError("--activation_recompute contradicts --recompute_granularity none; drop one of them")
     if deepspeed is not None and g != "full":
         raise ValueError(f"--deepspeed_config checkpoints whole layers (granularity full) but --recompute_granularity "
                          f"is {g}; drop --recompute_granularity")
     if g == "none":
-        if any(m != "none" for m in methods):
-            raise ValueError(f"--recompute_method {method_flag} needs recompute turned on; add "
-                             f"--activation_recompute (granularity full), or drop --recompute_method")
-        for flag, value in (("--remat_policy", policy), ("--recompute_modules", modules),
-                            ("--recompute_segments", segments), ("--recompute_every", every)):
-            if value is not None:
-                raise ValueError(f"{flag} {value} needs recompute turned on; add --activation_recompute"
-                                 + (" --recompute_granularity selective" if flag == "--recompute_modules" else ""))
-        if use_reentrant:
-            raise ValueError("--use_reentrant needs recompute turned on; add --activation_recompute")
-        if cpu_checkpointing:
-            raise ValueError("--cpu_checkpointing needs recompute turned on (it offloads region inputs); add "
-                             "--activation_recompute")
-    if g == "selective" and any(m != "none" for m in methods):
-        raise ValueError(f"--recompute_method {method_flag} applies to --recompute_granularity full "
-                         f"only (selective recomputes inside every layer); drop --recompute_method")
-    if g == "selective" and use_reentrant:
-        raise ValueError("--use_reentrant cannot be combined with --recompute_granularity selective (a "
-                         "reentrant region saves only its inputs); use granularity full or drop --use_reentrant")
+        given = dict(recompute_method=None if all(m == "none" for m in methods) else method_flag,
+                     recompute_modules=modules, remat_policy=policy, use_reentrant=use_reentrant or None,
+                     recompute_segments=segments, recompute_every=every, cpu_checkpointing=cpu_checkpointing or None)
+        for f in (f for f in FLAGS if f.needs_recompute and given.get(f.name) is not None):
+            shown = f"--{f.name}" + ("" if f.type is bool else f" {given[f.name]}")
+            hint = " --recompute_granularity selective" if f.name == "recompute_modules" else ""
+            raise ValueError(f"{shown} needs recompute turned on; add --activation_recompute{hint}, or drop --{f.name}")
     if g == "full" and modules is not None:
         raise ValueError("--recompute_modules applies to --recompute_granularity selective; for full "
                          "granularity choose what a region saves with --remat_policy")
-    regions = deepspeed.number_checkpoints if deepspeed is not None else None
-    manual = [(f, v) for f, v in (("--recompute_segments", segments), ("--recompute_every", every),
-                                  ("--deepspeed_config number_checkpoints", regions)) if v is not None]
-    if len(manual) > 1:
-        raise ValueError(f"{manual[0][0]} and {manual[1][0]} both choose which layers are regions; pass only one")
-    if manual and g != "full":
-        raise ValueError(f"{manual[0][0]} {manual[0][1]} chooses whole-layer regions: it needs "
-                         f"--recompute_granularity full (or just --activation_recompute)")
-    if manual and any(m != "none" for m in methods):
-        raise ValueError(f"{manual[0][0]} {manual[0][1]} replaces --recompute_method {method_flag}; drop one of them")
-    if segments is not None:
-        try:
-            RecomputeConfig(granularity="full", segments=segments)
-        except ValueError as e:
-            raise ValueError(f"--recompute_segments: {e}") from None
-    if every is not None and (not isinstance(every, int) or every < 1):
-        raise ValueError(f"--recompute_every {every!r} must be an integer >= 1 (layers 0, k, 2k, ... are regions)")
-    if policy is not None:
-        try:
-            policies.validate(policy)
-        except ValueError as e:
-            raise ValueError(f"--remat_policy: {e}") from None
-    if any(m in ("uniform", "block") for m in methods) and num_layers < 1:
-        raise ValueError(f"--recompute_num_layers {num_layers} must be >= 1 with "
-                         f"--recompute_method uniform/block")
     out = []
     for m in methods:
         kw = dict(granularity=g, method=m, num_layers=num_layers, policy=policy, use_reentrant=use_reentrant,
@@ -95,8 +197,8 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
             kw["modules"] = modules
         try:
             rc = RecomputeConfig(**kw)
-        except ValueError as e:
-            raise ValueError(f"recompute flags: {e}") from None
+        except RecomputeConfigError as e:
+            raise ValueError(flag_error(e)) from None
         label = g if g != "full" else f"full/{m}" + (f"/{num_layers}" if m != "none" else "")
         if segments is not None:
             label = f"full/segments/{segments}"
@@ -107,3 +209,56 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
         label += "+offload" if rc.offload_inputs else ""
         out.append((label, rc))
     return out
+
+
+def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None) -> list:
+    """Flag values ({flag name: value}; missing ones take their defaults) → [(label, RecomputeConfig)],
+    one per `--recompute_method` entry, or [("auto", AutoRecompute)] for `--recompute_method auto`.
+    ValueError naming the flag and the fix.
+    """
+    v = {**defaults(), **{k: values[k] for k in BY_NAME if k in values}}
+    methods = tuple(m.strip() for m in str(v["recompute_method"]).split(","))
+    if "auto" in methods or v["memory_budget"] is not None:
+        return [("auto", _auto_request(v, methods))]
+    deepspeed = None
+    if v["deepspeed_config"] is not None:
+        from remat import deepspeed as _deepspeed
+        try:
+            deepspeed = _deepspeed.load(v["deepspeed_config"])
+        except ValueError as e:
+            raise ValueError(f"--deepspeed_config {e}") from None
+    return recompute_configs(
+        activation_recompute=v["activation_recompute"], recompute_granularity=v["recompute_granularity"],
+        methods=methods, num_layers=v["recompute_num_layers"], modules=v["recompute_modules"],
+        policy=v["remat_policy"], use_reentrant=v["use_reentrant"], segments=v["recompute_segments"],
+        every=v["recompute_every"], cpu_checkpointing=v["cpu_checkpointing"], deepspeed=deepspeed,
+        tensor_axis=tensor_axis)
+
+
+def _auto_request(v: dict, methods: tuple) -> AutoRecompute:
+    """`--recompute_method auto --memory_budget SIZE` → AutoRecompute; the planner chooses every
+    other recompute setting, so giving one is an error naming it."""
+    from remat.planner import parse_size
+
+    if methods != ("auto",):
+        if "auto" in methods:
+            raise ValueError(f"--recompute_method {v['recompute_method']}: auto plans every layer itself; pass "
+                             f"--recompute_method auto alone")
+        raise ValueError(f"--memory_budget {v['memory_budget']} needs --recompute_method auto (the planner that "
+                         f"fits it); add --recompute_method auto or drop --memory_budget")
+    if v["memory_budget"] is None:
+        raise ValueError("--recompute_method auto needs --memory_budget SIZE (e.g. 12GiB), the compiled peak "
+                         "to fit; add it, or choose --recompute_method none/uniform/block")
+    try:
+        budget = parse_size(v["memory_budget"])
+    except ValueError as e:
+        raise ValueError(f"--memory_budget: {e}") from None
+    fixed = ("activation_recompute", "recompute_method", "memory_budget", "recompute_num_layers")
+    for f in FLAGS:
+        value = v[f.name]
+        if f.name in fixed or value == f.default or (f.name == "recompute_granularity" and value == "full"):
+            continue
+        why = ("XLA's cost analysis counts a scanned layer once, so the planner needs the loop layout"
+               if f.name == "scan_layers" else "auto chooses the policy of every layer itself")
+        raise ValueError(f"--recompute_method auto cannot be combined with --{f.name} ({why}); drop --{f.name}")
+    return AutoRecompute(budget)

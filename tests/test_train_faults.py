@@ -27,7 +27,7 @@ from models.llmc_io import LlmcFormatError, read_model
 from training import UsageError, config_from_args, prepare, run
 from training import saving
 from training.data import default_corpus
-from training.run import _initial_state
+from training.resume import initial_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["--val_every", "0", "--no-progress"]
@@ -218,7 +218,7 @@ def test_init_from_takes_every_shape_field_from_the_header(model, tmp_path, text
     setup = prepare(config_from_args(argv))
     got = llmc.config_for(model, llmc.header_for(setup.mcfg))
     assert got == llmc.config_for(model, llmc.header_for(cfg))  # every header field, e.g. multiple_of 48
-    state, _ = _initial_state(setup)
+    state, _, _ = initial_state(setup)
     for k, v in mod.to_llmc(cfg, params).items():
         np.testing.assert_array_equal(mod.to_llmc(setup.mcfg, state["params"])[k], v)
     with pytest.raises(UsageError, match=r"--n_layer 2 but the file has n_layer 3; --n_embd 64 but the file has "

@@ -1,7 +1,7 @@
 """Training runs in-process: the acceptance commands, identical first losses across recompute
 settings, exact resume, NaN stop, gradient accumulation, --init_from, --memory_report, --dry_run.
 
-Runs share compilations through the per-process caches in training/run.py, so parametrized
+Runs share compilations through the per-process caches in training/compile.py, so parametrized
 settings that compile the same program pay once.
 """
 import io
@@ -18,7 +18,7 @@ from models.llmc import save as save_llmc
 from training import TrainingDiverged, config_from_args, prepare, run
 from training import saving
 from training.data import default_corpus
-from training.run import _initial_state
+from training.resume import initial_state
 
 # The acceptance commands of issue 4 (each also run with --model llama3 below).
 BASE = "--model gpt2 --preset tiny --num_iterations 3 --activation_recompute --recompute_method uniform " \
@@ -201,7 +201,7 @@ def test_grad_accumulation_matches_one_big_batch(text_file):
     x, y = setup.train_ds.batch(0, cfg.seed, 2, 32, 4)
     from training.step import make_train_step
     step = jax.jit(make_train_step(setup.fam, setup.mcfg, setup.tx, setup.schedule, 0.0))
-    state, _ = _initial_state(setup)
+    state, _, _ = initial_state(setup)
     _, m = step(state, x.reshape(1, 8, 32), y.reshape(1, 8, 32))
     # NOTE: mean of 4 means vs one mean over the same 256 tokens: equal up to float32 rounding
     np.testing.assert_allclose(acc.history[0]["loss"], float(m["loss"]), rtol=1e-6)
@@ -217,7 +217,7 @@ def test_init_from_llmc_file(model, scan, tmp_path, text_file):
     save_llmc(str(path), cfg, params)
     setup = prepare(config_from_args(TINY + ["--model", model, "--init_from", str(path), "--data", text_file]
                                      + (["--scan_layers"] if scan else [])))
-    state, position = _initial_state(setup)
+    state, position, _ = initial_state(setup)
     assert position == 0 and int(state["step"]) == 0
     got = mod.to_llmc(setup.mcfg, state["params"])
     for k, v in mod.to_llmc(cfg, params).items():
@@ -228,7 +228,7 @@ def test_init_from_checkpoint_directory(tmp_path, text_file):
     ck = tmp_path / "ck"
     first, _ = _run(TINY + ["--data", text_file, "--checkpoint_dir", str(ck)])
     setup = prepare(config_from_args(TINY + ["--init_from", str(ck), "--data", text_file]))
-    state, _ = _initial_state(setup)
+    state, _, _ = initial_state(setup)
     assert int(state["step"]) == 0  # fresh optimizer, weights from the checkpoint
     for x, y in zip(jax.tree.leaves(first.state["params"]), jax.tree.leaves(state["params"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

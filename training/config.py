@@ -22,11 +22,10 @@ import typing
 from typing import Sequence
 
 from models.attention import ATTENTION, DEFAULT_TILE
-from remat import RecomputeConfig, policies
+from remat import RecomputeConfig
 from remat import deepspeed as remat_deepspeed
 from remat import flags as recompute_flags
-from remat import names as remat_names
-from remat.config import GRANULARITIES, METHODS
+from remat.config import AutoRecompute
 from remat.planner import parse_size
 
 MODELS = ("gpt2", "llama3")
@@ -44,6 +43,11 @@ class UsageError(ValueError):
 
 def _f(default, help: str, **meta):
     return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def _r(name: str):
+    """A field whose flag is `remat.flags.FLAGS[name]` (the one table of recompute flags)."""
+    return dataclasses.field(default=recompute_flags.BY_NAME[name].default, metadata={"recompute_flag": name})
 
 
 def model_presets(model: str) -> tuple[str, ...]:
@@ -91,42 +95,21 @@ class TrainConfig:
                                      "directory written by this script (shapes must match the preset)", metavar="PATH")
     dtype: str = _f("float32", "compute dtype (parameters and optimizer state stay float32)", choices=DTYPES)
     dropout: float = _f(0.0, "dropout probability")
-    # -- activation recompute (remat.RecomputeConfig)
-    activation_recompute: bool = _f(False, "turn activation recompute on; without --recompute_granularity it "
-                                           "means granularity full")
-    recompute_granularity: str | None = _f(None, "none | full (whole layers) | selective (sub-modules inside "
-                                                 "every layer); default: full with --activation_recompute, else "
-                                                 "none", choices=GRANULARITIES)
-    recompute_method: str = _f("none", "for granularity full: none (each layer a region) | uniform (runs of "
-                                       "--recompute_num_layers layers) | block (first --recompute_num_layers "
-                                       "layers) | auto (a setting per layer, planned to fit --memory_budget); "
-                                       "with --memory_report a comma list gives one row per method",
-                               metavar="{" + ",".join(METHODS + ("auto",)) + "}")
-    memory_budget: str | None = _f(None, "with --recompute_method auto: the compiled peak per device to fit "
-                                         "(arguments + outputs + temp - aliased of the train step), e.g. 12GiB, "
-                                         "512MiB or a number of bytes", metavar="SIZE")
-    recompute_num_layers: int = _f(1, "the N of --recompute_method uniform/block (1..n_layer)")
-    recompute_modules: str | None = _f(None, "selective granularity: comma list of sub-modules to recompute, "
-                                             f"from {','.join(remat_names.MODULES)} (default core_attn)")
-    remat_policy: str | None = _f(None, "what a recompute region saves, a remat.policies name: "
-                                        + ", ".join(policies.names())
-                                        + " (selective modules combine with '+', e.g. core_attn+mlp)")
-    use_reentrant: bool = _f(False, "recompute through a custom_vjp that saves only region inputs "
-                                    "(full granularity only)")
-    scan_layers: bool = _f(False, "run the layers under lax.scan (constant compile time in depth)")
-    recompute_segments: str | None = _f(None, "explicit recompute regions as half-open layer ranges, e.g. 0-3,3-5 "
-                                              "(layers 0-2 one region, 3-4 another); layers in no range are not "
-                                              "rematerialized; replaces --recompute_method", metavar="A-B,C-D")
-    recompute_every: int | None = _f(None, "checkpoint every k-th layer: layers 0, k, 2k, ... are each a region, "
-                                           "the layers between them are not rematerialized; replaces "
-                                           "--recompute_method", metavar="K")
-    cpu_checkpointing: bool = _f(False, "keep each recompute region's input in pinned host memory between the "
-                                        "forward and the backward (DeepSpeed's cpu_checkpointing; on CPU nothing "
-                                        "moves)")
-    deepspeed_config: str | None = _f(None, "a DeepSpeed JSON config whose activation_checkpointing block sets the "
-                                            "recompute settings (number_checkpoints, cpu_checkpointing, "
-                                            "partition_activations, ...); turns recompute on (granularity full)",
-                                      metavar="FILE.json")
+    # -- activation recompute: names, types, defaults and help come from remat.flags.FLAGS (shared with
+    #    `python -m models.llmc verify`); the values are validated once, by remat.RecomputeConfig
+    activation_recompute: bool = _r("activation_recompute")
+    recompute_granularity: str | None = _r("recompute_granularity")
+    recompute_method: str = _r("recompute_method")
+    memory_budget: str | None = _r("memory_budget")
+    recompute_num_layers: int = _r("recompute_num_layers")
+    recompute_modules: str | None = _r("recompute_modules")
+    remat_policy: str | None = _r("remat_policy")
+    use_reentrant: bool = _r("use_reentrant")
+    scan_layers: bool = _r("scan_layers")
+    recompute_segments: str | None = _r("recompute_segments")
+    recompute_every: int | None = _r("recompute_every")
+    cpu_checkpointing: bool = _r("cpu_checkpointing")
+    deepspeed_config: str | None = _r("deepspeed_config")
     loss_chunk: int = _f(0, "compute the LM head and cross-entropy over chunks of N positions, each "
                             "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)")
     attention: str = _f("auto", "attention core: tiled (query tiles, masked tiles skipped; any backend) | xla "
@@ -200,15 +183,13 @@ class TrainConfig:
             raise UsageError(f"--dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
         if self.attention not in ATTENTION:
             raise UsageError(f"--attention {self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters", "top_k",
-                     "recompute_every"):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters", "top_k"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise UsageError(f"--{name} {v!r} must be a positive integer (or left unset for the default)")
         for name, lo in (("batch_size", 1), ("sequence_length", 1), ("grad_accum_steps", 1),
                          ("num_iterations", 1), ("warmup_iters", 0), ("attention_tile", 1), ("val_every", 0),
-                         ("val_steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("recompute_num_layers", 0),
-                         ("sample_every", 0), ("sample_length", 1), ("loss_chunk", 0)):
+                         ("val_steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("sample_every", 0), ("sample_length", 1), ("loss_chunk", 0)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
                 raise UsageError(f"--{name} {v!r} must be an integer >= {lo}")
@@ -262,37 +243,24 @@ class TrainConfig:
         """The effective granularity (see `--activation_recompute`)."""
         return recompute_flags.granularity(self.activation_recompute, self.recompute_granularity)
 
-    def recompute_configs(self) -> list[tuple[str, RecomputeConfig]]:
-        """[(label, RecomputeConfig)]: one entry, or one per method of a `--recompute_method` comma list.
+    def recompute_configs(self) -> list:
+        """[(label, RecomputeConfig)]: one entry, or one per method of a `--recompute_method` comma list;
+        [("auto", remat.config.AutoRecompute)] for `--recompute_method auto` (the planner's request).
 
         Raises UsageError naming the flag and the fix for every inconsistent combination.
         """
-        methods = self.methods
-        if "auto" in methods or self.memory_budget is not None:
-            return [("auto", self._auto_placeholder())]
-        bad = [m for m in methods if m not in METHODS]
-        if bad or not methods:
-            raise UsageError(f"--recompute_method {self.recompute_method!r}: {bad[0] if bad else 'empty'!r} is not "
-                             f"valid; use one of {', '.join(METHODS)}")
-        if len(methods) > 1 and not self.memory_report:
+        if len(self.methods) > 1 and not self.memory_report and "auto" not in self.methods:
             raise UsageError(f"--recompute_method {self.recompute_method!r}: a comma list compares methods and "
                              f"needs --memory_report; pass one method to train")
         try:
-            return recompute_flags.recompute_configs(
-                activation_recompute=self.activation_recompute, recompute_granularity=self.recompute_granularity,
-                methods=methods, num_layers=self.recompute_num_layers, modules=self.recompute_modules,
-                policy=self.remat_policy, use_reentrant=self.use_reentrant, segments=self.recompute_segments,
-                every=self.recompute_every, cpu_checkpointing=self.cpu_checkpointing, deepspeed=self.deepspeed,
-                tensor_axis=TENSOR_AXIS)
+            return recompute_flags.from_flags({k: getattr(self, k) for k in recompute_flags.BY_NAME},
+                                              tensor_axis=TENSOR_AXIS)
         except ValueError as e:
             raise UsageError(str(e)) from None
 
     @property
     def deepspeed(self):
-        """The `--deepspeed_config` file's validated activation_checkpointing block (None without one).
-
-        The file is a settings file, so it is read here, with the flags, not in `training.run.prepare`.
-        """
+        """The `--deepspeed_config` file's validated activation_checkpointing block (None without one)."""
         if self.deepspeed_config is None:
             return None
         try:
@@ -305,34 +273,6 @@ class TrainConfig:
         ds = self.deepspeed
         return [] if ds is None else ds.notes(TENSOR_AXIS)
 
-    def _auto_placeholder(self) -> RecomputeConfig:
-        """Validate `--recompute_method auto` and `--memory_budget`; full remat stands in until the
-        planner (training.run.plan_memory) has chosen a setting per layer."""
-        if self.methods != ("auto",):
-            if "auto" in self.methods:
-                raise UsageError(f"--recompute_method {self.recompute_method}: auto plans every layer itself; pass "
-                                 f"--recompute_method auto alone")
-            raise UsageError(f"--memory_budget {self.memory_budget} needs --recompute_method auto (the planner that "
-                             f"fits it); add --recompute_method auto or drop --memory_budget")
-        if self.memory_budget is None:
-            raise UsageError("--recompute_method auto needs --memory_budget SIZE (e.g. 12GiB), the compiled peak "
-                             "to fit; add it, or choose --recompute_method none/uniform/block")
-        self.memory_budget_bytes  # validates the size
-        for flag, bad in (("--recompute_granularity", self.recompute_granularity not in (None, "full")),
-                          ("--recompute_segments", self.recompute_segments is not None),
-                          ("--recompute_every", self.recompute_every is not None),
-                          ("--cpu_checkpointing", self.cpu_checkpointing),
-                          ("--deepspeed_config", self.deepspeed_config is not None),
-                          ("--remat_policy", self.remat_policy is not None),
-                          ("--recompute_modules", self.recompute_modules is not None),
-                          ("--use_reentrant", self.use_reentrant),
-                          ("--scan_layers", self.scan_layers)):
-            if bad:
-                why = ("XLA's cost analysis counts a scanned layer once, so the planner needs the loop layout"
-                       if flag == "--scan_layers" else "auto chooses the policy of every layer itself")
-                raise UsageError(f"--recompute_method auto cannot be combined with {flag} ({why}); drop {flag}")
-        return RecomputeConfig(granularity="full")
-
     @property
     def memory_budget_bytes(self) -> int | None:
         """--memory_budget in bytes (None when unset)."""
@@ -344,8 +284,9 @@ class TrainConfig:
             raise UsageError(f"--memory_budget: {e}") from None
 
     @property
-    def recompute(self) -> RecomputeConfig:
-        """The RecomputeConfig of a training run (a single method)."""
+    def recompute(self) -> RecomputeConfig | AutoRecompute:
+        """The recompute setting of a training run (a single method): a RecomputeConfig, or the
+        AutoRecompute request that `training.compile.plan_memory` answers."""
         return self.recompute_configs()[0][1]
 
     @property
@@ -396,7 +337,10 @@ def build_parser(prog: str = "train.py", description: str | None = None) -> argp
     p = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
-        p.add_argument(f"--{f.name}", **_flag_spec(f, hints[f.name]))
+        if "recompute_flag" in f.metadata:
+            p.add_argument(f"--{f.name}", **recompute_flags.argparse_kwargs(recompute_flags.BY_NAME[f.name]))
+        else:
+            p.add_argument(f"--{f.name}", **_flag_spec(f, hints[f.name]))
     return p
 
 

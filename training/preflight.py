@@ -33,6 +33,7 @@ import os
 
 from remat.planner import parse_size, recompute_config
 from training.checks import device_memory_limit
+from training.compile import compile_train_step
 from training.config import UsageError
 from training.log import compiled_estimate, gib
 
@@ -92,14 +93,13 @@ def check(setup, compiled, compile_step=None) -> str | None:
     """Raise UsageError (one line: need, capacity, what to try) unless the compiled step fits.
 
     Args:
-      setup: the run's `training.run.Setup`; compiled: its compiled train step.
-      compile_step: `(setup, model_config) -> compiled` (default `training.run.compile_train_step`),
+      setup: the run's `training.prepare.Setup`; compiled: its compiled train step.
+      compile_step: `(setup, model_config) -> compiled` (default `training.compile.compile_train_step`),
         used to compile the candidate settings of the advice.
     Returns:
       a line for the run's summary ("needs X of Y ...: fits"), or None when the capacity is unknown.
     """
-    if compile_step is None:
-        from training.run import compile_train_step as compile_step
+    compile_step = compile_train_step if compile_step is None else compile_step
     cap = capacity(setup.mesh.devices.flat)
     peak = compiled_estimate(compiled)
     if cap is None or peak is None:

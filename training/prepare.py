@@ -1,0 +1,234 @@
+"""Prepare a training run: every check that can fail on user input, before anything is written.
+
+`prepare(cfg)` checks the flags against the model, the data files, `--init_from`, `--resume` and
+the mesh against the devices and the batch, raises UsageError (one line, naming the fix) for bad
+input, and returns a frozen `Setup`. It writes nothing.
+
+Example:
+    >>> setup = prepare(TrainConfig(preset="tiny", num_iterations=3))
+    >>> setup.mcfg.n_layer
+    2
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+
+from models import attention
+from models.llmc_io import LlmcFormatError
+from remat import RecomputeConfig
+from remat.config import AutoRecompute
+from training import checks
+from training import data as data_lib
+from training import saving
+from training import sharding as sh
+from training.compile import optimizer
+from training.config import TrainConfig, UsageError, parse_mesh
+from training.model import Family, config_dict, family
+from training.optim import optimizer_settings
+from training.resume import choose_resume_step
+from training.samples import make_sampler
+from training.step import init_state
+
+VAL_FRACTION = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything `prepare` validated and built; nothing has been written yet. Frozen: a later stage
+    (the planner, resume fallback) makes a new one with `dataclasses.replace`."""
+    cfg: TrainConfig
+    fam: Family
+    model: Any                     # the model config with recompute off: shapes, dtype, attention (what the
+                                   # parameters, the data checks and samples depend on)
+    mcfgs: tuple                   # ((label, model config), ...) one per --recompute_method entry; () while
+                                   # an `auto` request waits for the planner (training.compile.plan_memory)
+    train_ds: data_lib.Dataset
+    val_ds: data_lib.Dataset | None
+    mesh: Any
+    tx: Any
+    schedule: Any
+    abstract_state: Any
+    state_sharding: Any
+    x_sharding: Any
+    start_step: int = 0
+    resume_meta: dict | None = None
+    resume_older: tuple = ()           # older steps to fall back to if the start step fails to restore
+    resume_changes: tuple = ()         # "--flag new (was old)" for allowed changes on --resume
+    damaged_steps: tuple = ()          # steps newer than the start found damaged (set aside before saving)
+    init_params: Any = None            # parameters read from --init_from FILE.bin (shape from its header)
+    init_dir_step: int | None = None   # step to read params from for --init_from DIR
+    sampler: Any = None                # training.samples.Sampler for --sample_every
+    auto: AutoRecompute | None = None  # --recompute_method auto: the request plan_memory answers
+
+    @property
+    def mcfg(self):
+        """The model config of the run (the first recompute setting)."""
+        if not self.mcfgs:
+            raise RuntimeError("--recompute_method auto is not planned yet: call training.compile.plan_memory(setup)")
+        return self.mcfgs[0][1]
+
+
+def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, block_size: int):
+    over = dict(vocab_size=vocab_size, block_size=block_size, dtype=cfg.dtype, dropout=cfg.dropout,
+                scan_layers=cfg.scan_layers, recompute=recompute, loss_chunk=cfg.loss_chunk,
+                attention=cfg.attention, attention_tile=cfg.attention_tile)
+    for k in ("n_layer", "n_head", "n_embd"):
+        if getattr(cfg, k) is not None:
+            over[k] = getattr(cfg, k)
+    try:
+        mcfg = fam.config(cfg.preset, **over)
+        # cudnn where it cannot run is a usage error now, not a trace-time failure later
+        attention.resolve(mcfg.attention, mcfg.compute_dtype, mcfg.n_embd // mcfg.n_head, mcfg.dropout > 0)
+        return mcfg
+    except ValueError as e:
+        raise UsageError(str(e).replace("attention='cudnn'", "--attention cudnn").replace("attention='tiled' (--attention tiled)", "--attention tiled")) from None
+
+
+def _load_data(paths, what):
+    try:
+        return data_lib.load(paths, what)
+    except LlmcFormatError as e:
+        raise UsageError(f"{what} {e}") from None
+
+
+# Model config fields an llm.c header fixes, and the flags that may also set them.
+_SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+
+
+def _load_llmc(cfg: TrainConfig, fam: Family):
+    """--init_from FILE.bin: (model config from the file's header, parameters), via models.llmc.load.
+
+    Every shape field comes from the header (the preset is not consulted for shapes); a shape flag
+    that disagrees with it is a UsageError naming both values. LLaMA-3 files from llm.c master
+    (float header slots truncated to integers) are read with the preset's values for those slots.
+    """
+    from models import llmc
+
+    path = cfg.init_from
+    kw = dict(scan_layers=cfg.scan_layers, dtype=cfg.dtype)
+    try:
+        try:
+            mcfg, params = llmc.load(path, **kw)
+        except LlmcFormatError as e:
+            if cfg.model != "llama3" or "truncated integers" not in str(e):
+                raise
+            base = fam.config(cfg.preset)
+            mcfg, params = llmc.load(path, norm_eps=base.norm_eps, rope_theta=base.rope_theta,
+                                     ffn_dim_multiplier=base.ffn_dim_multiplier, **kw)
+    except (LlmcFormatError, ValueError) as e:
+        raise UsageError(f"--init_from {e}") from None
+    kind = "gpt2" if type(mcfg).__name__ == "GPT2Config" else "llama3"
+    if kind != cfg.model:
+        raise UsageError(f"--init_from {path} is an llm.c {kind} model but this run is --model {cfg.model}; "
+                         f"pass --model {kind}")
+    bad = [f"--{k} {getattr(cfg, k)} but the file has {k} {getattr(mcfg, k)}" for k in _SHAPE_FLAGS
+           if getattr(cfg, k) is not None and getattr(cfg, k) != getattr(mcfg, k)]
+    if bad:
+        raise UsageError(f"--init_from {path}: the model shape comes from the file's header: {'; '.join(bad)}; "
+                         f"drop those flags (or pass a file written with that shape)")
+    return dataclasses.replace(mcfg, dropout=cfg.dropout), params
+
+
+def prepare(cfg: TrainConfig) -> Setup:
+    """Validate the run against files, devices and the model; build what training needs.
+
+    Raises UsageError (one line, naming the fix) for every bad input. Writes nothing.
+    """
+    sh.maybe_initialize_distributed()
+    fam = family(cfg.model)
+    recomputes = cfg.recompute_configs()
+    train_ds = _load_data(cfg.data, "--data")
+
+    base = fam.config(cfg.preset)
+    init_is_file = bool(cfg.init_from) and not os.path.isdir(cfg.init_from)
+    if cfg.init_from and not os.path.exists(cfg.init_from):
+        raise UsageError(f"--init_from {cfg.init_from}: no such file or directory; pass an llm.c .bin model "
+                         f"file or a train.py checkpoint directory")
+    file_mcfg = init_params = None
+    if init_is_file:
+        file_mcfg, init_params = _load_llmc(cfg, fam)
+        base = file_mcfg
+    if cfg.vocab_size is not None:
+        vocab = cfg.vocab_size
+    elif train_ds.kind == "text" and not cfg.init_from:
+        vocab = data_lib.BYTE_VOCAB
+    else:
+        vocab = base.vocab_size
+    if cfg.block_size is not None:
+        block = cfg.block_size
+    elif cfg.init_from:
+        block = base.block_size
+    else:
+        block = max(base.block_size, cfg.sequence_length)
+    if file_mcfg is not None:
+        build = lambda rc: dataclasses.replace(file_mcfg, recompute=rc)
+    else:
+        build = lambda rc: _model_config(cfg, fam, rc, vocab, block)
+    model = build(RecomputeConfig())  # recompute off: what does not depend on the recompute setting
+    auto = recomputes[0][1] if isinstance(recomputes[0][1], AutoRecompute) else None
+    mcfgs = () if auto else tuple((label, build(rc)) for label, rc in recomputes)
+    if cfg.sequence_length > model.block_size:
+        raise UsageError(f"--sequence_length {cfg.sequence_length} exceeds the model's block_size "
+                         f"{model.block_size}; use --sequence_length <= {model.block_size}")
+
+    train_ds.check(model.vocab_size, cfg.sequence_length, "--data")
+    val_ds = None
+    if cfg.val_data:
+        val_ds = _load_data(cfg.val_data, "--val_data")
+        val_ds.check(model.vocab_size, cfg.sequence_length, "--val_data")
+        if val_ds.kind != train_ds.kind:
+            raise UsageError(f"--val_data is {val_ds.kind} but --data is {train_ds.kind}; pass the same kind")
+    elif cfg.val_every > 0:
+        train_ds, val_ds = train_ds.split_tail(VAL_FRACTION, cfg.sequence_length + 1)
+
+    sampler = make_sampler(cfg, model, train_ds, val_ds)  # validates --tokenizer and --prompt
+    mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
+    checks.check_model_size(fam.num_params(model), parse_mesh(cfg.mesh)["fsdp"], list(mesh.devices.flat))
+    tx, schedule = optimizer(optimizer_settings(cfg))
+    abstract_state = jax.eval_shape(lambda: init_state(fam, model, tx, cfg.seed))
+    state_sharding = sh.state_shardings(mesh, abstract_state)
+    setup = Setup(cfg, fam, model, mcfgs, train_ds, val_ds, mesh, tx, schedule, abstract_state, state_sharding,
+                  sh.batch_sharding(mesh, 3, 1), sampler=sampler, auto=auto)
+    if cfg.memory_report:
+        return setup
+
+    if cfg.checkpoint_dir:
+        checks.check_output_dir(cfg.checkpoint_dir, "--checkpoint_dir")
+    if cfg.log_jsonl:
+        checks.check_output_file(cfg.log_jsonl, "--log_jsonl")
+    mcfg_dict = config_dict(model)
+    if cfg.checkpoint_dir:
+        info = saving.inspect_dir(cfg.checkpoint_dir, "--resume" if cfg.resume else "--checkpoint_dir")
+        if cfg.resume:
+            if info.step is None:
+                raise UsageError(f"--resume: {cfg.checkpoint_dir} holds no complete checkpoint (it is empty or "
+                                 f"missing); run without --resume to start fresh")
+            setup = choose_resume_step(setup, info, mcfg_dict)
+        elif info.step is not None:
+            raise UsageError(f"--checkpoint_dir {cfg.checkpoint_dir} already holds checkpoints (latest step "
+                             f"{info.step}); pass --resume to continue, or choose a new directory")
+
+    if init_params is not None:
+        setup = dataclasses.replace(setup, init_params=init_params)
+    elif cfg.init_from:
+        info = saving.inspect_dir(cfg.init_from, "--init_from")
+        if info.step is None:
+            raise UsageError(f"--init_from {cfg.init_from}: the directory holds no complete checkpoint; pass an "
+                             f"llm.c .bin file or a train.py --checkpoint_dir")
+        if info.meta.get("model") != cfg.model:
+            raise UsageError(f"--init_from {cfg.init_from} holds a {info.meta.get('model')} model but this run is "
+                             f"--model {cfg.model}; pass --model {info.meta.get('model')}")
+        saved = {k: v for k, v in saving.saved_shapes(cfg.init_from, info.step).items() if k.startswith("params.")}
+        want = saving.leaf_shapes({"params": abstract_state["params"]})
+        if saved != want:
+            diff = sorted(set(saved.items()) ^ set(want.items()))[:2]
+            raise UsageError(f"--init_from {cfg.init_from}: its parameter shapes do not match --preset {cfg.preset} "
+                             f"(e.g. {diff}); pass the preset and --scan_layers setting it was trained with")
+        setup = dataclasses.replace(setup, init_dir_step=info.step)
+    return setup
+
+

@@ -1,0 +1,88 @@
+"""What a prepared run is: `memory_report` (what the backward keeps, by tagged name, and XLA's
+compiled memory, one column per recompute setting; `--memory_report`) and `describe` (the
+summary printed at the start and by `--dry_run`).
+
+Example:
+    >>> setup = prepare(TrainConfig(preset="tiny", activation_recompute=True, memory_report=True))
+    >>> print(memory_report(setup))
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import remat
+from training import log as log_lib
+from training.compile import compile_train_step
+
+def memory_report(setup) -> str:
+    """What the backward keeps (by tagged name) and XLA's compiled memory, one column per config."""
+    cfg = setup.cfg
+    params = setup.abstract_state["params"]
+    xy = jax.ShapeDtypeStruct((cfg.batch_size, cfg.sequence_length), jnp.int32)
+    cols = []
+    for label, mcfg in setup.mcfgs:
+        res = remat.memory.saved_residuals(lambda p, x, y, m=mcfg: setup.fam.loss_fn(p, m, x, y), params, xy, xy)
+        ma = compile_train_step(setup, mcfg).memory_analysis()
+        g = lambda k: int(getattr(ma, k, 0) or 0) if ma is not None else 0
+        comp = {"temp": g("temp_size_in_bytes"), "arguments": g("argument_size_in_bytes"),
+                "outputs": g("output_size_in_bytes"), "aliased": g("alias_size_in_bytes")}
+        comp["peak estimate"] = comp["arguments"] + comp["outputs"] + comp["temp"] - comp["aliased"]
+        cols.append((label, res, comp))
+    names = []
+    for _, res, _ in cols:
+        names += [k for k in res.by_name() if k not in names]
+    w0, w = 46, max(18, *(len(c[0]) + 2 for c in cols))
+    mib = lambda b: f"{b / 2**20:,.2f} MiB" if b >= 2**20 else f"{b / 2**10:,.1f} KiB"
+    dev = setup.mesh.devices.flat[0]
+    lines = [f"memory report: {cfg.model} {cfg.preset} ({setup.fam.num_params(setup.mcfg):,} params), micro-batch "
+             f"{cfg.batch_size}x{cfg.sequence_length}, {cfg.dtype}, mesh {cfg.mesh} on {setup.mesh.size} "
+             f"{dev.platform} device(s)",
+             "", "saved for the backward of one micro-batch (count x size), by tagged name",
+             "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
+    for n in names:
+        cells = []
+        for _, res, _ in cols:
+            c, b = res.by_name().get(n, (0, 0))
+            cells.append(f"{c} x {mib(b)}" if c else "-")
+        lines.append(f"  {n[:w0 - 2]}".ljust(w0) + "".join(x.rjust(w) for x in cells))
+    lines.append("  total (intermediates)".ljust(w0) + "".join(mib(r.intermediates).rjust(w) for _, r, _ in cols))
+    lines.append("  total (with arguments)".ljust(w0) + "".join(mib(r.total).rjust(w) for _, r, _ in cols))
+    lines += ["", "XLA's compiled train step, per device", "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
+    for k in ("temp", "arguments", "outputs", "aliased", "peak estimate"):
+        lines.append(f"  {k}".ljust(w0) + "".join(mib(comp[k]).rjust(w) for _, _, comp in cols))
+    wl = max(len(c[0]) for c in cols) + 2
+    lines += ["", "summary, one row per setting",
+              "  " + "setting".ljust(wl) + "saved (intermediates)".rjust(22) + "compiled temp".rjust(16)
+              + "peak estimate".rjust(16)]
+    for label, res, comp in cols:
+        lines.append("  " + label.ljust(wl) + mib(res.intermediates).rjust(22) + mib(comp["temp"]).rjust(16)
+                     + mib(comp["peak estimate"]).rjust(16))
+    return "\n".join(lines)
+
+
+def describe(setup, compiled=None) -> str:
+    """A summary of the run (printed at the start and by --dry_run)."""
+    cfg, m = setup.cfg, setup.mcfg
+    rc = m.recompute
+    segs = remat.plan(m.n_layer, rc) if rc.enabled else ()
+    regions = sum(1 for s in segs if s.checkpointed)
+    lines = [
+        f"model    {cfg.model} {cfg.preset if setup.init_params is None else 'from ' + str(cfg.init_from)}: "
+        f"{setup.fam.num_params(m):,} params, {m.n_layer} layers, "
+        f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
+        + (", scan" if m.scan_layers else ""),
+        f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy() if rc.layer_policies is None else 'per layer'}"
+                                            f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else "")
+        + (f"; loss over chunks of {m.loss_chunk} positions" if m.loss_chunk else ""),
+        f"data     {setup.train_ds.description}: {setup.train_ds.n_tokens:,} tokens"
+        + (f"; val {setup.val_ds.description}: {setup.val_ds.n_tokens:,} tokens" if setup.val_ds else ""),
+        f"batch    {cfg.batch_size} x {cfg.sequence_length} x {cfg.grad_accum_steps} accum = "
+        f"{cfg.tokens_per_step:,} tokens/step, {setup.fam.flops_per_token(m, cfg.sequence_length) / 1e6:,.1f} "
+        f"MFLOP/token",
+        f"mesh     {cfg.mesh} over {setup.mesh.size} {setup.mesh.devices.flat[0].platform} device(s)",
+    ]
+    lines[2:2] = [f"deepspeed {note}" for note in cfg.deepspeed_notes()]
+    if compiled is not None:
+        lines.append(f"memory   {log_lib.gib(log_lib.compiled_estimate(compiled))} per device (compiled est.)")
+    return "\n".join(lines)
