@@ -47,7 +47,8 @@ def _f(default, help: str, **meta):
 
 def _r(name: str):
     """A field whose flag is `remat.flags.FLAGS[name]` (the one table of recompute flags)."""
-    return dataclasses.field(default=recompute_flags.BY_NAME[name].default, metadata={"recompute_flag": name})
+    flag = recompute_flags.BY_NAME[name]
+    return dataclasses.field(default=flag.default, metadata={"recompute_flag": name, "help": flag.help})
 
 
 def model_presets(model: str) -> tuple[str, ...]:
