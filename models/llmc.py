@@ -167,7 +167,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m models.llmc", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="compare the model with an llm.c debug state file")
@@ -178,7 +178,11 @@ def main(argv=None) -> int:
     v.add_argument("--loss_chunk", type=int, default=0, help="compute the loss over chunks of N positions (0: off)")
     for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
         v.add_argument(f"--{f}", type=float, default=None, help="LLaMA-3 header override")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
     try:
         recompute = _recompute_from(a)
         config, params = load(a.model, recompute, scan_layers=a.scan_layers, norm_eps=a.norm_eps,
