@@ -104,6 +104,9 @@ class RecomputeConfig:
                                        f"{', '.join(METHODS)}")
         if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool):
             raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers!r} must be an int")
+        if self.num_layers < 0:
+            raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers} must be >= 0 (>= 1 with "
+                                       f"method uniform or block)")
         if m in ("uniform", "block") and self.num_layers < 1:
             raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers} must be >= 1 with "
                                        f"method={m!r} (the number of layers per region for uniform, of checkpointed "

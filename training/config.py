@@ -1,10 +1,11 @@
 """TrainConfig: every training setting, validated once; the CLI flags are generated from its fields.
 
 Each field's `metadata` carries its help text (and `choices` where the set is closed), so the flag
-name, type, default and help cannot drift apart (`build_parser`). Validation that needs only the
+name, type, default and help cannot drift apart (`build_parser`); the recompute flags' come from
+`remat.flags.FLAGS`, the table `python -m models.llmc verify` uses too. Validation that needs only the
 values lives in `TrainConfig.__post_init__`; validation that needs files, devices or the model
 (data, `--init_from`, `--resume`, `--mesh` against the device count) happens in
-`training.run.prepare`, still before anything is written.
+`training.prepare.prepare`, still before anything is written.
 
 Example:
     >>> cfg = TrainConfig(preset="tiny", num_iterations=3, activation_recompute=True,
