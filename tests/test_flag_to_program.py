@@ -101,7 +101,7 @@ def prepared(data):
 def _expected(setup, name):
     """The model config the case's flags mean, built directly (not through the flags)."""
     _, rc, scan = CASES[name]
-    return dataclasses.replace(setup.model, recompute=rc, scan_layers=scan)
+    return dataclasses.replace(setup.base_mcfg, recompute=rc, scan_layers=scan)
 
 
 def _temp(setup, mcfg=None) -> int:

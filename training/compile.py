@@ -90,7 +90,7 @@ def plan_memory(setup, out=None):
     UsageError stating the minimum."""
     from models.memory_model import activation_bytes
 
-    cfg, base, request = setup.cfg, setup.model, setup.auto
+    cfg, base, request = setup.cfg, setup.base_mcfg, setup.auto
     print(f"planner  fitting the train step into --memory_budget {cfg.memory_budget} per device "
           f"(compiling candidate settings)", file=out)
     try:

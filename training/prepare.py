@@ -42,7 +42,7 @@ class Setup:
     (the planner, resume fallback) makes a new one with `dataclasses.replace`."""
     cfg: TrainConfig
     fam: Family
-    model: Any                     # the model config with recompute off: shapes, dtype, attention (what the
+    base_mcfg: Any                 # the model config with recompute off: shapes, dtype, attention (what the
                                    # parameters, the data checks and samples depend on)
     mcfgs: tuple                   # ((label, model config), ...) one per --recompute_method entry; () while
                                    # an `auto` request waits for the planner (training.compile.plan_memory)

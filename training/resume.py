@@ -97,7 +97,7 @@ def initial_state(setup):
     cfg = setup.cfg
     if setup.resume_meta is not None:
         abstract = abstract_with_sharding(setup.abstract_state, setup.state_sharding)
-        d, mcfg_dict = cfg.checkpoint_dir, config_dict(setup.model)
+        d, mcfg_dict = cfg.checkpoint_dir, config_dict(setup.base_mcfg)
         steps = [setup.start_step, *setup.resume_older]
         for i, step in enumerate(steps):
             try:
@@ -122,7 +122,7 @@ def initial_state(setup):
         except saving.CheckpointDamaged as e:
             raise UsageError(f"--init_from {cfg.init_from}: {e}; pass an intact checkpoint directory") from None
     else:
-        return init_jit(setup.fam.name, init_config(setup.model), setup.mesh)(cfg.seed), 0, setup
+        return init_jit(setup.fam.name, init_config(setup.base_mcfg), setup.mesh)(cfg.seed), 0, setup
     return _fresh_with_params(setup, jax.device_put(params, setup.state_sharding["params"])), 0, setup
 
 
