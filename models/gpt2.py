@@ -24,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.attention import ATTENTION, DEFAULT_TILE
 from models.layers import (MLP, CausalSelfAttention, LayerNorm, check_llmc_tensors, embed, lm_head,
                            stack_layers, unstack_layers)
+from models.llmc_io import GPT2Header
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
 
@@ -222,14 +223,33 @@ _LAYER_TENSORS = {
 }
 
 
-def llmc_shapes(config: GPT2Config) -> dict:
-    """{llm.c tensor name: shape}, in the model file's order."""
+def llmc_shapes(config) -> dict:
+    """{llm.c tensor name: shape}, in the model file's order: the one GPT-2 table (models.llmc_io
+    reads and writes files by it). `config` is a GPT2Config or an llm.c GPT2Header.
+
+    Example:
+      >>> llmc_shapes(GPT2Config.preset("tiny"))["attn.c_attn.w"]
+      (2, 96, 32)
+    """
     Vp, T, L, C = config.padded_vocab_size, config.block_size, config.n_layer, config.n_embd
     per = {"ln_1.w": (C,), "ln_1.b": (C,), "attn.c_attn.w": (3 * C, C), "attn.c_attn.b": (3 * C,),
            "attn.c_proj.w": (C, C), "attn.c_proj.b": (C,), "ln_2.w": (C,), "ln_2.b": (C,),
            "mlp.c_fc.w": (4 * C, C), "mlp.c_fc.b": (4 * C,), "mlp.c_proj.w": (C, 4 * C), "mlp.c_proj.b": (C,)}
     return {"wte": (Vp, C), "wpe": (T, C), **{k: (L,) + s for k, s in per.items()},
             "ln_f.w": (C,), "ln_f.b": (C,)}
+
+
+def llmc_header(config: GPT2Config) -> GPT2Header:
+    """The llm.c header describing `config`."""
+    return GPT2Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
+                      n_head=config.n_head, n_embd=config.n_embd, padded_vocab_size=config.padded_vocab_size)
+
+
+def config_from_llmc(header: GPT2Header, **fields) -> GPT2Config:
+    """A GPT2Config for an llm.c header; `fields` (recompute, dtype, scan_layers...) are added."""
+    return GPT2Config(block_size=header.block_size, vocab_size=header.vocab_size,
+                      padded_vocab_size=header.padded_vocab_size, n_layer=header.n_layer,
+                      n_head=header.n_head, n_embd=header.n_embd, **fields)
 
 
 def to_llmc(config: GPT2Config, params) -> dict:

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from models import gpt2
+from models import family
 from models.layers import embed, gelu_tanh, layer_norm, rms_norm, rope_frequencies, swiglu
 from models.tokenizer import ByteTokenizer
 from models.tokenizer import load as load_tokenizer
@@ -63,12 +63,12 @@ class KVCache(NamedTuple):
 
 
 def _is_gpt2(config) -> bool:
-    return isinstance(config, gpt2.GPT2Config)
+    return family.of(config).name == "gpt2"
 
 
 def _heads(config) -> tuple[int, int, int]:
     """(H, K, D): query heads, key/value heads, head size."""
-    kv = config.n_head if _is_gpt2(config) else config.n_kv_head
+    kv = getattr(config, "n_kv_head", config.n_head)  # GPT-2: as many key/value heads as query heads
     return config.n_head, kv, config.n_embd // config.n_head
 
 
@@ -301,7 +301,6 @@ def load_model(path: str, step: int | None = None, **llmc_overrides):
     """
     from models import llmc
     from training import checkpoint as ckpt
-    from training.model import family
 
     if os.path.isdir(path):
         info = ckpt.inspect_dir(path, "CHECKPOINT")
@@ -312,10 +311,10 @@ def load_model(path: str, step: int | None = None, **llmc_overrides):
             raise ValueError(f"{path}: no step {step}; it holds steps {', '.join(map(str, sorted(info.steps)))}")
         step = info.step if step is None else step
         meta = info.meta  # the model config is the same at every step (train.py --resume checks it)
-        fam = family(meta["model"])
+        fam = family.get(meta["model"])
         config = fam.config_cls(**meta["model_config"])
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        abstract = jax.eval_shape(lambda: fam.module.init_params(config, jax.random.PRNGKey(0)))
+        abstract = jax.eval_shape(lambda: fam.init_params(config, jax.random.PRNGKey(0)))
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abstract)
         try:
             params = ckpt.restore(path, step, {"params": abstract}, partial=True)[0]["params"]
@@ -331,7 +330,7 @@ def load_model(path: str, step: int | None = None, **llmc_overrides):
     if not os.path.isfile(path):
         raise ValueError(f"{path}: not a regular file or directory; pass an llm.c model .bin")
     config, params = llmc.load(path, **{k: v for k, v in llmc_overrides.items() if v is not None})
-    return config, params, {"kind": "llm.c", "model": "gpt2" if _is_gpt2(config) else "llama3", "step": None,
+    return config, params, {"kind": "llm.c", "model": family.of(config).name, "step": None,
                             "train_config": {}}
 
 
