@@ -25,7 +25,8 @@ from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_tab
 from models.attention import DEFAULT_TILE
 from remat import RecomputeConfig
 
-SHAPE = dict(n_layer=8, n_embd=256, n_head=4, vocab=1024)
+_REF = common.REFERENCE["gpt2"]
+SHAPE = dict(n_layer=_REF["n_layer"], n_embd=_REF["n_embd"], n_head=_REF["n_head"], vocab=_REF["vocab_size"])
 SEQS = (1024, 2048, 4096)
 SETTINGS = {"none": RecomputeConfig(), "full": RecomputeConfig(granularity="full"),
             "selective core_attn": RecomputeConfig(granularity="selective", modules=("core_attn",))}
