@@ -10,7 +10,7 @@ import statistics
 import time
 from typing import Callable, Mapping, Sequence
 
-MiB = 2 ** 20
+from remat.memory import GiB, MiB, format_bytes  # noqa: F401  (the one byte unit and formatter)
 
 # NOTE: the reference shape of MEASUREMENTS.md, defined here once so that every figure in docs/
 # can say which shape it was taken on (bench.policies `--preset ref`, bench.planner,

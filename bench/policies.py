@@ -31,7 +31,7 @@ from bench import common
 from bench.common import REFERENCE, REFERENCE_BATCH, MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, ratio, targets_markdown
 from models import family
 from remat import RecomputeConfig
-from remat.memory import saved_residuals
+from remat.memory import compiled_stats, saved_residuals
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -114,27 +114,18 @@ def prepare(model: str, config, setting: Setting, params, idx, targets) -> Case:
     f = lambda p, i, t: fam.loss_fn(p, cfg, i, t)
     saved = saved_residuals(f, params, idx, targets).intermediates
     compiled = jax.jit(jax.value_and_grad(f)).lower(params, idx, targets).compile()
-    temp, flops = compiled_stats(compiled)
+    # NOTE: the timed step's own executable is measured, so that the memory and the time in a row
+    # belong to one program and each setting compiles once (XLA:CPU compiles dominate this
+    # benchmark's run time). The loss output adds nothing: its temp bytes equal those of
+    # `compiled_memory(jax.grad(loss))` (tests/test_bench.py checks it).
+    stats = compiled_stats(compiled)
+    temp, flops = stats.temp, stats.flops
     loss = float(compiled(params, idx, targets)[0])
 
     def step():
         jax.block_until_ready(compiled(params, idx, targets))
 
     return Case(setting, cfg, saved, temp, flops, step, loss)
-
-
-def compiled_stats(compiled) -> tuple[int, float]:
-    """(temp bytes, FLOPs) of an already compiled executable, read as `remat.memory.compiled_memory` does.
-
-    # NOTE: the timed step's own executable is measured, so that the memory and the time in a row
-    # belong to one program and each setting compiles once (XLA:CPU compiles dominate this
-    # benchmark's run time). The loss output adds nothing: its temp bytes equal those of
-    # `compiled_memory(jax.grad(loss))` (tests/test_bench.py checks it).
-    """
-    ma, ca = compiled.memory_analysis(), compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    return int(getattr(ma, "temp_size_in_bytes", 0) or 0), float((ca or {}).get("flops", 0.0))
 
 
 def inputs(config, batch: int, seq: int, seed: int = 0):

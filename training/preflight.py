@@ -31,10 +31,12 @@ import dataclasses
 import math
 import os
 
+from remat.memory import GiB, MiB, compiled_stats
+from remat.memory import format_bytes as gib
 from remat.planner import parse_size, recompute_config
 from training.checks import device_memory_limit
 from training.config import UsageError
-from training.log import compiled_estimate, gib
+from training.log import compiled_estimate
 
 HEADROOM = 0.8       # a suggested budget leaves 20% to the rest of the process (and, on CPU, the host)
 DEFAULT_CHUNK = 128  # --loss_chunk suggested when the run has none (at most a quarter of T)
@@ -53,7 +55,7 @@ class Capacity:
     def budget_flag(self) -> str:
         """A per-device `--memory_budget` that leaves HEADROOM, rounded down (0.1 GiB or 1 MiB)."""
         n = self.bytes * HEADROOM / self.sharing
-        return f"{math.floor(n / 2 ** 30 * 10) / 10:g}GiB" if n >= 2 ** 30 else f"{max(1, int(n // 2 ** 20))}MiB"
+        return f"{math.floor(n / GiB * 10) / 10:g}GiB" if n >= GiB else f"{max(1, int(n // MiB))}MiB"
 
     @property
     def budget(self) -> int:
@@ -157,7 +159,7 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
     """A smaller micro-batch with full remat and the chunked loss, as concrete flags, verified by
     compiling exactly the configuration they give."""
     cfg, budget = setup.cfg, cap.budget
-    temp = int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+    temp = compiled_stats(compiled).temp
     fixed = p_min - temp  # parameters, optimizer state, gradients, the batch: what temp is not
     what = f"even full remat with --loss_chunk {chunk} needs {gib(p_min * cap.sharing)}"
     step = setup.mesh.size  # the batch is sharded over every mesh axis
@@ -187,7 +189,7 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
             return (f"{what}: reduce the micro-batch, e.g. --batch_size {b}{keep} --activation_recompute "
                     f"--loss_chunk {chunk}{without}, which needs {gib(p * cap.sharing)} "
                     f"({b * accum * cfg.sequence_length:,} tokens per step)")
-        temp = int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+        temp = compiled_stats(compiled).temp
         fixed = p - temp
     return (f"{what}, and no smaller batch found fits: use a shorter --sequence_length, a smaller model, or "
             f"more devices (--mesh fsdp=N)")
