@@ -118,8 +118,14 @@ def saved_residuals(fn, *args) -> SavedResiduals:
     Returns:
       SavedResiduals with `.rows`, `.total`, `.intermediates`, `.by_name()`, `.table()`.
     Example:
-      >>> r = saved_residuals(lambda p, x: loss(p, x), params, x)
-      >>> print(r.table()); r.total
+      >>> import jax.numpy as jnp
+      >>> from jax.ad_checkpoint import checkpoint_name
+      >>> f = lambda w, x: jnp.sum(jnp.sin(checkpoint_name(x @ w, "mlp_up")))
+      >>> saved_residuals(f, jnp.ones((8, 8)), jnp.ones((4, 8))).by_name()   # {name: (count, bytes)}
+      {'<arguments>': (2, 384), '<intermediate:cos>': (1, 128)}
+      >>> g = jax.checkpoint(f, policy=_policies.get("save_names:mlp_up"))  # keep the tagged product instead
+      >>> saved_residuals(g, jnp.ones((8, 8)), jnp.ones((4, 8))).by_name()
+      {'<arguments>': (2, 384), 'mlp_up': (1, 128)}
     """
     rows = []
     for aval, src in _jax_saved_residuals(fn, *args):
@@ -162,6 +168,7 @@ def compiled_stats(compiled) -> CompiledMemory:
 
     Raises ValueError when the backend gives no memory analysis.
     Example:
+      >>> import jax.numpy as jnp
       >>> stats = compiled_stats(jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(1024)).compile())
       >>> stats.argument, stats.output
       (4096, 4096)
@@ -189,7 +196,7 @@ def compiled_memory(fn, *args, static_argnums=()) -> CompiledMemory:
     """Compile `fn(*args)` with jit and read XLA's memory and cost analysis (`compiled_stats`).
 
     Example:
-      >>> compiled_memory(lambda x: jnp.sin(x) * 2, jnp.ones(1024)).output
+      >>> compiled_memory(lambda x: jax.numpy.sin(x) * 2, jax.numpy.ones(1024)).output
       4096
     """
     return compiled_stats(jax.jit(fn, static_argnums=static_argnums).lower(*args).compile())
@@ -246,7 +253,9 @@ def predict_saved(layer: LayerBytes, n_layers: int, cfg: RecomputeConfig, head: 
     tag name (`dots`, `dots_no_batch`, offload). Derivation: docs/memory-model.md.
 
     Example:
-      >>> predict_saved(gpt2_layer_bytes, 8, RecomputeConfig(granularity="full"), head=head_bytes)
+      >>> layer = LayerBytes({_names.BLOCK_INPUT: 100, _names.QKV: 300}, untagged=50)
+      >>> predict_saved(layer, 8, RecomputeConfig()), predict_saved(layer, 8, RecomputeConfig(granularity="full"))
+      (3600, 800)
     """
     inp = layer.tagged.get(_names.BLOCK_INPUT, 0)
     if cfg.granularity == "none":

@@ -210,9 +210,9 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
     Raises:
       ValueError when the budget is below the least peak any candidate reaches (the message states
       that minimum and how to lower it), or for invalid arguments.
-    Example:
-      >>> plan = plan_for_budget(lambda rc: compiled_memory(step_for(rc), *args), 8, "600MiB")
-      >>> print(plan.table()); cfg = plan.recompute_config()
+    Usage (compiles the step several times; tests/test_planner.py runs it on a tiny model):
+        plan = plan_for_budget(lambda rc: compiled_memory(step_for(rc), *args), 8, "600MiB")
+        print(plan.table()); cfg = plan.recompute_config()
     """
     if isinstance(budget_bytes, str):
         budget_bytes = parse_size(budget_bytes)
