@@ -7,7 +7,10 @@ vocabulary padded to `padded_vocab_size` whose extra columns are left out of the
 Example:
     >>> cfg = GPT2Config.preset("tiny", recompute=RecomputeConfig(granularity="full"))
     >>> params = init_params(cfg, jax.random.key(0))
-    >>> loss = loss_fn(params, cfg, idx, targets)
+    >>> num_params(cfg)
+    35712
+    >>> idx = jnp.zeros((2, 8), jnp.int32)
+    >>> loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, cfg, idx, idx)
 """
 from __future__ import annotations
 
@@ -152,6 +155,8 @@ class GPT2(nn.Module):
     Example:
       >>> model = GPT2(GPT2Config.preset("tiny"))
       >>> logits, loss = model.apply({"params": params}, idx, targets)
+      >>> logits.shape  # (B, T, Vp)
+      (2, 8, 256)
     """
     config: GPT2Config
 
@@ -177,6 +182,8 @@ def init_params(config: GPT2Config, key, batch_shape=(1, 1)):
 
     Example:
       >>> params = init_params(GPT2Config.preset("tiny"), jax.random.key(0))
+      >>> sorted(params), params["wte"].shape
+      (['blocks', 'ln_f', 'wpe', 'wte'], (256, 32))
     """
     idx = jnp.zeros(batch_shape, jnp.int32)
     return GPT2(config).init({"params": key}, idx)["params"]
@@ -186,7 +193,9 @@ def loss_fn(params, config: GPT2Config, idx, targets, dropout_key=None):
     """Mean cross-entropy; dropout is on exactly when `dropout_key` is given.
 
     Example:
-      >>> loss, grads = jax.value_and_grad(loss_fn)(params, cfg, idx, targets)
+      >>> loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, cfg, idx, targets)
+      >>> jax.tree.structure(grads) == jax.tree.structure(params)
+      True
     """
     rngs = None if dropout_key is None else {"dropout": dropout_key}
     return GPT2(config).apply({"params": params}, idx, targets, deterministic=dropout_key is None, rngs=rngs)[1]
@@ -202,7 +211,8 @@ def flops_per_token(config: GPT2Config, seq_len: int | None = None) -> float:
     """Training FLOPs per token (forward + backward), for MFU.
 
     Example:
-      >>> flops_per_token(GPT2Config.preset("d12")) / 1e9
+      >>> round(flops_per_token(GPT2Config.preset("d12")) / 1e9, 3)  # GFLOP per token at T = 1024
+      0.799
     """
     # NOTE: 6N for the matmuls of N parameters (wpe is a lookup, not a matmul; the tied wte counts
     # once, as the LM head), plus causal attention: QKᵀ and PV are 2·2·T·C FLOPs per token and
@@ -257,6 +267,7 @@ def to_llmc(config: GPT2Config, params) -> dict:
 
     Example:
       >>> tensors = to_llmc(cfg, params); tensors["attn.c_attn.w"].shape  # (L, 3C, C)
+      (2, 96, 32)
     """
     b = params["blocks"]
     out = {"wte": np.asarray(params["wte"], np.float32), "wpe": np.asarray(params["wpe"], np.float32)}
@@ -271,7 +282,9 @@ def from_llmc(config: GPT2Config, tensors) -> dict:
 
     Example:
       >>> scan_cfg = dataclasses.replace(cfg, scan_layers=True)
-      >>> params = from_llmc(scan_cfg, to_llmc(cfg, params))
+      >>> scan_params = from_llmc(scan_cfg, to_llmc(cfg, params))
+      >>> scan_params["blocks"]["h"]["attn"]["c_attn"]["w"].shape  # stacked: (L, 3C, C)
+      (2, 96, 32)
     """
     check_llmc_tensors("GPT-2", llmc_shapes(config), tensors)
     f = lambda k: jnp.asarray(np.asarray(tensors[k], np.float32))

@@ -13,7 +13,10 @@ How it differs from GPT-2 (models/gpt2.py):
 Example:
     >>> cfg = Llama3Config.preset("tiny", recompute=RecomputeConfig(granularity="full"))
     >>> params = init_params(cfg, jax.random.key(0))
-    >>> loss = loss_fn(params, cfg, idx, targets)
+    >>> num_params(cfg)
+    41120
+    >>> idx = jnp.zeros((2, 8), jnp.int32)
+    >>> loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, cfg, idx, idx)
 """
 from __future__ import annotations
 
@@ -175,6 +178,8 @@ class Llama3(nn.Module):
     Example:
       >>> model = Llama3(Llama3Config.preset("tiny"))
       >>> logits, loss = model.apply({"params": params}, idx, targets)
+      >>> logits.shape  # (B, T, V)
+      (2, 8, 256)
     """
     config: Llama3Config
 
@@ -198,6 +203,8 @@ def init_params(config: Llama3Config, key, batch_shape=(1, 1)):
 
     Example:
       >>> params = init_params(Llama3Config.preset("tiny"), jax.random.key(0))
+      >>> sorted(params)
+      ['blocks', 'lm_head', 'ln_f', 'wte']
     """
     return Llama3(config).init({"params": key}, jnp.zeros(batch_shape, jnp.int32))["params"]
 
@@ -206,7 +213,9 @@ def loss_fn(params, config: Llama3Config, idx, targets, dropout_key=None):
     """Mean cross-entropy; dropout is on exactly when `dropout_key` is given.
 
     Example:
-      >>> loss, grads = jax.value_and_grad(loss_fn)(params, cfg, idx, targets)
+      >>> loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, cfg, idx, targets)
+      >>> jax.tree.structure(grads) == jax.tree.structure(params)
+      True
     """
     rngs = None if dropout_key is None else {"dropout": dropout_key}
     return Llama3(config).apply({"params": params}, idx, targets, deterministic=dropout_key is None, rngs=rngs)[1]
@@ -223,7 +232,8 @@ def flops_per_token(config: Llama3Config, seq_len: int | None = None) -> float:
     """Training FLOPs per token (forward + backward), for MFU.
 
     Example:
-      >>> flops_per_token(Llama3Config.preset("8b"), seq_len=2048) / 1e9
+      >>> round(flops_per_token(Llama3Config.preset("8b"), seq_len=2048) / 1e9, 3)  # GFLOP per token
+      46.64
     """
     # NOTE: 6N over the matmul parameters (the wte lookup is not a matmul; lm_head is), plus
     # causal attention 6·L·C·T as for GPT-2 (GQA shares k/v, not the QKᵀ and PV work).
@@ -279,6 +289,7 @@ def to_llmc(config: Llama3Config, params) -> dict:
 
     Example:
       >>> tensors = to_llmc(cfg, params); tensors["mlp.c_fc2.w"].shape  # (L, H, C)
+      (2, 96, 32)
     """
     b = params["blocks"]
     out = {"wte": np.asarray(params["wte"], np.float32)}
@@ -292,7 +303,9 @@ def from_llmc(config: Llama3Config, tensors) -> dict:
     """{llm.c tensor name: array} → parameters for `config` (loop or scan layout).
 
     Example:
-      >>> params = from_llmc(cfg, tensors)
+      >>> back = from_llmc(cfg, to_llmc(cfg, params))
+      >>> bool(jnp.array_equal(back["lm_head"]["w"], params["lm_head"]["w"]))
+      True
     """
     check_llmc_tensors("LLaMA-3", llmc_shapes(config), tensors)
     f = lambda k: jnp.asarray(np.asarray(tensors[k], np.float32))

@@ -56,7 +56,9 @@ def load(path, recompute: RecomputeConfig | None = None, *, scan_layers: bool = 
       LlmcFormatError (a ValueError) naming the file and the problem (a non-regular file, a bad header,
       a wrong size, NaN/inf weights); never returns a partial model.
     Example:
-      >>> config, params = load("gpt2_124M.bin", RecomputeConfig(granularity="full"))
+      >>> config, params = load("model.bin", RecomputeConfig(granularity="full"))  # e.g. gpt2_124M.bin
+      >>> type(config).__name__, config.n_layer, config.recompute.granularity
+      ('GPT2Config', 2, 'full')
     """
     kind, header, tensors, _ = read_model(path, norm_eps=norm_eps, rope_theta=rope_theta,
                                           ffn_dim_multiplier=ffn_dim_multiplier)
@@ -84,7 +86,10 @@ def save(path, config, params, dtype: str = "float32") -> None:
     """Write `params` as an llm.c model file (version 3 float32 or 5 bfloat16), atomically.
 
     Example:
+      >>> config, params = load("model.bin")
       >>> save("out.bin", config, params, dtype="bfloat16")
+      >>> read_model("out.bin")[3]
+      'bfloat16'
     """
     fam = family.of(config)
     write_model(path, fam.name, fam.llmc_header(config), fam.to_llmc(config, params), dtype=dtype)

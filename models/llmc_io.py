@@ -14,8 +14,10 @@ writer validates its inputs first and then writes atomically (a temporary file
 in the target directory, then ``os.replace``).
 
 Example:
-    >>> kind, header, tensors, dtype = read_model("gpt2_124M.bin")
+    >>> kind, header, tensors, dtype = read_model("model.bin")   # e.g. llm.c's gpt2_124M.bin
     >>> write_model("copy.bin", kind, header, tensors, dtype="bfloat16")
+    >>> read_model("copy.bin")[3]
+    'bfloat16'
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ class LlmcFormatError(ValueError):
 
     Example:
         >>> try:
-        ...     read_model("model.bin")
+        ...     read_model("tokens.bin")
         ... except LlmcFormatError as e:
-        ...     print(e)   # "model.bin: ...problem...; ...fix..."
+        ...     print(e)   # "path: problem; fix"
+        tokens.bin: magic 20240520 is a GPT-2 token shard, not a model file; known model magics: ...
     """
 
 
@@ -487,9 +490,9 @@ def read_model(
         order, and ``"float32"``/``"bfloat16"``.
 
     Example:
-        >>> kind, header, tensors, file_dtype = read_model("gpt2_124M.bin")
-        >>> tensors["attn.c_attn.w"].shape
-        (12, 2304, 768)
+        >>> kind, header, tensors, file_dtype = read_model("model.bin")  # GPT-2 tiny: L=2, C=32
+        >>> kind, file_dtype, tensors["attn.c_attn.w"].shape
+        ('gpt2', 'float32', (2, 96, 32))
     """
     path = os.fspath(path)
     overrides = {"norm_eps": norm_eps, "rope_theta": rope_theta, "ffn_dim_multiplier": ffn_dim_multiplier}
@@ -566,6 +569,7 @@ def write_model(
         dtype: ``"float32"`` (version 3) or ``"bfloat16"`` (version 5).
 
     Example:
+        >>> kind, header, tensors, _ = read_model("model.bin")
         >>> write_model("out.bin", "gpt2", header, tensors, dtype="bfloat16")
     """
     path = os.fspath(path)
@@ -609,9 +613,10 @@ def read_state(path: str | os.PathLike, kind: str, header: Header) -> dict:
         grads={name: float32 array in model file order})``.
 
     Example:
-        >>> state = read_state("gpt2_124M_debug_state.bin", "gpt2", header)
-        >>> state["grads"]["wte"].shape
-        (50304, 768)
+        >>> header = read_model("model.bin")[1]
+        >>> state = read_state("state.bin", "gpt2", header)   # e.g. gpt2_124M_debug_state.bin
+        >>> state["x"].shape, state["grads"]["wte"].shape
+        ((2, 8), (256, 32))
     """
     path = os.fspath(path)
     _check_kind(kind, header)
@@ -682,7 +687,9 @@ def write_state(
             padded rows written as zeros).
 
     Example:
-        >>> write_state("state.bin", "gpt2", header, x, y, logits, loss, grads)
+        >>> header = read_model("model.bin")[1]
+        >>> s = read_state("state.bin", "gpt2", header)
+        >>> write_state("state_copy.bin", "gpt2", header, s["x"], s["y"], s["logits"], s["loss"], s["grads"])
     """
     path = os.fspath(path)
     _check_kind(kind, header)
@@ -722,7 +729,7 @@ def read_tokens(path: str | os.PathLike) -> np.ndarray:
     """Read a GPT-2 token shard (magic 20240520, version 1) as a 1-D uint16 array.
 
     Example:
-        >>> read_tokens("fineweb_train_000001.bin")[:4]
+        >>> read_tokens("tokens.bin")[:4]   # e.g. fineweb_train_000001.bin
         array([50256,   464,  3290,   287], dtype=uint16)
     """
     path = os.fspath(path)
@@ -753,6 +760,8 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray) -> None:
 
     Example:
         >>> write_tokens("shard.bin", np.array([50256, 464], np.uint16))
+        >>> read_tokens("shard.bin")
+        array([50256,   464], dtype=uint16)
     """
     path = os.fspath(path)
     tok = np.asarray(tokens)

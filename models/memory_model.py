@@ -5,8 +5,14 @@ in the compute dtype, f = 4 bytes (float32 statistics and logits). `remat.memory
 turns a layer's bytes into a stack's bytes under any recompute setting.
 
 Example:
+    >>> from models.gpt2 import GPT2Config
+    >>> from remat import RecomputeConfig
+    >>> from remat.memory import format_bytes, predict_saved
     >>> layer, head = activation_bytes(GPT2Config.preset("d12"), batch=8, seq=1024)
-    >>> predict_saved(layer, 12, RecomputeConfig(granularity="full"), head)
+    >>> format_bytes(predict_saved(layer, 12, RecomputeConfig(), head))  # no remat
+    '6.09 GiB'
+    >>> format_bytes(predict_saved(layer, 12, RecomputeConfig(granularity="full"), head))
+    '1.86 GiB'
 """
 from __future__ import annotations
 

@@ -27,8 +27,10 @@ reading and extending a fixed-size cache of keys and values (L, B, T_max, K, D).
 # token costs a block_size-token forward.
 
 Example:
-    >>> config, params = load_model("runs/x")
-    >>> tokens = generate(params, config, [list(b"def ")], 100, temperature=0.8, top_k=20, seed=0)
+    >>> config, params, info = load_model("model.bin")   # or a train.py --checkpoint_dir
+    >>> tokens = generate(params, config, [list(b"def ")], 8, temperature=0.8, top_k=20, seed=0)
+    >>> tokens.shape   # the prompt, then 8 new tokens
+    (1, 12)
 """
 from __future__ import annotations
 
@@ -77,6 +79,8 @@ def init_cache(config, batch: int, max_len: int) -> KVCache:
 
     Example:
       >>> cache = init_cache(cfg, 1, cfg.block_size)
+      >>> cache.k.shape  # (L, B, T_max, K, D)
+      (2, 1, 64, 4, 8)
     """
     _, K, D = _heads(config)
     shape = (config.n_layer, batch, max_len, K, D)
@@ -148,7 +152,9 @@ def forward(params, config, tokens, cache: KVCache, pos):
     Returns:
       (logits (B, S, Vp) float32, the updated cache).
     Example:
-      >>> logits, cache = forward(params, cfg, prompt, init_cache(cfg, 1, 64), 0)
+      >>> logits, cache = forward(params, cfg, prompt, init_cache(cfg, 1, 64), 0)   # prompt: (1, 4)
+      >>> logits.shape   # tests/test_sample.py checks them against the model's at every position
+      (1, 4, 256)
     """
     gpt, dt = _is_gpt2(config), config.compute_dtype
     B, S = tokens.shape
@@ -255,7 +261,9 @@ def generate(params, config, prompt, max_new_tokens: int, *, temperature: float 
     Returns:
       (B, P + N) int32 NumPy array: the prompt followed by the generated tokens.
     Example:
-      >>> generate(params, cfg, [[1, 2, 3]], 50, temperature=1.0, top_k=10, seed=0)
+      >>> out = generate(params, cfg, [list(b"def ")], 8, temperature=0.8, top_k=20, seed=0)
+      >>> out.shape, bytes(out[0, :4].tolist())
+      ((1, 12), b'def ')
     """
     prompt = np.asarray(prompt)
     if prompt.ndim != 2 or prompt.shape[1] < 1 or not np.issubdtype(prompt.dtype, np.integer):
@@ -297,7 +305,9 @@ def load_model(path: str, step: int | None = None, **llmc_overrides):
     to `models.llmc.load` for LLaMA-3 files whose float header slots llm.c wrote truncated.
     Raises ValueError (one line) for anything unusable.
     Example:
-      >>> config, params, info = load_model("runs/x")
+      >>> config, params, info = load_model("model.bin")
+      >>> info["kind"], info["model"]
+      ('llm.c', 'gpt2')
     """
     from models import llmc
     from training import checkpoint as ckpt
