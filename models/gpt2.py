@@ -10,7 +10,7 @@ Example:
     >>> num_params(cfg)
     35712
     >>> idx = jnp.zeros((2, 8), jnp.int32)
-    >>> loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, cfg, idx, idx)
+    >>> loss = loss_fn(params, cfg, idx, idx)   # gradients: see loss_fn
 """
 from __future__ import annotations
 
