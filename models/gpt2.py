@@ -6,11 +6,11 @@ vocabulary padded to `padded_vocab_size` whose extra columns are left out of the
 
 Example:
     >>> cfg = GPT2Config.preset("tiny", recompute=RecomputeConfig(granularity="full"))
-    >>> params = init_params(cfg, jax.random.key(0))
+    >>> params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     >>> num_params(cfg)
     35712
     >>> idx = jnp.zeros((2, 8), jnp.int32)
-    >>> loss = loss_fn(params, cfg, idx, idx)   # gradients: see loss_fn
+    >>> loss = jax.jit(loss_fn, static_argnums=1)(params, cfg, idx, idx)   # gradients: see loss_fn
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ class GPT2(nn.Module):
     without targets for them). Dropout needs `deterministic=False` and a `dropout` RNG.
     Example:
       >>> model = GPT2(GPT2Config.preset("tiny"))
-      >>> logits, loss = model.apply({"params": params}, idx, targets)
+      >>> logits, loss = jax.jit(model.apply)({"params": params}, idx, targets)
       >>> logits.shape  # (B, T, Vp)
       (2, 8, 256)
     """
@@ -181,7 +181,8 @@ def init_params(config: GPT2Config, key, batch_shape=(1, 1)):
     """Fresh float32 parameters.
 
     Example:
-      >>> params = init_params(GPT2Config.preset("tiny"), jax.random.key(0))
+      >>> init = lambda key: init_params(GPT2Config.preset("tiny"), key)
+      >>> params = jax.eval_shape(init, jax.random.key(0))  # shapes only; init(key) makes the arrays
       >>> sorted(params), params["wte"].shape
       (['blocks', 'ln_f', 'wpe', 'wte'], (256, 32))
     """

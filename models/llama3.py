@@ -12,11 +12,11 @@ How it differs from GPT-2 (models/gpt2.py):
 
 Example:
     >>> cfg = Llama3Config.preset("tiny", recompute=RecomputeConfig(granularity="full"))
-    >>> params = init_params(cfg, jax.random.key(0))
+    >>> params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     >>> num_params(cfg)
     41120
     >>> idx = jnp.zeros((2, 8), jnp.int32)
-    >>> loss = loss_fn(params, cfg, idx, idx)   # gradients: see loss_fn
+    >>> loss = jax.jit(loss_fn, static_argnums=1)(params, cfg, idx, idx)   # gradients: see loss_fn
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ class Llama3(nn.Module):
     With `loss_chunk` > 0 and targets the loss is computed over chunks and logits is None.
     Example:
       >>> model = Llama3(Llama3Config.preset("tiny"))
-      >>> logits, loss = model.apply({"params": params}, idx, targets)
+      >>> logits, loss = jax.jit(model.apply)({"params": params}, idx, targets)
       >>> logits.shape  # (B, T, V)
       (2, 8, 256)
     """
@@ -202,7 +202,8 @@ def init_params(config: Llama3Config, key, batch_shape=(1, 1)):
     """Fresh float32 parameters.
 
     Example:
-      >>> params = init_params(Llama3Config.preset("tiny"), jax.random.key(0))
+      >>> init = lambda key: init_params(Llama3Config.preset("tiny"), key)
+      >>> params = jax.eval_shape(init, jax.random.key(0))  # shapes only; init(key) makes the arrays
       >>> sorted(params)
       ['blocks', 'lm_head', 'ln_f', 'wte']
     """

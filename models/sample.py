@@ -152,7 +152,8 @@ def forward(params, config, tokens, cache: KVCache, pos):
     Returns:
       (logits (B, S, Vp) float32, the updated cache).
     Example:
-      >>> logits, cache = forward(params, cfg, prompt, init_cache(cfg, 1, 64), 0)   # prompt: (1, 4)
+      >>> step = jax.jit(forward, static_argnums=1)
+      >>> logits, cache = step(params, cfg, prompt, init_cache(cfg, 1, 64), 0)   # prompt: (1, 4)
       >>> logits.shape   # tests/test_sample.py checks them against the model's at every position
       (1, 4, 256)
     """

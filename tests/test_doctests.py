@@ -5,7 +5,8 @@ names below, the way NumPy's docs assume `np`: `jax`, `jnp`, `np`, and for the m
 tiny model (`cfg`, `params`, `idx`, `targets`) and arrays of matching shapes. The llm.c examples
 read and write files in a fresh directory that holds a tiny `model.bin`, `state.bin`,
 `tokens.bin` and `tokenizer.bin` (written here with the project's own writers). Examples that
-would compile a real training step are prose (`Usage:`), not `>>>`.
+would compile a real training step are prose (`Usage:`), not `>>>`. The whole-model modules run
+with the slow set (see SLOW).
 """
 from __future__ import annotations
 
@@ -49,27 +50,37 @@ def files(tmp_path_factory):
 
 @functools.lru_cache(maxsize=None)
 def _tiny(model: str):
-    """(config, parameters) of the family's tiny preset, made once per session."""
+    """(config, parameters) of the family's tiny preset, made once per session from NumPy draws
+    through the llm.c table (no JAX compilation: the examples' own cost is what is timed)."""
     from models import family
     fam = family.get(model)
     cfg = fam.config("tiny")
-    return cfg, fam.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tensors = {k: (0.02 * rng.standard_normal(s)).astype(np.float32) for k, s in fam.llmc_shapes(cfg).items()}
+    return cfg, fam.from_llmc(cfg, tensors)
 
 
 def _model_namespace(module: str) -> dict:
     """The tiny model of the module's family (GPT-2 unless the module is LLaMA-3's)."""
     cfg, params = _tiny("llama3" if module == "models.llama3" else "gpt2")
-    key = jax.random.key(0)
-    idx = jax.random.randint(key, (B, T), 0, cfg.vocab_size)
-    return dict(cfg=cfg, params=params, idx=idx, targets=jnp.roll(idx, -1, axis=1),
-                prompt=idx[:1, :4], key=key,
-                x=jax.random.normal(key, (B, T, 32)),  # (B, T, C) with C = 32, 4 heads of 8
-                q=jax.random.normal(key, (B, T, 4 * 8)), k=jax.random.normal(key, (B, T, 2 * 8)),
-                v=jax.random.normal(key, (B, T, 2 * 8)),  # 4 query heads, 2 key/value heads
-                wte=jax.random.normal(key, (256, 32)) * 0.02)
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    idx = rng.integers(0, cfg.vocab_size, (B, T + 1), dtype=np.int32)
+    return dict(cfg=cfg, params=params, idx=jnp.asarray(idx[:, :-1]), targets=jnp.asarray(idx[:, 1:]),
+                prompt=jnp.asarray(idx[:1, :4]),
+                x=normal(B, T, 32),  # (B, T, C) with C = 32, 4 heads of 8
+                q=normal(B, T, 4 * 8), k=normal(B, T, 2 * 8), v=normal(B, T, 2 * 8),  # 4 query, 2 key/value heads
+                wte=normal(256, 32) * 0.02)
 
 
-@pytest.mark.parametrize("name", MODULES)
+# NOTE: each module's examples compile their own small programs (~1 s each on 2 cores). The three
+# whole-model modules cost ~14 s CPU together and what they show (init, loss, gradients, decoding)
+# is tested in depth by test_models.py / test_sample.py, so they run with the slow set
+# (`make test-all`); the default set runs the rest in ~15 s.
+SLOW = {"models.gpt2", "models.llama3", "models.sample"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODULES])
 def test_docstring_examples(name, files, monkeypatch):
     module = importlib.import_module(name)
     globs = dict(vars(module), jax=jax, jnp=jnp, np=np)
