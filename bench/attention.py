@@ -10,7 +10,7 @@ sequences). Per T, the settings none / full / selective core_attn, each with `at
 (`models.attention`, tile `--tile`), are compiled first and then timed round-robin
 (`bench.common.interleaved_ms`), one warm-up step and `--steps` timed ones, the median reported.
 A step is jitted `jax.value_and_grad(loss_fn)`; temp is XLA's compiled temp buffer of that step
-(`bench.policies.compiled_stats`). The layers run under `lax.scan` (`--no-scan` for the Python
+(`remat.memory.compiled_stats`). The layers run under `lax.scan` (`--no-scan` for the Python
 loop): the layer body compiles once, so T=4096 compiles in seconds rather than minutes.
 """
 from __future__ import annotations
@@ -24,8 +24,10 @@ from bench import common, policies
 from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown
 from models.attention import DEFAULT_TILE
 from remat import RecomputeConfig
+from remat.memory import compiled_stats
 
-SHAPE = dict(n_layer=8, n_embd=256, n_head=4, vocab=1024)
+_REF = common.REFERENCE["gpt2"]
+SHAPE = dict(n_layer=_REF["n_layer"], n_embd=_REF["n_embd"], n_head=_REF["n_head"], vocab=_REF["vocab_size"])
 SEQS = (1024, 2048, 4096)
 SETTINGS = {"none": RecomputeConfig(), "full": RecomputeConfig(granularity="full"),
             "selective core_attn": RecomputeConfig(granularity="selective", modules=("core_attn",))}
@@ -93,7 +95,7 @@ def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int 
         for name, fn in cores.items():
             log(f"B={B} T={T}: compiling {name} ...")
             c = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).sum(), argnums=(0, 1, 2))).lower(x, x, x).compile()
-            temps[name] = policies.compiled_stats(c)[0]
+            temps[name] = compiled_stats(c).temp
             steps_by[name] = functools.partial(lambda c: jax.block_until_ready(c(x, x, x)), c)
         times = interleaved_ms(steps_by, n=steps, warmup=1)
         for name in cores:

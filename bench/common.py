@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: interleaved timing, targets, markdown tables, run metadata."""
+"""Shared benchmark helpers: the reference shape, interleaved timing, targets, markdown tables,
+run metadata."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +10,30 @@ import statistics
 import time
 from typing import Callable, Mapping, Sequence
 
-MiB = 2 ** 20
+from remat.memory import GiB, MiB, format_bytes  # noqa: F401  (the one byte unit and formatter)
+
+# NOTE: the reference shape of MEASUREMENTS.md, defined here once so that every figure in docs/
+# can say which shape it was taken on (bench.policies `--preset ref`, bench.planner,
+# bench.attention, bench.compile_time and the tests import it). LLaMA-3's variant keeps the same
+# width, depth and sequence, with GQA over 2 key/value heads.
+REFERENCE = {
+    "gpt2": dict(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_embd=256),
+    "llama3": dict(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_kv_head=2, n_embd=256,
+                   multiple_of=256),
+}
+REFERENCE_BATCH = 8
+
+
+def reference_config(model: str = "gpt2", **overrides):
+    """The reference-shape model config of `model`, with fields overridden.
+
+    Example:
+      >>> cfg = reference_config("gpt2", n_layer=2)
+      >>> (cfg.n_layer, cfg.n_embd, cfg.block_size, REFERENCE_BATCH)
+      (2, 256, 256, 8)
+    """
+    from models import family
+    return family.get(model).config_cls(**{**REFERENCE[model], **overrides})
 
 
 def interleaved_ms(steps: Mapping[str, Callable[[], object]], n: int, warmup: int = 1) -> dict:

@@ -2,7 +2,7 @@
 
     python -m bench.compile_time [--layers 12 48] [--json out.json]
 
-Shape: C=256, 4 heads, T=256, B=8, vocab 1024 (the reference shape, deeper). Each setting is traced
+Shape: the reference shape (`bench.common.REFERENCE`: C=256, 4 heads, T=256, B=8, vocab 1024), deeper. Each setting is traced
 and compiled once in this process (`jax.jit(...).lower(...).compile()`); nothing is executed.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from bench.common import REFERENCE_BATCH, reference_config
 from models import gpt2
 from remat import RecomputeConfig
 
@@ -22,10 +23,9 @@ SETTINGS = {"none": RecomputeConfig(), "full": RecomputeConfig(granularity="full
 
 def measure(n_layer: int, scan: bool, recompute: RecomputeConfig) -> tuple[float, float]:
     """(trace seconds, compile seconds) for one configuration."""
-    cfg = gpt2.GPT2Config(block_size=256, vocab_size=1024, n_layer=n_layer, n_head=4, n_embd=256,
-                          scan_layers=scan, recompute=recompute)
+    cfg = reference_config("gpt2", n_layer=n_layer, scan_layers=scan, recompute=recompute)
     params = jax.eval_shape(lambda: gpt2.init_params(cfg, jax.random.PRNGKey(0)))
-    idx = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+    idx = jax.ShapeDtypeStruct((REFERENCE_BATCH, cfg.block_size), jnp.int32)
     step = jax.jit(jax.value_and_grad(lambda p, x: gpt2.loss_fn(p, cfg, x, x)))
     t0 = time.perf_counter()
     lowered = step.lower(params, idx)

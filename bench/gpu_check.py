@@ -59,12 +59,11 @@ import subprocess
 import sys
 import time
 
-from bench.common import Target, fmt, markdown_table, targets_markdown
-from remat.memory import is_oom
+from bench.common import GiB, Target, fmt, markdown_table, targets_markdown
+from remat.memory import compiled_stats, is_oom
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak (NVIDIA H200 SXM datasheet)
 
-GiB = 2 ** 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the workers run from the repository root
 
 
@@ -252,7 +251,6 @@ def worker(a) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from bench.policies import compiled_stats
     from models import gpt2
 
     t_start = time.monotonic()
@@ -286,7 +284,8 @@ def worker(a) -> dict:
         return dict(row, unavailable=str(e), wall_s=time.monotonic() - t_start)
     compiled = lowered.compile()
     row["compile_s"] = time.monotonic() - t0
-    row["temp_bytes"], flops = compiled_stats(compiled)
+    stats = compiled_stats(compiled)
+    row["temp_bytes"], flops = stats.temp, stats.flops
     for _ in range(2):
         jax.block_until_ready(compiled(params, idx, tgt))
     ms = []

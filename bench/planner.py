@@ -31,14 +31,13 @@ import time
 
 import jax
 
-from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown
+from bench.common import REFERENCE_BATCH, MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown
+from bench.common import reference_config
 from models import gpt2
 from models.memory_model import activation_bytes
 from remat import RecomputeConfig
 from remat.planner import compiled_stats, plan_for_budget, recompute_config
 
-REF = dict(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_embd=256)
-REF_BATCH = 8
 TOLERANCE = 0.03
 MODULE_PRESETS = ["+".join(c) for r in (1, 2, 3) for c in itertools.combinations(("core_attn", "mlp", "norm"), r)]
 
@@ -68,11 +67,11 @@ def main(argv=None) -> int:
     fracs = [float(f) for f in args.fractions.split(",")]
     load = os.getloadavg()[0]
 
-    cfg0 = gpt2.GPT2Config(**REF)
-    L = cfg0.n_layer
+    cfg0 = reference_config("gpt2")
+    L, T, V = cfg0.n_layer, cfg0.block_size, cfg0.vocab_size
     params = gpt2.init_params(cfg0, jax.random.PRNGKey(0))
-    idx = jax.random.randint(jax.random.PRNGKey(1), (REF_BATCH, REF["block_size"]), 0, REF["vocab_size"])
-    tgt = jax.random.randint(jax.random.PRNGKey(2), (REF_BATCH, REF["block_size"]), 0, REF["vocab_size"])
+    idx = jax.random.randint(jax.random.PRNGKey(1), (REFERENCE_BATCH, T), 0, V)
+    tgt = jax.random.randint(jax.random.PRNGKey(2), (REFERENCE_BATCH, T), 0, V)
     compiled: dict = {}
     t_compile = [0.0]
 
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
     stats = lambda rc: compiled_stats(compile_step(rc))
     lo, hi = stats(recompute_config(("full",) * L)).peak_estimate, stats(RecomputeConfig()).peak_estimate
     budgets = [int(lo + f * (hi - lo)) for f in fracs]
-    layer_bytes = activation_bytes(cfg0, REF_BATCH, REF["block_size"])[0]
+    layer_bytes = activation_bytes(cfg0, REFERENCE_BATCH, T)[0]
     plans = []
     for b in budgets:
         t = time.perf_counter()

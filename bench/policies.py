@@ -28,22 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, ratio, targets_markdown
-from models import gpt2, llama3
+from bench.common import REFERENCE, REFERENCE_BATCH, MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, ratio, targets_markdown
+from models import family
 from remat import RecomputeConfig
-from remat.memory import saved_residuals
-
-MODELS = {"gpt2": gpt2, "llama3": llama3}
-
-# NOTE: the reference shape of MEASUREMENTS.md, named so that every figure in docs/ can say which
-# shape it was taken on. LLaMA-3's variant keeps the same width/depth/sequence, GQA with 2 kv heads.
-REF = {
-    "gpt2": dict(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_embd=256),
-    "llama3": dict(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_kv_head=2, n_embd=256,
-                   multiple_of=256),
-}
-REF_BATCH = 8
-
+from remat.memory import compiled_stats, saved_residuals
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -89,23 +77,22 @@ def build_config(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_em
     Example:
       >>> cfg, T = build_config("gpt2", "ref", n_layer=2, n_embd=32, seq=32)
     """
-    mod = MODELS[model]
+    fam = family.get(model)
     if preset == "ref":
-        fields = dict(REF[model])
-    elif preset in mod.PRESETS:
-        fields = dict(mod.PRESETS[preset])
+        fields = dict(REFERENCE[model])
+    elif preset in fam.presets:
+        fields = dict(fam.presets[preset])
     else:
-        raise SystemExit(f"unknown preset {preset!r} for {model}; use ref or one of {', '.join(mod.PRESETS)}")
+        raise SystemExit(f"unknown preset {preset!r} for {model}; use ref or one of {', '.join(fam.presets)}")
     for k, v in dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab).items():
         if v is not None:
             fields[k] = v
-    if model == "llama3" and n_head is not None and fields["n_head"] % fields["n_kv_head"]:
+    if "n_kv_head" in fields and n_head is not None and fields["n_head"] % fields["n_kv_head"]:
         fields["n_kv_head"] = fields["n_head"]
     if seq is None:
         seq = 256 if preset == "ref" else min(fields["block_size"], 1024)
     fields["block_size"] = max(fields["block_size"], seq) if preset != "ref" else seq
-    cls = gpt2.GPT2Config if model == "gpt2" else llama3.Llama3Config
-    return cls(**fields), seq
+    return fam.config_cls(**fields), seq
 
 
 @dataclasses.dataclass
@@ -122,12 +109,17 @@ class Case:
 
 def prepare(model: str, config, setting: Setting, params, idx, targets) -> Case:
     """Trace, compile and measure one setting (saved residuals, compiled grad, the timed step)."""
-    mod = MODELS[model]
+    fam = family.get(model)
     cfg = dataclasses.replace(config, recompute=setting.recompute, dtype=setting.dtype)
-    f = lambda p, i, t: mod.loss_fn(p, cfg, i, t)
+    f = lambda p, i, t: fam.loss_fn(p, cfg, i, t)
     saved = saved_residuals(f, params, idx, targets).intermediates
     compiled = jax.jit(jax.value_and_grad(f)).lower(params, idx, targets).compile()
-    temp, flops = compiled_stats(compiled)
+    # NOTE: the timed step's own executable is measured, so that the memory and the time in a row
+    # belong to one program and each setting compiles once (XLA:CPU compiles dominate this
+    # benchmark's run time). The loss output adds nothing: its temp bytes equal those of
+    # `compiled_memory(jax.grad(loss))` (tests/test_bench.py checks it).
+    stats = compiled_stats(compiled)
+    temp, flops = stats.temp, stats.flops
     loss = float(compiled(params, idx, targets)[0])
 
     def step():
@@ -136,24 +128,9 @@ def prepare(model: str, config, setting: Setting, params, idx, targets) -> Case:
     return Case(setting, cfg, saved, temp, flops, step, loss)
 
 
-def compiled_stats(compiled) -> tuple[int, float]:
-    """(temp bytes, FLOPs) of an already compiled executable, read as `remat.memory.compiled_memory` does.
-
-    # NOTE: the timed step's own executable is measured, so that the memory and the time in a row
-    # belong to one program and each setting compiles once (XLA:CPU compiles dominate this
-    # benchmark's run time). The loss output adds nothing: its temp bytes equal those of
-    # `compiled_memory(jax.grad(loss))` (tests/test_bench.py checks it).
-    """
-    ma, ca = compiled.memory_analysis(), compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    return int(getattr(ma, "temp_size_in_bytes", 0) or 0), float((ca or {}).get("flops", 0.0))
-
-
 def inputs(config, batch: int, seq: int, seed: int = 0):
     """Float32 parameters and fixed random (idx, targets) of shape (batch, seq)."""
-    mod = gpt2 if isinstance(config, gpt2.GPT2Config) else llama3
-    params = mod.init_params(config, jax.random.key(seed))
+    params = family.of(config).init_params(config, jax.random.key(seed))
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, config.vocab_size, size=(batch, seq + 1), dtype=np.int32)
     return params, jnp.asarray(toks[:, :-1]), jnp.asarray(toks[:, 1:])
@@ -223,7 +200,7 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     info = machine()  # date and load average at the start
     config, seq = build_config(model, preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq=seq, vocab=vocab)
-    batch = batch or REF_BATCH
+    batch = batch or REFERENCE_BATCH
     settings = settings or default_settings(config.n_layer)
     params, idx, targets = inputs(config, batch, seq)
     cases = []
@@ -252,7 +229,7 @@ def report(res: dict) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.policies", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=tuple(MODELS), default="gpt2")
+    p.add_argument("--model", choices=family.NAMES, default="gpt2")
     p.add_argument("--preset", default="ref", help="ref (the reference shape) or a model preset (d12, tiny, 1b, ...)")
     for k in ("n_layer", "n_embd", "n_head", "seq", "batch", "vocab"):
         p.add_argument(f"--{k}", type=int, default=None, help=f"override {k}")

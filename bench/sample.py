@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import interleaved_ms, median
-from models import gpt2, llama3
+from models import family
 from models.sample import generate
 
-ROWS = {"gpt2 tiny": (gpt2, gpt2.GPT2, gpt2.GPT2Config.preset("tiny")),
-        "llama3 tiny": (llama3, llama3.Llama3, llama3.Llama3Config.preset("tiny")),
-        "gpt2 tiny, block 512": (gpt2, gpt2.GPT2, gpt2.GPT2Config.preset("tiny", block_size=512))}
+ROWS = {"gpt2 tiny": ("gpt2", "tiny", {}), "llama3 tiny": ("llama3", "tiny", {}),
+        "gpt2 tiny, block 512": ("gpt2", "tiny", dict(block_size=512))}
 TARGET_S = 5.0  # the issue: a few hundred tokens of the tiny model "in seconds" on CPU, compilation included
 
 
@@ -54,13 +53,15 @@ def main(argv=None) -> int:
           f"{jax.devices()[0].platform}")
     print(f"| model | first call (compile + run) | KV cache | no cache | no cache / KV cache |\n|---|---|---|---|---|")
     worst = 0.0
-    for name, (mod, model_cls, cfg) in ROWS.items():
-        params = mod.init_params(cfg, jax.random.PRNGKey(0))
+    for name, (model, preset, over) in ROWS.items():
+        fam = family.get(model)
+        cfg = fam.config(preset, **over)
+        params = fam.init_params(cfg, jax.random.PRNGKey(0))
         cached = lambda: generate(params, cfg, [prompt], a.tokens)
         t0 = time.perf_counter()
         out = cached()
         first = time.perf_counter() - t0
-        naive = _no_cache(model_cls(cfg), params, cfg, prompt, a.tokens)
+        naive = _no_cache(fam.model(cfg), params, cfg, prompt, a.tokens)
         assert list(out[0]) == naive(), f"{name}: the cached and uncached greedy tokens differ"
         ms = interleaved_ms({"cache": cached, "naive": naive}, n=a.rounds)
         c, n = median(ms["cache"]), median(ms["naive"])

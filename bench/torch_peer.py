@@ -148,7 +148,7 @@ def run(*, n_layer=None, n_embd=None, n_head=None, seq=None, batch=None, vocab=N
                             else torch_threads, _TORCH_DEFAULT_THREADS)
     config, seq = policies.build_config("gpt2", "ref", n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                                         seq=seq, vocab=vocab)
-    batch = batch or policies.REF_BATCH
+    batch = batch or common.REFERENCE_BATCH
     params, idx, targets = policies.inputs(config, batch, seq)
     jax_settings = [s for s in policies.default_settings(config.n_layer) if s.name in ("none", "full")]
     cases = []

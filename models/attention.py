@@ -14,7 +14,8 @@ Shapes: B batch, T sequence, H query heads, K kv heads, G = H/K, D head size, t 
 S keys a tile reads.
 
 Example:
-    >>> y = causal_attention(q, k, v, 4, 2, attention="tiled", tile=128)  # (B, T, H·D)
+    >>> causal_attention(q, k, v, 4, 2, attention="tiled", tile=4).shape  # (B, T, H·D); q (B, T, 4·8), k and v (B, T, 2·8)
+    (2, 8, 32)
 """
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def dropout_keep(key, rate: float, shape, q_offset: int = 0):
     rate·2³², so any tiling, the forward and the backward, and every remat setting draw the same
     bit for the same position.
     Example:
-      >>> keep = dropout_keep(jax.random.key(0), 0.1, (2, 4, 1, 16, 16))
+      >>> keep = dropout_keep(jax.random.key(0), 0.5, (1, 1, 1, 4, 4))
+      >>> keep.shape, keep.dtype
+      ((1, 1, 1, 4, 4), dtype('bool'))
     """
     B, K, G, t, S = shape
     # NOTE: counter-based, like Philox in cuDNN/PyTorch: the two seed words come from the key
@@ -83,7 +86,8 @@ def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = 
     Same arguments and result as `models.layers.causal_attention`, plus `tile`, the query tile
     (any T: the last tile may be shorter).
     Example:
-      >>> y = tiled_causal_attention(q, k, v, 4, 2, tile=64)  # (B, T, H·D)
+      >>> tiled_causal_attention(q, k, v, 4, 2, tile=4).shape  # (B, T, H·D); tests/test_attention.py compares the cores
+      (2, 8, 32)
     """
     if key is None or dropout_rate == 0.0:
         key, dropout_rate = None, 0.0
@@ -244,6 +248,9 @@ def named_residuals(fn, name: str):
     the selective presets) as it does for any tagged activation.
     Example:
       >>> f = named_residuals(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), names.ATTN_PROBS)
+      >>> qh = q.reshape(2, 8, 4, 8)  # (B, T, heads, D)
+      >>> f(qh, qh, qh).shape
+      (2, 8, 4, 8)
     """
     treedef = []  # set while tracing the forward; the backward is always traced after it
 
@@ -276,7 +283,8 @@ def cudnn_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, implementati
     # the backward, `none` keeps them, and `save_names:`/`offload_names:` name them. With
     # `implementation="xla"` the same wrapper runs on any backend (tests use it on CPU).
     Example:
-      >>> y = cudnn_causal_attention(q, k, v, 4, 2)  # (B, T, H·D), bf16 on a GPU
+      >>> cudnn_causal_attention(q, k, v, 4, 2, implementation="xla").shape  # cuDNN itself needs a GPU and bf16
+      (2, 8, 32)
     """
     B, T, _ = q.shape
     D = q.shape[-1] // n_head
@@ -336,7 +344,8 @@ def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, attention: str = "
       attention: auto | tiled | xla | cudnn; tile: the tiled core's query tile.
       dropout_rate, key: dropout on the probabilities; off when `key` is None or the rate is 0.
     Example:
-      >>> y = causal_attention(q, k, v, 4, 4, attention="tiled", tile=64)
+      >>> causal_attention(q, k, v, 4, 2, attention="xla").shape
+      (2, 8, 32)
     """
     dropout = key is not None and dropout_rate > 0.0
     impl = resolve(attention, q.dtype, q.shape[-1] // n_head, dropout)

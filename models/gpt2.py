@@ -6,8 +6,11 @@ vocabulary padded to `padded_vocab_size` whose extra columns are left out of the
 
 Example:
     >>> cfg = GPT2Config.preset("tiny", recompute=RecomputeConfig(granularity="full"))
-    >>> params = init_params(cfg, jax.random.key(0))
-    >>> loss = loss_fn(params, cfg, idx, targets)
+    >>> params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    >>> num_params(cfg)
+    35712
+    >>> idx = jnp.zeros((2, 8), jnp.int32)
+    >>> loss = jax.jit(loss_fn, static_argnums=1)(params, cfg, idx, idx)   # gradients: see loss_fn
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.attention import ATTENTION, DEFAULT_TILE
 from models.layers import (MLP, CausalSelfAttention, LayerNorm, check_llmc_tensors, embed, lm_head,
                            stack_layers, unstack_layers)
+from models.llmc_io import GPT2Header
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
 
@@ -150,7 +154,9 @@ class GPT2(nn.Module):
     without targets for them). Dropout needs `deterministic=False` and a `dropout` RNG.
     Example:
       >>> model = GPT2(GPT2Config.preset("tiny"))
-      >>> logits, loss = model.apply({"params": params}, idx, targets)
+      >>> logits, loss = jax.jit(model.apply)({"params": params}, idx, targets)
+      >>> logits.shape  # (B, T, Vp)
+      (2, 8, 256)
     """
     config: GPT2Config
 
@@ -175,7 +181,10 @@ def init_params(config: GPT2Config, key, batch_shape=(1, 1)):
     """Fresh float32 parameters.
 
     Example:
-      >>> params = init_params(GPT2Config.preset("tiny"), jax.random.key(0))
+      >>> init = lambda key: init_params(GPT2Config.preset("tiny"), key)
+      >>> params = jax.eval_shape(init, jax.random.key(0))  # shapes only; init(key) makes the arrays
+      >>> sorted(params), params["wte"].shape
+      (['blocks', 'ln_f', 'wpe', 'wte'], (256, 32))
     """
     idx = jnp.zeros(batch_shape, jnp.int32)
     return GPT2(config).init({"params": key}, idx)["params"]
@@ -185,7 +194,9 @@ def loss_fn(params, config: GPT2Config, idx, targets, dropout_key=None):
     """Mean cross-entropy; dropout is on exactly when `dropout_key` is given.
 
     Example:
-      >>> loss, grads = jax.value_and_grad(loss_fn)(params, cfg, idx, targets)
+      >>> loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, cfg, idx, targets)
+      >>> jax.tree.structure(grads) == jax.tree.structure(params)
+      True
     """
     rngs = None if dropout_key is None else {"dropout": dropout_key}
     return GPT2(config).apply({"params": params}, idx, targets, deterministic=dropout_key is None, rngs=rngs)[1]
@@ -201,7 +212,8 @@ def flops_per_token(config: GPT2Config, seq_len: int | None = None) -> float:
     """Training FLOPs per token (forward + backward), for MFU.
 
     Example:
-      >>> flops_per_token(GPT2Config.preset("d12")) / 1e9
+      >>> round(flops_per_token(GPT2Config.preset("d12")) / 1e9, 3)  # GFLOP per token at T = 1024
+      0.799
     """
     # NOTE: 6N for the matmuls of N parameters (wpe is a lookup, not a matmul; the tied wte counts
     # once, as the LM head), plus causal attention: QKᵀ and PV are 2·2·T·C FLOPs per token and
@@ -222,8 +234,14 @@ _LAYER_TENSORS = {
 }
 
 
-def llmc_shapes(config: GPT2Config) -> dict:
-    """{llm.c tensor name: shape}, in the model file's order."""
+def llmc_shapes(config) -> dict:
+    """{llm.c tensor name: shape}, in the model file's order: the one GPT-2 table (models.llmc_io
+    reads and writes files by it). `config` is a GPT2Config or an llm.c GPT2Header.
+
+    Example:
+      >>> llmc_shapes(GPT2Config.preset("tiny"))["attn.c_attn.w"]
+      (2, 96, 32)
+    """
     Vp, T, L, C = config.padded_vocab_size, config.block_size, config.n_layer, config.n_embd
     per = {"ln_1.w": (C,), "ln_1.b": (C,), "attn.c_attn.w": (3 * C, C), "attn.c_attn.b": (3 * C,),
            "attn.c_proj.w": (C, C), "attn.c_proj.b": (C,), "ln_2.w": (C,), "ln_2.b": (C,),
@@ -232,11 +250,25 @@ def llmc_shapes(config: GPT2Config) -> dict:
             "ln_f.w": (C,), "ln_f.b": (C,)}
 
 
+def llmc_header(config: GPT2Config) -> GPT2Header:
+    """The llm.c header describing `config`."""
+    return GPT2Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
+                      n_head=config.n_head, n_embd=config.n_embd, padded_vocab_size=config.padded_vocab_size)
+
+
+def config_from_llmc(header: GPT2Header, **fields) -> GPT2Config:
+    """A GPT2Config for an llm.c header; `fields` (recompute, dtype, scan_layers...) are added."""
+    return GPT2Config(block_size=header.block_size, vocab_size=header.vocab_size,
+                      padded_vocab_size=header.padded_vocab_size, n_layer=header.n_layer,
+                      n_head=header.n_head, n_embd=header.n_embd, **fields)
+
+
 def to_llmc(config: GPT2Config, params) -> dict:
     """Parameters → {llm.c tensor name: float32 np.ndarray}, in the model file's order.
 
     Example:
       >>> tensors = to_llmc(cfg, params); tensors["attn.c_attn.w"].shape  # (L, 3C, C)
+      (2, 96, 32)
     """
     b = params["blocks"]
     out = {"wte": np.asarray(params["wte"], np.float32), "wpe": np.asarray(params["wpe"], np.float32)}
@@ -251,7 +283,9 @@ def from_llmc(config: GPT2Config, tensors) -> dict:
 
     Example:
       >>> scan_cfg = dataclasses.replace(cfg, scan_layers=True)
-      >>> params = from_llmc(scan_cfg, to_llmc(cfg, params))
+      >>> scan_params = from_llmc(scan_cfg, to_llmc(cfg, params))
+      >>> scan_params["blocks"]["h"]["attn"]["c_attn"]["w"].shape  # stacked: (L, 3C, C)
+      (2, 96, 32)
     """
     check_llmc_tensors("GPT-2", llmc_shapes(config), tensors)
     f = lambda k: jnp.asarray(np.asarray(tensors[k], np.float32))

@@ -59,7 +59,9 @@ def layer_norm(x, w, b, eps=1e-5):
     Args:
       x: (..., C) input; w, b: (C,) scale and shift; eps: variance epsilon.
     Example:
-      >>> y = layer_norm(x, jnp.ones(32), jnp.zeros(32))
+      >>> y = layer_norm(x, jnp.ones(32), jnp.zeros(32))  # x: (B, T, 32)
+      >>> round(float(y.mean()), 4), round(float(y.std()), 2)
+      (0.0, 1.0)
     """
     return _ln_fwd(x, w, b, eps)[0]
 
@@ -89,6 +91,8 @@ def rms_norm(x, w, eps=1e-5):
 
     Example:
       >>> y = rms_norm(x, jnp.ones(32), 1e-5)
+      >>> round(float(jnp.sqrt(jnp.mean(y ** 2))), 2)
+      1.0
     """
     return _rms_fwd(x, w, eps)[0]
 
@@ -118,7 +122,8 @@ def gelu_tanh(x):
     """GELU, tanh approximation (GPT-2's), in float32; the backward keeps only x.
 
     Example:
-      >>> y = gelu_tanh(jnp.linspace(-3, 3, 7))
+      >>> gelu_tanh(jnp.array([-3.0, 0.0, 3.0])).round(3)
+      Array([-0.004,  0.   ,  2.996], dtype=float32)
     """
     xf = x.astype(F32)
     return (xf * (0.5 * (1.0 + jnp.tanh(_GELU_C * (xf + 0.044715 * xf ** 3))))).astype(x.dtype)
@@ -143,7 +148,9 @@ def swiglu(gate, up):
     """`silu(gate) · up` in float32 (LLaMA's MLP activation); the backward keeps only its inputs.
 
     Example:
-      >>> y = swiglu(x @ w_gate, x @ w_up)
+      >>> gate, up = jnp.array([0.0, 1.0, 2.0]), jnp.ones(3)
+      >>> [round(float(y), 3) for y in swiglu(gate, up)]   # silu(gate) · up
+      [0.0, 0.731, 1.762]
     """
     g = gate.astype(F32)
     return (g * jax.nn.sigmoid(g) * up.astype(F32)).astype(up.dtype)
@@ -188,7 +195,8 @@ def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, dropout_rate: floa
     Returns:
       the context, heads merged: (B, T, H·D).
     Example:
-      >>> y = causal_attention(q, k, v, 4, 2)
+      >>> causal_attention(q, k, v, 4, 2).shape  # q (B, T, 4·8), k and v (B, T, 2·8)
+      (2, 8, 32)
     """
     if key is None or dropout_rate == 0.0:
         key, dropout_rate = None, 0.0
@@ -294,7 +302,8 @@ def embed(table, idx):
     """Rows of `table` (V, C) at integer `idx` (...) → (..., C); the backward keeps `idx` as given.
 
     Example:
-      >>> x = embed(wte, idx)  # (B, T, C)
+      >>> embed(wte, idx).shape  # (B, T, C)
+      (2, 8, 32)
     """
     return jnp.take(table, idx, axis=0)
 
@@ -321,7 +330,9 @@ def cross_entropy(logits, targets, n_valid: int, total: int | None = None):
       total: divide the summed loss by this count instead of `targets.size` (a chunk's share of
         the mean over a whole batch, `lm_head`).
     Example:
-      >>> loss = cross_entropy(logits, y, 50257)
+      >>> logits = jnp.zeros((2, 8, 256))   # uniform over the first 200 of 256 columns
+      >>> round(float(cross_entropy(logits, targets % 200, 200)), 4), round(float(np.log(200)), 4)
+      (5.2983, 5.2983)
     """
     return _ce_fwd(logits, targets, n_valid, total)[0]
 
@@ -358,7 +369,8 @@ def lm_logits(x, w):
     Args:
       x: (B, T, C) final hidden states; w: (V, C) head weight (float32, cast to x's dtype).
     Example:
-      >>> logits = lm_logits(x, wte)  # (B, T, V)
+      >>> lm_logits(x, wte).shape  # (B, T, V)
+      (2, 8, 256)
     """
     return checkpoint_name(jnp.einsum("btc,vc->btv", x, w.astype(x.dtype), preferred_element_type=F32),
                            names.LM_HEAD)  # (B, T, V)
@@ -377,7 +389,10 @@ def lm_head(x, w, targets=None, n_valid: int | None = None, chunk: int = 0):
       (logits, loss): logits (B, T, V) float32, or None when `chunk` > 0 and targets are given
       (call again without targets for them); loss None without targets.
     Example:
-      >>> _, loss = lm_head(x, wte, targets, 50257, chunk=128)
+      >>> _, chunked = lm_head(x, wte, targets, 256, chunk=4)  # logits never built whole: None
+      >>> _, plain = lm_head(x, wte, targets, 256)
+      >>> bool(jnp.allclose(chunked, plain, atol=1e-6))
+      True
     """
     n_valid = w.shape[0] if n_valid is None else n_valid
     if targets is None or not chunk:
@@ -438,7 +453,10 @@ def apply_rope(x, theta: float, use_scaled: bool):
     Args:
       x: (B, T, heads, D).
     Example:
-      >>> q = apply_rope(q, 500000.0, True)
+      >>> qh = q.reshape(2, 8, 4, 8)  # (B, T, heads, D)
+      >>> bool(jnp.allclose(jnp.linalg.norm(apply_rope(qh, 500000.0, True), axis=-1),
+      ...                   jnp.linalg.norm(qh, axis=-1), atol=1e-5))   # a rotation keeps lengths
+      True
     """
     B, T, nh, D = x.shape
     angles = np.outer(np.arange(T, dtype=np.float32), rope_frequencies(D, theta, use_scaled))  # (T, D/2)
@@ -456,7 +474,10 @@ class Linear(nn.Module):
     """y = x·wᵀ (+ b), w stored (out_features, in_features) as PyTorch and llm.c store it.
 
     Example:
-      >>> y = Linear(96, name="c_attn").apply(variables, x)
+      >>> layer = Linear(96)
+      >>> variables = layer.init(jax.random.key(0), x)
+      >>> variables["params"]["w"].shape, layer.apply(variables, x).shape  # w: (out, in)
+      ((96, 32), (2, 8, 96))
     """
     # NOTE: PyTorch's weight layout instead of Flax's (in, out) `kernel` makes the llm.c mapping
     # (models/*.py to_llmc/from_llmc) names and stacking only, no transposes; dot_general takes
@@ -482,7 +503,11 @@ class LMHead(nn.Module):
 
     `__call__(x, targets=None)` returns `lm_head(x, w, targets, n_valid, chunk)`: (logits, loss).
     Example:
-      >>> logits, loss = LMHead(256, name="lm_head")(x, targets)
+      >>> head = LMHead(256)
+      >>> variables = head.init(jax.random.key(0), x)
+      >>> logits, loss = head.apply(variables, x, targets)
+      >>> logits.shape, loss.shape
+      ((2, 8, 256), ())
     """
     features: int
     n_valid: int | None = None
@@ -528,7 +553,10 @@ class CausalSelfAttention(nn.Module):
       rope_theta: apply RoPE to q and k when set (`use_scaled_rope`: LLaMA-3.1 scaling).
       proj_std: init std of c_proj (GPT-2 scales it by 1/sqrt(2·n_layer)).
     Example:
-      >>> y = CausalSelfAttention(4, 4, name="attn")(x, deterministic=True)
+      >>> attn = CausalSelfAttention(4, 2, attention="xla")
+      >>> variables = attn.init(jax.random.key(0), x, True)
+      >>> attn.apply(variables, x, True).shape
+      (2, 8, 32)
     """
     n_head: int
     n_kv_head: int

@@ -12,8 +12,11 @@ How it differs from GPT-2 (models/gpt2.py):
 
 Example:
     >>> cfg = Llama3Config.preset("tiny", recompute=RecomputeConfig(granularity="full"))
-    >>> params = init_params(cfg, jax.random.key(0))
-    >>> loss = loss_fn(params, cfg, idx, targets)
+    >>> params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    >>> num_params(cfg)
+    41120
+    >>> idx = jnp.zeros((2, 8), jnp.int32)
+    >>> loss = jax.jit(loss_fn, static_argnums=1)(params, cfg, idx, idx)   # gradients: see loss_fn
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.attention import ATTENTION, DEFAULT_TILE
 from models.layers import (CausalSelfAttention, LMHead, RMSNorm, SwiGLU, check_llmc_tensors, embed,
                            stack_layers, unstack_layers)
+from models.llmc_io import Llama3Header
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
 
@@ -54,6 +58,17 @@ class Block(nn.Module):
                                     attention_tile=cfg.attention_tile, name="attn")(h, deterministic)
         h = checkpoint_name(RMSNorm(dt, cfg.norm_eps, name="ln_2")(x), names.LN_2)
         return x + SwiGLU(cfg.ffn_hidden, dt, cfg.dropout, proj_std, name="mlp")(h, deterministic)
+
+
+def ffn_hidden(n_embd: int, ffn_dim_multiplier: float, multiple_of: int) -> int:
+    """SwiGLU width H, llm.c's rule: `h = int(m·int(8C/3))`, rounded up to a multiple of `multiple_of`.
+
+    Example:
+      >>> ffn_hidden(4096, 1.3, 1024)
+      14336
+    """
+    h = int(ffn_dim_multiplier * int(2 * 4 * n_embd / 3))
+    return multiple_of * ((h + multiple_of - 1) // multiple_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +143,8 @@ class Llama3Config:
 
     @property
     def ffn_hidden(self) -> int:
-        """SwiGLU width H (llm.c's rule)."""
-        h = int(self.ffn_dim_multiplier * int(2 * 4 * self.n_embd / 3))
-        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+        """SwiGLU width H (llm.c's rule, `ffn_hidden`)."""
+        return ffn_hidden(self.n_embd, self.ffn_dim_multiplier, self.multiple_of)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "Llama3Config":
@@ -163,7 +177,9 @@ class Llama3(nn.Module):
     With `loss_chunk` > 0 and targets the loss is computed over chunks and logits is None.
     Example:
       >>> model = Llama3(Llama3Config.preset("tiny"))
-      >>> logits, loss = model.apply({"params": params}, idx, targets)
+      >>> logits, loss = jax.jit(model.apply)({"params": params}, idx, targets)
+      >>> logits.shape  # (B, T, V)
+      (2, 8, 256)
     """
     config: Llama3Config
 
@@ -186,7 +202,10 @@ def init_params(config: Llama3Config, key, batch_shape=(1, 1)):
     """Fresh float32 parameters.
 
     Example:
-      >>> params = init_params(Llama3Config.preset("tiny"), jax.random.key(0))
+      >>> init = lambda key: init_params(Llama3Config.preset("tiny"), key)
+      >>> params = jax.eval_shape(init, jax.random.key(0))  # shapes only; init(key) makes the arrays
+      >>> sorted(params)
+      ['blocks', 'lm_head', 'ln_f', 'wte']
     """
     return Llama3(config).init({"params": key}, jnp.zeros(batch_shape, jnp.int32))["params"]
 
@@ -195,7 +214,9 @@ def loss_fn(params, config: Llama3Config, idx, targets, dropout_key=None):
     """Mean cross-entropy; dropout is on exactly when `dropout_key` is given.
 
     Example:
-      >>> loss, grads = jax.value_and_grad(loss_fn)(params, cfg, idx, targets)
+      >>> loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, cfg, idx, targets)
+      >>> jax.tree.structure(grads) == jax.tree.structure(params)
+      True
     """
     rngs = None if dropout_key is None else {"dropout": dropout_key}
     return Llama3(config).apply({"params": params}, idx, targets, deterministic=dropout_key is None, rngs=rngs)[1]
@@ -212,7 +233,8 @@ def flops_per_token(config: Llama3Config, seq_len: int | None = None) -> float:
     """Training FLOPs per token (forward + backward), for MFU.
 
     Example:
-      >>> flops_per_token(Llama3Config.preset("8b"), seq_len=2048) / 1e9
+      >>> round(flops_per_token(Llama3Config.preset("8b"), seq_len=2048) / 1e9, 3)  # GFLOP per token
+      46.64
     """
     # NOTE: 6N over the matmul parameters (the wte lookup is not a matmul; lm_head is), plus
     # causal attention 6·L·C·T as for GPT-2 (GQA shares k/v, not the QKᵀ and PV work).
@@ -228,13 +250,39 @@ _LAYER_TENSORS = {
 }
 
 
-def llmc_shapes(config: Llama3Config) -> dict:
-    """{llm.c tensor name: shape}, in the model file's order."""
-    V, L, C, H = config.vocab_size, config.n_layer, config.n_embd, config.ffn_hidden
-    qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim
+def llmc_shapes(config) -> dict:
+    """{llm.c tensor name: shape}, in the model file's order: the one LLaMA-3 table
+    (models.llmc_io reads and writes files by it); c_attn rows are [q; k; v]. `config` is a
+    Llama3Config or an llm.c Llama3Header.
+
+    Example:
+      >>> llmc_shapes(Llama3Config.preset("tiny"))["mlp.c_fc2.w"]
+      (2, 96, 32)
+    """
+    V, L, C = config.vocab_size, config.n_layer, config.n_embd
+    H = ffn_hidden(C, config.ffn_dim_multiplier, config.multiple_of)
+    qkv = (config.n_head + 2 * config.n_kv_head) * (C // config.n_head)
     return {"wte": (V, C), "ln_1.w": (L, C), "attn.c_attn.w": (L, qkv, C), "attn.c_proj.w": (L, C, C),
             "ln_2.w": (L, C), "mlp.c_fc.w": (L, H, C), "mlp.c_fc2.w": (L, H, C), "mlp.c_proj.w": (L, C, H),
             "ln_f.w": (C,), "lm_head.w": (V, C)}
+
+
+def llmc_header(config: Llama3Config) -> Llama3Header:
+    """The llm.c header describing `config`."""
+    return Llama3Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
+                        n_head=config.n_head, n_kv_head=config.n_kv_head, n_embd=config.n_embd,
+                        ffn_dim_multiplier=config.ffn_dim_multiplier, multiple_of=config.multiple_of,
+                        norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+                        use_scaled_rope=bool(config.use_scaled_rope), max_gen_batch_size=4)
+
+
+def config_from_llmc(header: Llama3Header, **fields) -> Llama3Config:
+    """A Llama3Config for an llm.c header; `fields` (recompute, dtype, scan_layers...) are added."""
+    return Llama3Config(block_size=header.block_size, vocab_size=header.vocab_size, n_layer=header.n_layer,
+                        n_head=header.n_head, n_kv_head=header.n_kv_head, n_embd=header.n_embd,
+                        ffn_dim_multiplier=header.ffn_dim_multiplier, multiple_of=header.multiple_of,
+                        norm_eps=header.norm_eps, rope_theta=header.rope_theta,
+                        use_scaled_rope=header.use_scaled_rope, **fields)
 
 
 def to_llmc(config: Llama3Config, params) -> dict:
@@ -242,6 +290,7 @@ def to_llmc(config: Llama3Config, params) -> dict:
 
     Example:
       >>> tensors = to_llmc(cfg, params); tensors["mlp.c_fc2.w"].shape  # (L, H, C)
+      (2, 96, 32)
     """
     b = params["blocks"]
     out = {"wte": np.asarray(params["wte"], np.float32)}
@@ -255,7 +304,9 @@ def from_llmc(config: Llama3Config, tensors) -> dict:
     """{llm.c tensor name: array} → parameters for `config` (loop or scan layout).
 
     Example:
-      >>> params = from_llmc(cfg, tensors)
+      >>> back = from_llmc(cfg, to_llmc(cfg, params))
+      >>> bool(jnp.array_equal(back["lm_head"]["w"], params["lm_head"]["w"]))
+      True
     """
     check_llmc_tensors("LLaMA-3", llmc_shapes(config), tensors)
     f = lambda k: jnp.asarray(np.asarray(tensors[k], np.float32))

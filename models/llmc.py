@@ -1,7 +1,7 @@
 """llm.c `.bin` model and debug-state files for the Flax models, and the `verify` command.
 
-The byte layouts live in models/llmc_io.py (NumPy only); this module maps them to GPT2Config /
-Llama3Config and parameters, and checks the port against a reference state:
+The byte layouts live in models/llmc_io.py; this module maps them to model configs and
+parameters through the family registry (models/family.py), and checks the port against a reference state:
 
     python -m models.llmc verify MODEL.bin STATE.bin [--activation_recompute
         --recompute_granularity full --recompute_method uniform --recompute_num_layers 2
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import gpt2, llama3
-from models.llmc_io import GPT2Header, Llama3Header, LlmcFormatError, read_model, read_state, write_model
+from models import family
+from models.llmc_io import LlmcFormatError, read_model, read_state, write_model
 from remat import RecomputeConfig
 from remat import flags as recompute_flags
 
@@ -32,33 +32,14 @@ from remat import flags as recompute_flags
 ATOL = 1e-4
 
 
-def _module(config):
-    return gpt2 if isinstance(config, gpt2.GPT2Config) else llama3
-
-
 def header_for(config):
-    """The llm.c header describing `config`."""
-    if isinstance(config, gpt2.GPT2Config):
-        return GPT2Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
-                          n_head=config.n_head, n_embd=config.n_embd, padded_vocab_size=config.padded_vocab_size)
-    return Llama3Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
-                        n_head=config.n_head, n_kv_head=config.n_kv_head, n_embd=config.n_embd,
-                        ffn_dim_multiplier=config.ffn_dim_multiplier, multiple_of=config.multiple_of,
-                        norm_eps=config.norm_eps, rope_theta=config.rope_theta,
-                        use_scaled_rope=bool(config.use_scaled_rope), max_gen_batch_size=4)
+    """The llm.c header describing `config` (the model file's `llmc_header`)."""
+    return family.of(config).llmc_header(config)
 
 
 def config_for(kind: str, header, **fields):
     """A model config for an llm.c header; `fields` (recompute, dtype, scan_layers...) are added."""
-    if kind == "gpt2":
-        return gpt2.GPT2Config(block_size=header.block_size, vocab_size=header.vocab_size,
-                               padded_vocab_size=header.padded_vocab_size, n_layer=header.n_layer,
-                               n_head=header.n_head, n_embd=header.n_embd, **fields)
-    return llama3.Llama3Config(block_size=header.block_size, vocab_size=header.vocab_size, n_layer=header.n_layer,
-                               n_head=header.n_head, n_kv_head=header.n_kv_head, n_embd=header.n_embd,
-                               ffn_dim_multiplier=header.ffn_dim_multiplier, multiple_of=header.multiple_of,
-                               norm_eps=header.norm_eps, rope_theta=header.rope_theta,
-                               use_scaled_rope=header.use_scaled_rope, **fields)
+    return family.get(kind).config_from_llmc(header, **fields)
 
 
 def load(path, recompute: RecomputeConfig | None = None, *, scan_layers: bool = False, dtype: str = "float32",
@@ -75,13 +56,15 @@ def load(path, recompute: RecomputeConfig | None = None, *, scan_layers: bool = 
       LlmcFormatError (a ValueError) naming the file and the problem (a non-regular file, a bad header,
       a wrong size, NaN/inf weights); never returns a partial model.
     Example:
-      >>> config, params = load("gpt2_124M.bin", RecomputeConfig(granularity="full"))
+      >>> config, params = load("model.bin", RecomputeConfig(granularity="full"))  # e.g. gpt2_124M.bin
+      >>> type(config).__name__, config.n_layer, config.recompute.granularity
+      ('GPT2Config', 2, 'full')
     """
     kind, header, tensors, _ = read_model(path, norm_eps=norm_eps, rope_theta=rope_theta,
                                           ffn_dim_multiplier=ffn_dim_multiplier)
     check_finite(path, tensors)
     config = config_for(kind, header, recompute=recompute or RecomputeConfig(), scan_layers=scan_layers, dtype=dtype)
-    return config, _module(config).from_llmc(config, tensors)
+    return config, family.get(kind).from_llmc(config, tensors)
 
 
 def check_finite(path, tensors: dict) -> None:
@@ -103,16 +86,19 @@ def save(path, config, params, dtype: str = "float32") -> None:
     """Write `params` as an llm.c model file (version 3 float32 or 5 bfloat16), atomically.
 
     Example:
+      >>> config, params = load("model.bin")
       >>> save("out.bin", config, params, dtype="bfloat16")
+      >>> read_model("out.bin")[3]
+      'bfloat16'
     """
-    kind = "gpt2" if isinstance(config, gpt2.GPT2Config) else "llama3"
-    write_model(path, kind, header_for(config), _module(config).to_llmc(config, params), dtype=dtype)
+    fam = family.of(config)
+    write_model(path, fam.name, fam.llmc_header(config), fam.to_llmc(config, params), dtype=dtype)
 
 
 def load_state(path, config) -> dict:
     """Read an llm.c debug state file for `config`: x, y, logits, loss, grads (llm.c names)."""
-    kind = "gpt2" if isinstance(config, gpt2.GPT2Config) else "llama3"
-    return read_state(path, kind, header_for(config))
+    fam = family.of(config)
+    return read_state(path, fam.name, fam.llmc_header(config))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +114,9 @@ class Row:
 
 def verify(config, params, state) -> list[Row]:
     """Run the model on the state's batch; compare logits, loss and every gradient with the state's."""
-    mod = _module(config)
+    fam = family.of(config)
     x, y = jnp.asarray(state["x"]), jnp.asarray(state["y"])
-    model = mod.GPT2(config) if mod is gpt2 else mod.Llama3(config)
+    model = fam.model(config)
 
     # NOTE: logits come from a call without targets: with `loss_chunk` the loss never builds them.
     @jax.jit
@@ -144,7 +130,7 @@ def verify(config, params, state) -> list[Row]:
     rows = [Row("logits", float(np.max(np.abs(np.asarray(logits)[..., :width] - ref_logits[..., :width]))),
                 float(np.max(np.abs(ref_logits[..., :width])))),
             Row("loss", abs(float(loss) - float(state["loss"])), abs(float(state["loss"])))]
-    ours = mod.to_llmc(config, grads)
+    ours = fam.to_llmc(config, grads)
     for name, ref in state["grads"].items():
         ref = np.asarray(ref)
         got = ours[name][: ref.shape[0]] if name == "wte" else ours[name]

@@ -1,8 +1,11 @@
-"""Readers and writers for llm.c's binary files (NumPy only, no JAX).
+"""Readers and writers for llm.c's binary files (NumPy; no JAX at import).
 
 Covers GPT-2 and LLaMA-3 model checkpoints, their debug-state files and GPT-2
 token shards, byte for byte as described in ``shared/design/FORMATS.md``:
 a 256 x int32 little-endian header (1024 bytes), then the payload back to back.
+The tensor names and shapes of model and state files come from the model files'
+tables (``models.gpt2.llmc_shapes`` / ``models.llama3.llmc_shapes``, found through
+``models.family``), imported on first use; token shards need no model.
 
 Every reader validates the header and the exact file size before it reads a
 tensor and raises :class:`LlmcFormatError` (a one-line message naming the file,
@@ -11,8 +14,10 @@ writer validates its inputs first and then writes atomically (a temporary file
 in the target directory, then ``os.replace``).
 
 Example:
-    >>> kind, header, tensors, dtype = read_model("gpt2_124M.bin")
+    >>> kind, header, tensors, dtype = read_model("model.bin")   # e.g. llm.c's gpt2_124M.bin
     >>> write_model("copy.bin", kind, header, tensors, dtype="bfloat16")
+    >>> read_model("copy.bin")[3]
+    'bfloat16'
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import os
 import secrets
 import stat
 from contextlib import contextmanager
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, ClassVar, Iterator
 
 import numpy as np
 
@@ -70,9 +75,10 @@ class LlmcFormatError(ValueError):
 
     Example:
         >>> try:
-        ...     read_model("model.bin")
+        ...     read_model("tokens.bin")
         ... except LlmcFormatError as e:
-        ...     print(e)   # "model.bin: ...problem...; ...fix..."
+        ...     print(e)   # "path: problem; fix"
+        tokens.bin: magic 20240520 is a GPT-2 token shard, not a model file; known model magics: ...
     """
 
 
@@ -101,32 +107,18 @@ class GPT2Header:
     n_embd: int
     padded_vocab_size: int
 
+    kind: ClassVar[str] = "gpt2"
+
     def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Return ``[(name, shape), ...]`` in file order; linear weights are (out, in).
+
+        The table is the model file's (``models.gpt2.llmc_shapes``, through ``models.family``).
 
         Example:
             >>> GPT2Header(16, 100, 2, 4, 32, 128).tensor_shapes()[0]
             ('wte', (128, 32))
         """
-        Vp, T, L, C = self.padded_vocab_size, self.block_size, self.n_layer, self.n_embd
-        return [
-            ("wte", (Vp, C)),
-            ("wpe", (T, C)),
-            ("ln_1.w", (L, C)),
-            ("ln_1.b", (L, C)),
-            ("attn.c_attn.w", (L, 3 * C, C)),
-            ("attn.c_attn.b", (L, 3 * C)),
-            ("attn.c_proj.w", (L, C, C)),
-            ("attn.c_proj.b", (L, C)),
-            ("ln_2.w", (L, C)),
-            ("ln_2.b", (L, C)),
-            ("mlp.c_fc.w", (L, 4 * C, C)),
-            ("mlp.c_fc.b", (L, 4 * C)),
-            ("mlp.c_proj.w", (L, C, 4 * C)),
-            ("mlp.c_proj.b", (L, C)),
-            ("ln_f.w", (C,)),
-            ("ln_f.b", (C,)),
-        ]
+        return _tensor_shapes(self)
 
     def n_params(self) -> int:
         """Total number of parameters stored in the file (wte counted with Vp rows)."""
@@ -159,44 +151,33 @@ class Llama3Header:
     use_scaled_rope: bool
     max_gen_batch_size: int
 
+    kind: ClassVar[str] = "llama3"
+
     @property
     def head_dim(self) -> int:
         """Per-head feature count ``n_embd // n_head``."""
         return self.n_embd // self.n_head
 
     def ffn_hidden(self) -> int:
-        """SwiGLU width H: ``h = int(8C/3); h = int(m*h); H = multiple_of*ceil(h/multiple_of)``.
+        """SwiGLU width H (``models.llama3.ffn_hidden``: ``int(m*int(8C/3))`` rounded up to ``multiple_of``).
 
         Example:
             >>> Llama3Header(16, 96, 2, 4, 2, 32, 1.0, 32, 1e-5, 1e4, True, 4).ffn_hidden()
             96
         """
-        h = int(2 * (4 * self.n_embd) / 3)
-        h = int(self.ffn_dim_multiplier * h)
-        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+        from models.llama3 import ffn_hidden
+        return ffn_hidden(self.n_embd, self.ffn_dim_multiplier, self.multiple_of)
 
     def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Return ``[(name, shape), ...]`` in file order; c_attn rows are [q; k; v].
+
+        The table is the model file's (``models.llama3.llmc_shapes``, through ``models.family``).
 
         Example:
             >>> [n for n, _ in Llama3Header(16, 96, 2, 4, 2, 32, 1.0, 32, 1e-5, 1e4, True, 4).tensor_shapes()][:3]
             ['wte', 'ln_1.w', 'attn.c_attn.w']
         """
-        V, L, C = self.vocab_size, self.n_layer, self.n_embd
-        qkv = (self.n_head + 2 * self.n_kv_head) * self.head_dim
-        H = self.ffn_hidden()
-        return [
-            ("wte", (V, C)),
-            ("ln_1.w", (L, C)),
-            ("attn.c_attn.w", (L, qkv, C)),
-            ("attn.c_proj.w", (L, C, C)),
-            ("ln_2.w", (L, C)),
-            ("mlp.c_fc.w", (L, H, C)),
-            ("mlp.c_fc2.w", (L, H, C)),
-            ("mlp.c_proj.w", (L, C, H)),
-            ("ln_f.w", (C,)),
-            ("lm_head.w", (V, C)),
-        ]
+        return _tensor_shapes(self)
 
     def n_params(self) -> int:
         """Total number of parameters stored in the file."""
@@ -206,17 +187,23 @@ class Llama3Header:
 Header = GPT2Header | Llama3Header
 
 
+def _tensor_shapes(header: Header) -> list[tuple[str, tuple[int, ...]]]:
+    # NOTE: the model file owns the one tensor table per family; importing it loads JAX, which
+    # only model and state files need (token shards stay NumPy only).
+    from models import family
+    return list(family.get(header.kind).llmc_shapes(header).items())
+
+
 def _kind_of(header: Header) -> str:
-    if isinstance(header, GPT2Header):
-        return "gpt2"
-    if isinstance(header, Llama3Header):
-        return "llama3"
+    if isinstance(header, (GPT2Header, Llama3Header)):
+        return header.kind
     raise TypeError(f"expected GPT2Header or Llama3Header, got {type(header).__name__}")
 
 
 def _check_kind(kind: str, header: Header) -> None:
-    if kind not in ("gpt2", "llama3"):
-        raise ValueError(f"kind must be 'gpt2' or 'llama3', got {kind!r}")
+    from models import family
+    if kind not in family.NAMES:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, family.NAMES))}, got {kind!r}")
     if _kind_of(header) != kind:
         raise ValueError(f"kind {kind!r} does not match header type {type(header).__name__}")
 
@@ -419,15 +406,13 @@ def _write_array(f: BinaryIO, arr: np.ndarray) -> None:
 def _parse_model_header(
     path: str, ints: np.ndarray, overrides: dict[str, float | None]
 ) -> tuple[str, Header, str]:
+    from models import family
     magic, version = int(ints[0]), int(ints[1])
-    if magic == GPT2_MAGIC:
-        kind = "gpt2"
-        if version in (1, 2):
-            raise _fail(path, f"GPT-2 model file version {version} is the old llm.c format without vocab padding",
-                        "re-export with a current train_gpt2.py (version 3 float32 or 5 bfloat16)")
-    elif magic == LLAMA3_MAGIC:
-        kind = "llama3"
-    else:
+    kind = next((f.name for f in family.FAMILIES.values() if f.model_magic == magic), None)
+    if kind == "gpt2" and version in (1, 2):
+        raise _fail(path, f"GPT-2 model file version {version} is the old llm.c format without vocab padding",
+                    "re-export with a current train_gpt2.py (version 3 float32 or 5 bfloat16)")
+    if kind is None:
         what = _describe_magic(magic)
         problem = f"magic {magic} is {what}, not a model file" if what else f"unknown magic {magic}"
         raise _fail(path, problem, "known model magics: 20240326 (GPT-2), 20240803 (LLaMA-3); "
@@ -505,9 +490,9 @@ def read_model(
         order, and ``"float32"``/``"bfloat16"``.
 
     Example:
-        >>> kind, header, tensors, file_dtype = read_model("gpt2_124M.bin")
-        >>> tensors["attn.c_attn.w"].shape
-        (12, 2304, 768)
+        >>> kind, header, tensors, file_dtype = read_model("model.bin")  # GPT-2 tiny: L=2, C=32
+        >>> kind, file_dtype, tensors["attn.c_attn.w"].shape
+        ('gpt2', 'float32', (2, 96, 32))
     """
     path = os.fspath(path)
     overrides = {"norm_eps": norm_eps, "rope_theta": rope_theta, "ffn_dim_multiplier": ffn_dim_multiplier}
@@ -584,6 +569,7 @@ def write_model(
         dtype: ``"float32"`` (version 3) or ``"bfloat16"`` (version 5).
 
     Example:
+        >>> kind, header, tensors, _ = read_model("model.bin")
         >>> write_model("out.bin", "gpt2", header, tensors, dtype="bfloat16")
     """
     path = os.fspath(path)
@@ -627,16 +613,18 @@ def read_state(path: str | os.PathLike, kind: str, header: Header) -> dict:
         grads={name: float32 array in model file order})``.
 
     Example:
-        >>> state = read_state("gpt2_124M_debug_state.bin", "gpt2", header)
-        >>> state["grads"]["wte"].shape
-        (50304, 768)
+        >>> header = read_model("model.bin")[1]
+        >>> state = read_state("state.bin", "gpt2", header)   # e.g. gpt2_124M_debug_state.bin
+        >>> state["x"].shape, state["grads"]["wte"].shape
+        ((2, 8), (256, 32))
     """
     path = os.fspath(path)
     _check_kind(kind, header)
     f, size, ints = _open_checked(path, "debug state file")
     with f:
+        from models import family
         magic = int(ints[0])
-        want = GPT2_STATE_MAGIC if kind == "gpt2" else LLAMA3_MAGIC
+        want = family.get(kind).state_magic
         if magic != want:
             what = _describe_magic(magic)
             problem = f"magic {magic} ({what or 'unknown'}) is not a {kind} debug state file (magic {want})"
@@ -699,7 +687,9 @@ def write_state(
             padded rows written as zeros).
 
     Example:
-        >>> write_state("state.bin", "gpt2", header, x, y, logits, loss, grads)
+        >>> header = read_model("model.bin")[1]
+        >>> s = read_state("state.bin", "gpt2", header)
+        >>> write_state("state_copy.bin", "gpt2", header, s["x"], s["y"], s["logits"], s["loss"], s["grads"])
     """
     path = os.fspath(path)
     _check_kind(kind, header)
@@ -739,7 +729,7 @@ def read_tokens(path: str | os.PathLike) -> np.ndarray:
     """Read a GPT-2 token shard (magic 20240520, version 1) as a 1-D uint16 array.
 
     Example:
-        >>> read_tokens("fineweb_train_000001.bin")[:4]
+        >>> read_tokens("tokens.bin")[:4]   # e.g. fineweb_train_000001.bin
         array([50256,   464,  3290,   287], dtype=uint16)
     """
     path = os.fspath(path)
@@ -770,6 +760,8 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray) -> None:
 
     Example:
         >>> write_tokens("shard.bin", np.array([50256, 464], np.uint16))
+        >>> read_tokens("shard.bin")
+        array([50256,   464], dtype=uint16)
     """
     path = os.fspath(path)
     tok = np.asarray(tokens)

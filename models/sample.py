@@ -27,8 +27,10 @@ reading and extending a fixed-size cache of keys and values (L, B, T_max, K, D).
 # token costs a block_size-token forward.
 
 Example:
-    >>> config, params = load_model("runs/x")
-    >>> tokens = generate(params, config, [list(b"def ")], 100, temperature=0.8, top_k=20, seed=0)
+    >>> config, params, info = load_model("model.bin")   # or a train.py --checkpoint_dir
+    >>> tokens = generate(params, config, [list(b"def ")], 8, temperature=0.8, top_k=20, seed=0)
+    >>> tokens.shape   # the prompt, then 8 new tokens
+    (1, 12)
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from models import gpt2
+from models import family
 from models.layers import embed, gelu_tanh, layer_norm, rms_norm, rope_frequencies, swiglu
 from models.tokenizer import ByteTokenizer
 from models.tokenizer import load as load_tokenizer
@@ -63,12 +65,12 @@ class KVCache(NamedTuple):
 
 
 def _is_gpt2(config) -> bool:
-    return isinstance(config, gpt2.GPT2Config)
+    return family.of(config).name == "gpt2"
 
 
 def _heads(config) -> tuple[int, int, int]:
     """(H, K, D): query heads, key/value heads, head size."""
-    kv = config.n_head if _is_gpt2(config) else config.n_kv_head
+    kv = getattr(config, "n_kv_head", config.n_head)  # GPT-2: as many key/value heads as query heads
     return config.n_head, kv, config.n_embd // config.n_head
 
 
@@ -77,6 +79,8 @@ def init_cache(config, batch: int, max_len: int) -> KVCache:
 
     Example:
       >>> cache = init_cache(cfg, 1, cfg.block_size)
+      >>> cache.k.shape  # (L, B, T_max, K, D)
+      (2, 1, 64, 4, 8)
     """
     _, K, D = _heads(config)
     shape = (config.n_layer, batch, max_len, K, D)
@@ -148,7 +152,10 @@ def forward(params, config, tokens, cache: KVCache, pos):
     Returns:
       (logits (B, S, Vp) float32, the updated cache).
     Example:
-      >>> logits, cache = forward(params, cfg, prompt, init_cache(cfg, 1, 64), 0)
+      >>> step = jax.jit(forward, static_argnums=1)
+      >>> logits, cache = step(params, cfg, prompt, init_cache(cfg, 1, 64), 0)   # prompt: (1, 4)
+      >>> logits.shape   # tests/test_sample.py checks them against the model's at every position
+      (1, 4, 256)
     """
     gpt, dt = _is_gpt2(config), config.compute_dtype
     B, S = tokens.shape
@@ -255,7 +262,9 @@ def generate(params, config, prompt, max_new_tokens: int, *, temperature: float 
     Returns:
       (B, P + N) int32 NumPy array: the prompt followed by the generated tokens.
     Example:
-      >>> generate(params, cfg, [[1, 2, 3]], 50, temperature=1.0, top_k=10, seed=0)
+      >>> out = generate(params, cfg, [list(b"def ")], 8, temperature=0.8, top_k=20, seed=0)
+      >>> out.shape, bytes(out[0, :4].tolist())
+      ((1, 12), b'def ')
     """
     prompt = np.asarray(prompt)
     if prompt.ndim != 2 or prompt.shape[1] < 1 or not np.issubdtype(prompt.dtype, np.integer):
@@ -297,11 +306,12 @@ def load_model(path: str, step: int | None = None, **llmc_overrides):
     to `models.llmc.load` for LLaMA-3 files whose float header slots llm.c wrote truncated.
     Raises ValueError (one line) for anything unusable.
     Example:
-      >>> config, params, info = load_model("runs/x")
+      >>> config, params, info = load_model("model.bin")
+      >>> info["kind"], info["model"]
+      ('llm.c', 'gpt2')
     """
     from models import llmc
     from training import saving
-    from training.model import family
 
     if os.path.isdir(path):
         info = saving.inspect_dir(path, "CHECKPOINT")
@@ -312,10 +322,10 @@ def load_model(path: str, step: int | None = None, **llmc_overrides):
             raise ValueError(f"{path}: no step {step}; it holds steps {', '.join(map(str, sorted(info.steps)))}")
         step = info.step if step is None else step
         meta = info.meta  # the model config is the same at every step (train.py --resume checks it)
-        fam = family(meta["model"])
+        fam = family.get(meta["model"])
         config = fam.config_cls(**meta["model_config"])
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        abstract = jax.eval_shape(lambda: fam.module.init_params(config, jax.random.PRNGKey(0)))
+        abstract = jax.eval_shape(lambda: fam.init_params(config, jax.random.PRNGKey(0)))
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abstract)
         try:
             params = saving.restore(path, step, {"params": abstract}, partial=True)[0]["params"]
@@ -331,7 +341,7 @@ def load_model(path: str, step: int | None = None, **llmc_overrides):
     if not os.path.isfile(path):
         raise ValueError(f"{path}: not a regular file or directory; pass an llm.c model .bin")
     config, params = llmc.load(path, **{k: v for k, v in llmc_overrides.items() if v is not None})
-    return config, params, {"kind": "llm.c", "model": "gpt2" if _is_gpt2(config) else "llama3", "step": None,
+    return config, params, {"kind": "llm.c", "model": family.of(config).name, "step": None,
                             "train_config": {}}
 
 

@@ -13,9 +13,9 @@ the byte strings and decodes UTF-8 with errors="replace" (a token may hold part 
 # directly (`python -m models.sample ... --prompt_tokens 50256,464`).
 
 Example:
-    >>> tok = load("gpt2_tokenizer.bin")
-    >>> tok.decode([15496, 11, 995])
-    'Hello, world'
+    >>> tok = load("tokenizer.bin")   # e.g. llm.c's gpt2_tokenizer.bin
+    >>> tok.encode("Hello, world"), tok.decode([256, 257])
+    ([256, 257], 'Hello, world')
     >>> ByteTokenizer().decode(list(b"def f():"))
     'def f():'
 """
@@ -157,8 +157,8 @@ def load(path) -> Tokenizer:
       (a FIFO, a directory), wrong magic, unknown version, a bad header, truncated or with bytes
       after the last token.
     Example:
-      >>> load("gpt2_tokenizer.bin").vocab_size
-      50257
+      >>> load("tokenizer.bin").vocab_size   # llm.c's gpt2_tokenizer.bin: 50257
+      258
     """
     path = os.fspath(path)
     fix = "pass llm.c's gpt2_tokenizer.bin (written by its train_gpt2.py)"
@@ -213,6 +213,8 @@ def save(path, tokens, eot_token: int | None = None, version: int = 2) -> None:
 
     Example:
       >>> save("tok.bin", [bytes([i]) for i in range(256)], eot_token=0)
+      >>> load("tok.bin").decode(list(b"hi"))
+      'hi'
     """
     tokens = [bytes(t) for t in tokens]
     if version not in VERSIONS:

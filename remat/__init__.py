@@ -1,10 +1,13 @@
 """remat: activation checkpointing (rematerialization) for JAX and Flax transformer training.
 
 Example:
-    >>> import remat
+    >>> import jax.numpy as jnp, remat
     >>> cfg = remat.RecomputeConfig(granularity="full", method="uniform", num_layers=2)
-    >>> remat.plan(4, cfg)
-    >>> y = remat.checkpoint(layer, params, x, use_reentrant=True)
+    >>> [tuple(s) for s in remat.plan(4, cfg)]
+    [(0, 2, True), (2, 4, True)]
+    >>> layer = lambda w, x: jnp.tanh(x @ w)
+    >>> remat.checkpoint(layer, jnp.eye(4), jnp.ones((2, 4)), use_reentrant=True).shape
+    (2, 4)
 """
 from remat import names, policies
 from remat.check import CheckpointError

@@ -259,8 +259,13 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
       `fn(*args)`; or, called without args (`checkpoint(use_reentrant=True)(fn)` or `@checkpoint`),
       a wrapped function.
     Example:
-      >>> y = remat.checkpoint(block, params, x)
-      >>> y = remat.checkpoint(block, params, x, use_reentrant=True)
+      >>> import jax, jax.numpy as jnp
+      >>> block = lambda w, x: jnp.tanh(x @ w)
+      >>> w, x = jnp.eye(4), jnp.ones((2, 4))
+      >>> g = jax.grad(lambda w: checkpoint(block, w, x).sum())(w)
+      >>> g_reentrant = jax.grad(lambda w: checkpoint(block, w, x, use_reentrant=True).sum())(w)
+      >>> bool(jnp.allclose(g, g_reentrant))
+      True
     """
     opts = dict(use_reentrant=use_reentrant, policy=policy, determinism_check=determinism_check,
                 static_argnums=tuple(static_argnums), prevent_cse=prevent_cse, name=name,

@@ -75,6 +75,7 @@ class RecomputeConfig:
         run time (`"values"`, reentrant only, for debugging), or not (`False`).
     Example:
       >>> RecomputeConfig(granularity="full", method="uniform", num_layers=2)
+      RecomputeConfig(granularity='full', method='uniform', num_layers=2, ...)
     """
     granularity: Literal["none", "full", "selective"] = "none"
     method: Literal["none", "uniform", "block"] = "none"
@@ -217,6 +218,10 @@ class RecomputeConfig:
 
         Example:
           >>> RecomputeConfig(granularity="full", method="block", num_layers=2).validate_for(4)
+          RecomputeConfig(granularity='full', method='block', num_layers=2, ...)
+          >>> RecomputeConfig(granularity="full", method="block", num_layers=5).validate_for(4)
+          Traceback (most recent call last):
+          remat.config.RecomputeConfigError: recompute_num_layers=5 exceeds n_layer=4...
         """
         if self.layer_policies is not None and len(self.layer_policies) != n_layers:
             raise RecomputeConfigError("layer_policies", f"layer_policies has {len(self.layer_policies)} entries for "

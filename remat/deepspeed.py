@@ -17,9 +17,10 @@ Other top-level keys of a DeepSpeed config (optimizer, zero_optimization, ...) a
 are listed in the notes so nobody believes they took effect.
 
 Example:
-    >>> ds = load("ds_config.json")              # or parse({"activation_checkpointing": {...}})
-    >>> RecomputeConfig(granularity="full", **ds.recompute_kwargs(tensor_axis=None))
-    >>> print("\\n".join(ds.notes(tensor_axis=None)))
+    >>> from remat import RecomputeConfig
+    >>> ds = parse({"activation_checkpointing": {"number_checkpoints": 2}})   # or load("ds_config.json")
+    >>> RecomputeConfig(granularity="full", **ds.recompute_kwargs(tensor_axis=None)).regions
+    2
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ class DeepSpeedCheckpointing:
       ignored: top-level keys of the config file other than the block (not read).
       source: where the block came from, for messages.
     Example:
-      >>> DeepSpeedCheckpointing(cpu_checkpointing=True, number_checkpoints=2)
+      >>> DeepSpeedCheckpointing(cpu_checkpointing=True, number_checkpoints=2).recompute_kwargs()
+      {...'offload_inputs': True...}
     """
     partition_activations: bool = False
     cpu_checkpointing: bool = False

@@ -27,8 +27,19 @@ class LayerStack(nn.Module):
       recompute: the RecomputeConfig.
       scan: run layers under `lax.scan` with stacked parameters.
     Example:
-      >>> stack = LayerStack(functools.partial(Block, cfg), 12, RecomputeConfig(granularity="full"))
-      >>> y = stack.apply(variables, x, rngs={"dropout": key})
+      >>> import functools
+      >>> class Block(nn.Module):
+      ...     width: int
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         return x + nn.Dropout(0.1, deterministic=False)(nn.Dense(self.width)(x))
+      >>> stack = LayerStack(functools.partial(Block, 8), 4, RecomputeConfig(granularity="full"))
+      >>> x, key = jnp.ones((2, 8)), jax.random.key(0)
+      >>> variables = stack.init({"params": key, "dropout": key}, x)
+      >>> sorted(variables["params"])
+      ['h_0', 'h_1', 'h_2', 'h_3']
+      >>> stack.apply(variables, x, rngs={"dropout": key}).shape
+      (2, 8)
     """
     layer: Callable[..., nn.Module]
     n_layers: int
@@ -73,7 +84,14 @@ def remat_module(module_cls, recompute: RecomputeConfig | str | None = None, *,
     argument 0, so they are shifted by one here.
 
     Example:
+      >>> class MyBlock(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x, deterministic):
+      ...         return x + nn.Dropout(0.1, deterministic=deterministic)(nn.Dense(8)(x))
       >>> Block = remat_module(MyBlock, "core_attn", static_argnums=(1,))  # x, deterministic
+      >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 8)), True)
+      >>> Block().apply(variables, jnp.ones((2, 8)), True).shape
+      (2, 8)
     """
     if isinstance(recompute, RecomputeConfig):
         if recompute.use_reentrant:

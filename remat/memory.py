@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections import defaultdict
 
@@ -90,11 +91,11 @@ class SavedResiduals:
         """A pretty-printed table grouped by tag name."""
         lines = [f"{'saved value':<36} {'count':>5} {'MiB':>10}"]
         for k, (c, b) in self.by_name().items():
-            lines.append(f"{k[:36]:<36} {c:>5} {b / 2**20:>10.2f}")
-        lines.append(f"{'total (intermediates)':<36} {'':>5} {self.intermediates / 2**20:>10.2f}")
-        lines.append(f"{'total (with arguments)':<36} {'':>5} {self.total / 2**20:>10.2f}")
+            lines.append(f"{k[:36]:<36} {c:>5} {b / MiB:>10.2f}")
+        lines.append(f"{'total (intermediates)':<36} {'':>5} {self.intermediates / MiB:>10.2f}")
+        lines.append(f"{'total (with arguments)':<36} {'':>5} {self.total / MiB:>10.2f}")
         if self.offloaded:
-            lines.append(f"{'of which offloaded to host':<36} {'':>5} {self.offloaded / 2**20:>10.2f}")
+            lines.append(f"{'of which offloaded to host':<36} {'':>5} {self.offloaded / MiB:>10.2f}")
             if jax.default_backend() == "cpu":
                 lines.append("note: on CPU, offloading moves nothing (host and device memory are the same): "
                              "no device memory is saved; it does on GPU/TPU")
@@ -117,8 +118,14 @@ def saved_residuals(fn, *args) -> SavedResiduals:
     Returns:
       SavedResiduals with `.rows`, `.total`, `.intermediates`, `.by_name()`, `.table()`.
     Example:
-      >>> r = saved_residuals(lambda p, x: loss(p, x), params, x)
-      >>> print(r.table()); r.total
+      >>> import jax.numpy as jnp
+      >>> from jax.ad_checkpoint import checkpoint_name
+      >>> f = lambda w, x: jnp.sum(jnp.sin(checkpoint_name(x @ w, "mlp_up")))
+      >>> saved_residuals(f, jnp.ones((8, 8)), jnp.ones((4, 8))).by_name()   # {name: (count, bytes)}
+      {'<arguments>': (2, 384), '<intermediate:cos>': (1, 128)}
+      >>> g = jax.checkpoint(f, policy=_policies.get("save_names:mlp_up"))  # keep the tagged product instead
+      >>> saved_residuals(g, jnp.ones((8, 8)), jnp.ones((4, 8))).by_name()
+      {'<arguments>': (2, 384), 'mlp_up': (1, 128)}
     """
     rows = []
     for aval, src in _jax_saved_residuals(fn, *args):
@@ -155,15 +162,26 @@ class CompiledMemory:
         return self.argument + self.output + self.temp - self.alias
 
 
-def compiled_memory(fn, *args, static_argnums=()) -> CompiledMemory:
-    """Compile `fn(*args)` with jit and read XLA's memory and cost analysis.
+def compiled_stats(compiled) -> CompiledMemory:
+    """XLA's memory and cost analysis of a `jax.stages.Compiled`: the one reader of
+    `memory_analysis()` / `cost_analysis()` in the project (a `CompiledMemory` is returned as is).
 
+    Raises ValueError when the backend gives no memory analysis.
     Example:
-      >>> compiled_memory(jax.grad(loss), params, x).temp
+      >>> import jax.numpy as jnp
+      >>> stats = compiled_stats(jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(1024)).compile())
+      >>> stats.argument, stats.output
+      (4096, 4096)
     """
-    compiled = jax.jit(fn, static_argnums=static_argnums).lower(*args).compile()
+    if isinstance(compiled, CompiledMemory):
+        return compiled
     ma = compiled.memory_analysis()
-    ca = compiled.cost_analysis()
+    if ma is None:
+        raise ValueError(f"XLA gave no memory analysis for this program on {jax.default_backend()}")
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # pragma: no cover - backends without a cost model
+        ca = None
     if isinstance(ca, (list, tuple)):
         ca = ca[0] if ca else {}
     g = lambda k: int(getattr(ma, k, 0) or 0)
@@ -172,6 +190,39 @@ def compiled_memory(fn, *args, static_argnums=()) -> CompiledMemory:
                           generated_code=g("generated_code_size_in_bytes"),
                           host_temp=g("host_temp_size_in_bytes"),
                           flops=float((ca or {}).get("flops", 0.0)))
+
+
+def compiled_memory(fn, *args, static_argnums=()) -> CompiledMemory:
+    """Compile `fn(*args)` with jit and read XLA's memory and cost analysis (`compiled_stats`).
+
+    Example:
+      >>> compiled_memory(lambda x: jax.numpy.sin(x) * 2, jax.numpy.ones(1024)).output
+      4096
+    """
+    return compiled_stats(jax.jit(fn, static_argnums=static_argnums).lower(*args).compile())
+
+
+MiB, GiB = 2 ** 20, 2 ** 30
+
+
+def format_bytes(n: float | None, up: bool = False) -> str:
+    """Bytes in GiB/MiB/KiB, whichever reads best: the one bytes formatter for messages and
+    reports ("n/a" for None). `up` rounds up (a minimum stays a minimum).
+
+    Example:
+      >>> format_bytes(3 * 2**30), format_bytes(1536 * 2**10), format_bytes(1000), format_bytes(1025, up=True)
+      ('3.00 GiB', '1.50 MiB', '1000 B', '1.1 KiB')
+    """
+    if n is None:
+        return "n/a"
+    a = abs(n)
+    for unit, scale, digits in (("GiB", GiB, 2), ("MiB", MiB, 2), ("KiB", 2 ** 10, 1)):
+        if a >= scale:
+            v = n / scale
+            if up:
+                v = math.ceil(v * 10**digits) / 10**digits
+            return f"{v:.{digits}f} {unit}"
+    return f"{int(n)} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +253,9 @@ def predict_saved(layer: LayerBytes, n_layers: int, cfg: RecomputeConfig, head: 
     tag name (`dots`, `dots_no_batch`, offload). Derivation: docs/memory-model.md.
 
     Example:
-      >>> predict_saved(gpt2_layer_bytes, 8, RecomputeConfig(granularity="full"), head=head_bytes)
+      >>> layer = LayerBytes({_names.BLOCK_INPUT: 100, _names.QKV: 300}, untagged=50)
+      >>> predict_saved(layer, 8, RecomputeConfig()), predict_saved(layer, 8, RecomputeConfig(granularity="full"))
+      (3600, 800)
     """
     inp = layer.tagged.get(_names.BLOCK_INPUT, 0)
     if cfg.granularity == "none":

@@ -76,10 +76,16 @@ class LayerStack(nnx.Module):
       rngs: the stack's RNG streams (its `dropout` stream, else `default`), or None.
     Call: `stack(x, *args, key=None)`; `key` (a typed or raw PRNG key) replaces the draw from `rngs`.
     Example:
+      >>> class Block(nnx.Module):
+      ...     def __init__(self, width, rngs):
+      ...         self.dense, self.drop = nnx.Linear(width, width, rngs=rngs), nnx.Dropout(0.1, rngs=rngs)
+      ...     def __call__(self, x):
+      ...         return x + self.drop(self.dense(x))
       >>> rngs = nnx.Rngs(params=0, dropout=1)
-      >>> stack = LayerStack([Block(cfg, rngs=rngs) for _ in range(4)], RecomputeConfig(granularity="full"),
+      >>> stack = LayerStack([Block(8, rngs=rngs) for _ in range(4)], RecomputeConfig(granularity="full"),
       ...                    rngs=nnx.Rngs(dropout=2))
-      >>> y = stack(x)
+      >>> stack(jax.numpy.ones((2, 8))).shape
+      (2, 8)
     """
 
     def __init__(self, layers: Sequence[nnx.Module], recompute: RecomputeConfig = RecomputeConfig(),

@@ -22,12 +22,12 @@ def plan(n_layers: int, cfg: RecomputeConfig) -> tuple[Segment, ...]:
     Returns:
       Segments tiling 0..n_layers in order.
     Example:
-      >>> plan(8, RecomputeConfig(granularity="full", method="uniform", num_layers=3))
-      (Segment(0, 3, True), Segment(3, 6, True), Segment(6, 8, True))
-      >>> plan(6, RecomputeConfig(granularity="full", segments="0-3,3-5"))
-      (Segment(0, 3, True), Segment(3, 5, True), Segment(5, 6, False))
-      >>> plan(5, RecomputeConfig(granularity="full", every=2))
-      (Segment(0, 1, True), Segment(1, 2, False), Segment(2, 3, True), Segment(3, 4, False), Segment(4, 5, True))
+      >>> plan(8, RecomputeConfig(granularity="full", method="uniform", num_layers=3))[0]
+      Segment(start=0, stop=3, checkpointed=True)
+      >>> [tuple(s) for s in plan(6, RecomputeConfig(granularity="full", segments="0-3,3-5"))]
+      [(0, 3, True), (3, 5, True), (5, 6, False)]
+      >>> [tuple(s) for s in plan(5, RecomputeConfig(granularity="full", every=2))]
+      [(0, 1, True), (1, 2, False), (2, 3, True), (3, 4, False), (4, 5, True)]
     """
     if not isinstance(n_layers, int) or n_layers < 1:
         raise ValueError(f"n_layers={n_layers!r} must be a positive int")

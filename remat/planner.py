@@ -42,6 +42,7 @@ import numpy as np
 from remat import memory as _memory
 from remat import policies as _policies
 from remat.config import RecomputeConfig
+from remat.memory import compiled_stats, format_bytes  # noqa: F401  (re-exported: remat.planner.compiled_stats)
 
 # Candidate settings: None (not rematerialized), selective presets, and full (nothing saved).
 DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", "full")
@@ -69,44 +70,6 @@ def parse_size(text: str) -> int:
     if not math.isfinite(n) or n <= 0:
         raise ValueError(f"memory size {text!r} must be positive")
     return int(n)
-
-
-def format_bytes(n: float | None, up: bool = False) -> str:
-    """Bytes in GiB/MiB/KiB, whichever reads best; `up` rounds up (a minimum stays a minimum)."""
-    if n is None:
-        return "—"
-    a = abs(n)
-    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 2), ("KiB", 2**10, 1)):
-        if a >= scale:
-            v = n / scale
-            if up:
-                v = math.ceil(v * 10**digits) / 10**digits
-            return f"{v:.{digits}f} {unit}"
-    return f"{int(n)} B"
-
-
-def compiled_stats(compiled) -> _memory.CompiledMemory:
-    """XLA's memory and cost analysis of a `jax.stages.Compiled` as a `CompiledMemory`
-    (a `CompiledMemory` is returned as is).
-
-    Example:
-      >>> compiled_stats(jax.jit(step).lower(state, batch).compile()).peak_estimate
-    """
-    if isinstance(compiled, _memory.CompiledMemory):
-        return compiled
-    ma = compiled.memory_analysis()
-    try:
-        ca = compiled.cost_analysis()
-    except Exception:  # pragma: no cover - backends without a cost model
-        ca = None
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    g = lambda k: int(getattr(ma, k, 0) or 0)
-    return _memory.CompiledMemory(temp=g("temp_size_in_bytes"), argument=g("argument_size_in_bytes"),
-                                  output=g("output_size_in_bytes"), alias=g("alias_size_in_bytes"),
-                                  generated_code=g("generated_code_size_in_bytes"),
-                                  host_temp=g("host_temp_size_in_bytes"),
-                                  flops=float((ca or {}).get("flops", 0.0)))
 
 
 def _name(c) -> str:
@@ -247,9 +210,9 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
     Raises:
       ValueError when the budget is below the least peak any candidate reaches (the message states
       that minimum and how to lower it), or for invalid arguments.
-    Example:
-      >>> plan = plan_for_budget(lambda rc: compiled_memory(step_for(rc), *args), 8, "600MiB")
-      >>> print(plan.table()); cfg = plan.recompute_config()
+    Usage (compiles the step several times; tests/test_planner.py runs it on a tiny model):
+        plan = plan_for_budget(lambda rc: compiled_memory(step_for(rc), *args), 8, "600MiB")
+        print(plan.table()); cfg = plan.recompute_config()
     """
     if isinstance(budget_bytes, str):
         budget_bytes = parse_size(budget_bytes)

@@ -6,9 +6,13 @@ a JAX policy callable; `names()` lists what `get` accepts; the CLI's choices, th
 and the tests' parametrization all derive from `REGISTRY`.
 
 Example:
-    >>> from remat import policies
-    >>> pol = policies.get("core_attn")
-    >>> f = jax.checkpoint(layer, policy=pol)
+    >>> import jax, jax.numpy as jnp
+    >>> from remat import memory, names, policies
+    >>> from jax.ad_checkpoint import checkpoint_name
+    >>> layer = lambda w, x: jnp.sum(jnp.tanh(checkpoint_name(x @ w, names.QKV)))
+    >>> f = jax.checkpoint(layer, policy=policies.get("save_names:qkv"))
+    >>> list(memory.saved_residuals(f, jnp.ones((8, 8)), jnp.ones((4, 8))).by_name())
+    [..., 'qkv']
 """
 from __future__ import annotations
 
@@ -224,7 +228,8 @@ def get(name: str) -> Callable:
         (`core_attn+mlp`), or an argument form (`save_names:qkv,mlp_up`, `offload_names:mlp_up`,
         `bf16:<policy>`).
     Example:
-      >>> jax.checkpoint(f, policy=policies.get("save_names:qkv"))
+      >>> get("core_attn+mlp") is get("core_attn+mlp")   # cached: jit sees one policy
+      True
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy must be a non-empty name; valid: {', '.join(names())}")

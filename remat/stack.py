@@ -71,8 +71,11 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
       args: extra arguments given to every layer (arrays are traced; other values are constants).
       scan: run the layers under `lax.scan` (constant compile time in depth).
     Example:
-      >>> y = apply_layers(lambda p, h, k: h + jnp.tanh(h @ p), [w1, w2, w3], x,
-      ...                  RecomputeConfig(granularity="full"))
+      >>> import jax.numpy as jnp
+      >>> ws, x = [jnp.eye(4)] * 3, jnp.ones((2, 4))
+      >>> y = apply_layers(lambda p, h, k: h + jnp.tanh(h @ p), ws, x, RecomputeConfig(granularity="full"))
+      >>> y.shape
+      (2, 4)
     """
     n_layers = jax.tree.leaves(params)[0].shape[0] if scan else len(params)
 

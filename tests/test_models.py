@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.common import REFERENCE_BATCH, reference_config
 from models import gpt2, layers, llama3
 from remat import RecomputeConfig, memory
 
@@ -199,10 +200,10 @@ def test_saved_residual_ordering(model):
 
 def test_gpt2_no_remat_saves_what_pytorch_does_or_less():
     # The reference shape of MEASUREMENTS.md: PyTorch eager keeps 333 MiB, a plain JAX model ~800.
-    cfg = gpt2.GPT2Config(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_embd=256)
+    cfg = reference_config("gpt2")
     params = jax.eval_shape(lambda: gpt2.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
-    idx = jnp.zeros((8, 256), jnp.int32)
+    idx = jnp.zeros((REFERENCE_BATCH, cfg.block_size), jnp.int32)
     saved = memory.saved_residuals(lambda p, x, y: gpt2.loss_fn(p, cfg, x, y), params, idx, idx)
     assert saved.intermediates <= 333 * 2**20, saved.table()
     names = saved.by_name()

@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from bench.common import REFERENCE_BATCH, reference_config
 from models import gpt2
 from remat import RecomputeConfig, memory
 
-REF = gpt2.GPT2Config(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_embd=256)
-IDX = jnp.zeros((8, 256), jnp.int32)
+REF = reference_config("gpt2")
+IDX = jnp.zeros((REFERENCE_BATCH, REF.block_size), jnp.int32)
 SETTINGS = {
     "none": RecomputeConfig(),
     "full": RecomputeConfig(granularity="full"),

@@ -13,6 +13,7 @@ import os
 import stat
 import tempfile
 
+from remat.memory import format_bytes
 from training.config import UsageError
 
 # AdamW keeps the parameters, two moments and (transiently) the gradients, all float32.
@@ -123,8 +124,7 @@ def check_model_size(n_params: int, fsdp: int, devices) -> None:
     # CPU devices all draw on the one host's memory.
     need = per_device * (len(devices) if dev.platform == "cpu" else 1)
     if need > limit:
-        g = lambda b: f"{b / 2**30:,.1f} GiB"
         raise UsageError(f"the model has {n_params:,} parameters: its parameters and AdamW state need "
-                         f"{g(need)} ({STATE_BYTES_PER_PARAM} bytes per parameter, sharded over fsdp={fsdp}) but "
-                         f"a {dev.platform} device has {g(limit)}; use a smaller model (--n_embd, --n_layer) "
+                         f"{format_bytes(need)} ({STATE_BYTES_PER_PARAM} bytes per parameter, sharded over fsdp={fsdp}) but "
+                         f"a {dev.platform} device has {format_bytes(limit)}; use a smaller model (--n_embd, --n_layer) "
                          f"or shard it over more devices (--mesh fsdp=N)")

@@ -23,13 +23,14 @@ import typing
 from typing import Sequence
 
 from models.attention import ATTENTION, DEFAULT_TILE
+from models.family import NAMES as model_family_names
 from remat import RecomputeConfig
 from remat import deepspeed as remat_deepspeed
 from remat import flags as recompute_flags
 from remat.config import AutoRecompute
 from remat.planner import parse_size
 
-MODELS = ("gpt2", "llama3")
+MODELS = model_family_names  # the model-family registry (models.family)
 DTYPES = ("float32", "bfloat16")
 MESH_AXES = ("data", "fsdp")
 TENSOR_AXIS = None  # no tensor-parallel mesh axis yet: DeepSpeed's partition_activations has nothing to split
@@ -53,12 +54,10 @@ def _r(name: str):
 
 
 def model_presets(model: str) -> tuple[str, ...]:
-    """The preset names of `model` ("gpt2" or "llama3")."""
-    if model == "gpt2":
-        from models.gpt2 import PRESETS
-    else:
-        from models.llama3 import PRESETS
-    return tuple(PRESETS)
+    """The preset names of `model` ("gpt2" or "llama3"), from the model-family registry."""
+    from models.family import get
+
+    return tuple(get(model).presets)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:

@@ -1,12 +1,12 @@
 """Per-step logging: the dense llm.c-style line, the JSONL record, MFU and memory.
 
-    step 12/200 | loss 3.4102 | norm 0.83 | lr 3.0e-04 | 412 ms | 9,950 tok/s | mfu n/a | mem 1.2 GiB
+    step 12/200 | loss 3.4102 | norm 0.83 | lr 3.0e-04 | 412 ms | 9,950 tok/s | mfu n/a | mem 1.20 GiB
 
 MFU is model FLOPs per token (the model's `flops_per_token`, which does not count recomputation)
 times tokens per second, over the peak of the devices in use from `PEAK_FLOPS`; devices not in
 the table (every CPU) report "n/a". Memory is the device's `peak_bytes_in_use` when the backend
 reports `memory_stats()`, else XLA's compiled estimate of the step (arguments + outputs +
-temporaries - aliased), shown as `mem 1.2 GiB (compiled est.)`.
+temporaries - aliased), shown as `mem 1.20 GiB (compiled est.)`.
 
 Example:
     >>> print(format_line(12, 200, dict(loss=3.41, grad_norm=0.83, lr=3e-4, step_ms=412.0,
@@ -18,6 +18,8 @@ import json
 import os
 
 import jax
+
+from remat.memory import compiled_stats, format_bytes
 
 # Dense peak FLOP/s per device (no sparsity) for bfloat16 and float32 matmuls (TF32 on NVIDIA).
 # Keys are matched as substrings of `device.device_kind`, first match wins.
@@ -65,26 +67,18 @@ def device_memory(devices) -> int | None:
 
 
 def compiled_estimate(compiled) -> int | None:
-    """XLA's estimate of the bytes a compiled program needs live at once (per device)."""
+    """XLA's estimate of the bytes a compiled program needs live at once (per device):
+    `remat.memory.compiled_stats(compiled).peak_estimate`, None where the backend has none."""
     try:
-        ma = compiled.memory_analysis()
-    except Exception:
+        return compiled_stats(compiled).peak_estimate
+    except Exception:  # backends without a memory analysis
         return None
-    if ma is None:
-        return None
-    g = lambda k: int(getattr(ma, k, 0) or 0)
-    return g("argument_size_in_bytes") + g("output_size_in_bytes") + g("temp_size_in_bytes") - g(
-        "alias_size_in_bytes")
-
-
-def gib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 * 0.1 else f"{n / 2**20:.1f} MiB"
 
 
 def format_line(step: int, total: int, m: dict) -> str:
     """The one dense line per step."""
     mfu = "n/a" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
-    mem = gib(m.get("memory_bytes"))
+    mem = format_bytes(m.get("memory_bytes"))
     if m.get("memory_source") == "compiled_estimate":
         mem += " (compiled est.)"
     line = (f"step {step:{len(str(total))}d}/{total} | loss {m['loss']:.4f} | norm {m['grad_norm']:.2f} | "

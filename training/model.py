@@ -1,4 +1,5 @@
-"""The two model families behind one interface: config building, init, loss, FLOPs, llm.c I/O.
+"""The model family of a run (`family(name)`, the registry `models.family`) and training's view
+of a model config: `config_dict`, `init_params`, `decay_mask`.
 
 # NOTE: layout-independent init. `remat.linen.LayerStack` draws one key per layer from the same
 # stream in both layouts (h_i == h[i]), so every recompute and layout setting starts from the same
@@ -12,50 +13,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from types import ModuleType
 from typing import Any
 
 import jax
 
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """A model family module (`models.gpt2` / `models.llama3`) and its config class."""
-    name: str
-    module: ModuleType
-    config_cls: type
-
-    def config(self, preset: str, **overrides):
-        return self.config_cls.preset(preset, **overrides)
-
-    def loss_fn(self, params, mcfg, idx, targets, dropout_key=None):
-        return self.module.loss_fn(params, mcfg, idx, targets, dropout_key)
-
-    def flops_per_token(self, mcfg, seq_len: int) -> float:
-        return float(self.module.flops_per_token(mcfg, seq_len))
-
-    def num_params(self, mcfg) -> int:
-        return int(self.module.num_params(mcfg))
-
-    def llmc_shapes(self, mcfg) -> dict:
-        return self.module.llmc_shapes(mcfg)
-
-    def from_llmc(self, mcfg, tensors):
-        return self.module.from_llmc(mcfg, tensors)
-
-    def to_llmc(self, mcfg, params):
-        return self.module.to_llmc(mcfg, params)
-
-
-_FAMILIES = {"gpt2": ("models.gpt2", "GPT2Config"), "llama3": ("models.llama3", "Llama3Config")}
+from models.family import Family, get
 
 
 def family(name: str) -> Family:
-    """The Family for `name` ("gpt2" or "llama3")."""
-    mod_name, cls_name = _FAMILIES[name]
-    mod = importlib.import_module(mod_name)
-    return Family(name, mod, getattr(mod, cls_name))
+    """The Family for `name` ("gpt2" or "llama3"): `models.family.get`."""
+    return get(name)
 
 
 def config_dict(mcfg) -> dict:
@@ -75,7 +42,7 @@ def init_params(fam: Family, mcfg, key) -> Any:
     Example:
       >>> params = init_params(family("gpt2"), cfg, jax.random.PRNGKey(0))
     """
-    return fam.module.init_params(mcfg, key)
+    return fam.init_params(mcfg, key)
 
 
 def decay_mask(params) -> Any:

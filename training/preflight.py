@@ -31,11 +31,13 @@ import dataclasses
 import math
 import os
 
+from remat.memory import GiB, MiB, compiled_stats
+from remat.memory import format_bytes
 from remat.planner import parse_size, recompute_config
 from training.checks import device_memory_limit
 from training.compile import compile_train_step
 from training.config import UsageError
-from training.log import compiled_estimate, gib
+from training.log import compiled_estimate
 
 HEADROOM = 0.8       # a suggested budget leaves 20% to the rest of the process (and, on CPU, the host)
 DEFAULT_CHUNK = 128  # --loss_chunk suggested when the run has none (at most a quarter of T)
@@ -54,7 +56,7 @@ class Capacity:
     def budget_flag(self) -> str:
         """A per-device `--memory_budget` that leaves HEADROOM, rounded down (0.1 GiB or 1 MiB)."""
         n = self.bytes * HEADROOM / self.sharing
-        return f"{math.floor(n / 2 ** 30 * 10) / 10:g}GiB" if n >= 2 ** 30 else f"{max(1, int(n // 2 ** 20))}MiB"
+        return f"{math.floor(n / GiB * 10) / 10:g}GiB" if n >= GiB else f"{max(1, int(n // MiB))}MiB"
 
     @property
     def budget(self) -> int:
@@ -106,9 +108,9 @@ def check(setup, compiled, compile_step=None) -> str | None:
         return None
     need = peak * cap.sharing
     if need <= cap.bytes:
-        return f"the train step needs {gib(need)} of {gib(cap.bytes)} {cap.what}: fits"
-    per = f" ({cap.sharing} devices x {gib(peak)})" if cap.sharing > 1 else ""
-    head = f"the train step needs {gib(need)}{per} (XLA's compiled peak) but {cap.what} is {gib(cap.bytes)}"
+        return f"the train step needs {format_bytes(need)} of {format_bytes(cap.bytes)} {cap.what}: fits"
+    per = f" ({cap.sharing} devices x {format_bytes(peak)})" if cap.sharing > 1 else ""
+    head = f"the train step needs {format_bytes(need)}{per} (XLA's compiled peak) but {cap.what} is {format_bytes(cap.bytes)}"
     try:
         hint = advice(setup, cap, compile_step)
     except Exception as e:  # a candidate that does not even compile must not hide the finding
@@ -148,7 +150,7 @@ def advice(setup, cap: Capacity, compile_step) -> str:
         what = "full remat" + (f" and --loss_chunk {c}" if c else "")
         if p <= budget:
             flags = auto + (f" --loss_chunk {c}" if c != mcfg.loss_chunk else "")
-            return f"{what} needs {gib(p * cap.sharing)}: try {flags}{without} ({planner})"
+            return f"{what} needs {format_bytes(p * cap.sharing)}: try {flags}{without} ({planner})"
     p_min, compiled = last
     return _batch_advice(setup, cap, compile_step, chunk, p_min, compiled)
 
@@ -157,9 +159,9 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
     """A smaller micro-batch with full remat and the chunked loss, as concrete flags, verified by
     compiling exactly the configuration they give."""
     cfg, budget = setup.cfg, cap.budget
-    temp = int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+    temp = compiled_stats(compiled).temp
     fixed = p_min - temp  # parameters, optimizer state, gradients, the batch: what temp is not
-    what = f"even full remat with --loss_chunk {chunk} needs {gib(p_min * cap.sharing)}"
+    what = f"even full remat with --loss_chunk {chunk} needs {format_bytes(p_min * cap.sharing)}"
     step = setup.mesh.size  # the batch is sharded over every mesh axis
     drop = [f for f, on in (("--recompute_granularity", cfg.recompute_granularity not in (None, "full")),
                             ("--recompute_method", cfg.recompute_method != "none"),
@@ -170,7 +172,7 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
     b, seqs = cfg.batch_size, cfg.batch_size * cfg.grad_accum_steps  # sequences per optimizer step
     for _ in range(BATCH_TRIES):
         if fixed >= budget or temp <= 0:
-            return (f"{what} and the parameters and optimizer state alone need {gib(fixed * cap.sharing)}: use a "
+            return (f"{what} and the parameters and optimizer state alone need {format_bytes(fixed * cap.sharing)}: use a "
                     f"smaller model, or shard them over more devices (--mesh fsdp=N)")
         b = (int(b * (budget - fixed) / temp) // step) * step
         if b < step:
@@ -185,9 +187,9 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
         if p <= budget:
             keep = f" --grad_accum_steps {accum}" if accum != cfg.grad_accum_steps else ""
             return (f"{what}: reduce the micro-batch, e.g. --batch_size {b}{keep} --activation_recompute "
-                    f"--loss_chunk {chunk}{without}, which needs {gib(p * cap.sharing)} "
+                    f"--loss_chunk {chunk}{without}, which needs {format_bytes(p * cap.sharing)} "
                     f"({b * accum * cfg.sequence_length:,} tokens per step)")
-        temp = int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+        temp = compiled_stats(compiled).temp
         fixed = p - temp
     return (f"{what}, and no smaller batch found fits: use a shorter --sequence_length, a smaller model, or "
             f"more devices (--mesh fsdp=N)")

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from models import attention
+from models.family import of as family_of
 from models.llmc_io import LlmcFormatError
 from remat import RecomputeConfig
 from remat.config import AutoRecompute
@@ -121,7 +122,7 @@ def _load_llmc(cfg: TrainConfig, fam: Family):
                                      ffn_dim_multiplier=base.ffn_dim_multiplier, **kw)
     except (LlmcFormatError, ValueError) as e:
         raise UsageError(f"--init_from {e}") from None
-    kind = "gpt2" if type(mcfg).__name__ == "GPT2Config" else "llama3"
+    kind = family_of(mcfg).name
     if kind != cfg.model:
         raise UsageError(f"--init_from {path} is an llm.c {kind} model but this run is --model {cfg.model}; "
                          f"pass --model {kind}")

@@ -23,17 +23,15 @@ def memory_report(setup) -> str:
     cols = []
     for label, mcfg in setup.mcfgs:
         res = remat.memory.saved_residuals(lambda p, x, y, m=mcfg: setup.fam.loss_fn(p, m, x, y), params, xy, xy)
-        ma = compile_train_step(setup, mcfg).memory_analysis()
-        g = lambda k: int(getattr(ma, k, 0) or 0) if ma is not None else 0
-        comp = {"temp": g("temp_size_in_bytes"), "arguments": g("argument_size_in_bytes"),
-                "outputs": g("output_size_in_bytes"), "aliased": g("alias_size_in_bytes")}
-        comp["peak estimate"] = comp["arguments"] + comp["outputs"] + comp["temp"] - comp["aliased"]
+        cm = remat.memory.compiled_stats(compile_train_step(setup, mcfg))
+        comp = {"temp": cm.temp, "arguments": cm.argument, "outputs": cm.output, "aliased": cm.alias,
+                "peak estimate": cm.peak_estimate}
         cols.append((label, res, comp))
     names = []
     for _, res, _ in cols:
         names += [k for k in res.by_name() if k not in names]
     w0, w = 46, max(18, *(len(c[0]) + 2 for c in cols))
-    mib = lambda b: f"{b / 2**20:,.2f} MiB" if b >= 2**20 else f"{b / 2**10:,.1f} KiB"
+    mib = remat.memory.format_bytes
     dev = setup.mesh.devices.flat[0]
     lines = [f"memory report: {cfg.model} {cfg.preset} ({setup.fam.num_params(setup.mcfg):,} params), micro-batch "
              f"{cfg.batch_size}x{cfg.sequence_length}, {cfg.dtype}, mesh {cfg.mesh} on {setup.mesh.size} "
@@ -84,5 +82,5 @@ def describe(setup, compiled=None) -> str:
     ]
     lines[2:2] = [f"deepspeed {note}" for note in cfg.deepspeed_notes()]
     if compiled is not None:
-        lines.append(f"memory   {log_lib.gib(log_lib.compiled_estimate(compiled))} per device (compiled est.)")
+        lines.append(f"memory   {remat.memory.format_bytes(log_lib.compiled_estimate(compiled))} per device (compiled est.)")
     return "\n".join(lines)
