@@ -38,6 +38,7 @@ from training import sharding as sh
 from training import signals
 from models import attention
 from training.config import TrainConfig, UsageError, parse_mesh
+from training.distributed import put_rows
 from training.model import Family, config_dict, family
 from training.optim import make_optimizer, optimizer_settings
 from training.profile import StepProfiler
@@ -612,8 +613,9 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
         xs = sh.batch_sharding(mesh, 2, 0)
         losses = []
         for i in range(cfg.val_steps):
-            x, y = setup.val_ds.eval_batch(i, cfg.batch_size, cfg.sequence_length)
-            losses.append(float(eval_fn(params, sh.put_batch(x, xs), sh.put_batch(y, xs))))
+            xd, yd = put_rows(lambda r: setup.val_ds.eval_batch(i, cfg.batch_size, cfg.sequence_length, rows=r),
+                              (cfg.batch_size, cfg.sequence_length), xs, 0)  # this process's rows only
+            losses.append(float(eval_fn(params, xd, yd)))
         return float(np.mean(losses))
 
     profiler = StepProfiler.from_config(cfg, out)
@@ -646,9 +648,9 @@ def _train(setup: Setup, compiled, out, t_compile: float) -> RunResult:
     try:
         for step in range(start, cfg.num_iterations):
             try:
-                x, y = setup.train_ds.batch(position, cfg.seed, cfg.batch_size, cfg.sequence_length,
-                                            cfg.grad_accum_steps)
-                xd, yd = sh.put_batch(x, setup.x_sharding), sh.put_batch(y, setup.x_sharding)
+                read = lambda r: setup.train_ds.batch(position, cfg.seed, cfg.batch_size, cfg.sequence_length,
+                                                      cfg.grad_accum_steps, rows=r)
+                xd, yd = put_rows(read, _batch_struct(setup).shape, setup.x_sharding, 1)  # this process's rows only
                 with profiler.step(step + 1):  # a jax.profiler trace of --profile_steps
                     t0 = time.perf_counter()
                     state, metrics = compiled(state, xd, yd)
