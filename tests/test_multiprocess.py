@@ -243,3 +243,23 @@ def test_killed_process_stops_the_other(tmp_path, data_file, victim):
         assert ("process 1 of 2: another process of this run stopped" in err
                 or "JAX distributed service detected fatal errors. This most likely indicates that another task died"
                 in err), err
+
+
+def test_put_rows_reads_each_held_row_range_once():
+    """In one process with 8 devices: the batch split 4 ways (each part on 2 devices) is read as 4
+    row ranges, once each, and assembles the whole batch."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from training.distributed import put_rows
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("rows", "copies"))
+    full = np.arange(2 * 8 * 3).reshape(2, 8, 3)
+    read = []
+
+    def rows(r):
+        read.append((r.start, r.stop))
+        return full[:, r], -full[:, r]
+
+    x, y = put_rows(rows, full.shape, NamedSharding(mesh, P(None, "rows", None)), 1)
+    assert sorted(read) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    np.testing.assert_array_equal(np.asarray(x), full)
+    np.testing.assert_array_equal(np.asarray(y), -full)
