@@ -207,13 +207,12 @@ def test_resume_in_one_process_from_two(runs, tmp_path, data_file):
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_killed_process_stops_the_other(tmp_path, data_file, victim):
-    """SIGKILL one of 2 training processes: the other exits non-zero within 120 s, saying why.
+    """SIGKILL one of 2 training processes: the other exits non-zero within 120 s with one line on stderr.
 
-    Process 1 killed: process 0's next collective fails and it prints one line and exits 1.
-    Process 0 killed: the coordination service dies with it, and JAX's agent in process 1 aborts
-    the process as soon as it sees that ("Terminating process because the JAX distributed service
-    detected fatal errors. This most likely indicates that another task died", with glog lines), in
-    a race with the same one line from the failed collective: either may come first.
+    Process 1 killed: process 0's next collective fails; it prints one line and exits 1.
+    Process 0 killed: the coordination service dies with it, and JAX's agent in process 1 usually
+    aborts that process (SIGABRT) before the failed collective reaches Python; the stderr filter of
+    processes 1..N-1 (`training.distributed.tidy_stderr`) turns JAX's fatal lines into the one line.
     """
     log = tmp_path / "log.jsonl"
     args = ARGS[:ARGS.index("--num_iterations")] + ["--num_iterations", "100000", "--val_every", "0", "--no-progress",
@@ -233,16 +232,15 @@ def test_killed_process_stops_the_other(tmp_path, data_file, victim):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    err = _read(tmp_path / f"kill.{1 - victim}.err")
+    path, end = tmp_path / f"kill.{1 - victim}.err", time.monotonic() + 10
+    while "\n" not in _read(path) and time.monotonic() < end:  # process 1's stderr filter may write last
+        time.sleep(0.1)
+    time.sleep(0.5)
+    err = _read(path)
     lines = [l for l in err.splitlines() if l.strip()]
     print(f"victim {victim}: survivor exit {rc} after {elapsed:.1f} s: {err.strip()}")
-    assert rc != 0 and elapsed <= 120 and "Traceback" not in err, err
-    if victim == 1:
-        assert rc == 1 and len(lines) == 1 and "process 0 of 2: another process of this run stopped" in lines[0], err
-    else:
-        assert ("process 1 of 2: another process of this run stopped" in err
-                or "JAX distributed service detected fatal errors. This most likely indicates that another task died"
-                in err), err
+    assert rc != 0 and elapsed <= 120, err
+    assert len(lines) == 1 and f"process {1 - victim} of 2: another process of this run stopped" in lines[0], err
 
 
 def test_put_rows_reads_each_held_row_range_once():

@@ -97,6 +97,63 @@ def quiet_others() -> None:
     os.close(devnull)
 
 
+# NOTE: why a filter process on the stderr of processes 1..N-1. When process 0 dies, the
+# coordination service (which runs inside it) dies too, and JAX's agent in every other process
+# aborts that process at once from a C++ thread: a LOG(FATAL) line, glog error lines and a C++
+# stack trace on stderr, then SIGABRT. That usually comes before the failed collective reaches
+# Python, so no code in the process can replace it. A small filter process, which outlives the
+# abort, reads the process's stderr through a pipe, drops the coordination service's glog lines
+# (and their continuation lines), and puts one line in place of the fatal one. Every other line
+# (Python errors, other XLA messages) passes through unchanged. It ignores SIGINT/SIGTERM and ends
+# when the process's stderr closes. Process 0 keeps its stderr as it is (tqdm writes there).
+_FILTER = r"""
+import re, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+prog, me, n = sys.argv[1:4]
+glog = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ (\S+):\d+\] ")
+ours = f"{prog}: error: process {me} of {n}: another process of this run stopped".encode()
+keep = (prog.encode() + b":", b"Traceback", b"warning:")
+out, dropping, said = sys.stdout.buffer, False, False
+for line in sys.stdin.buffer:
+    m = glog.match(line)
+    if m:
+        dropping = any(s in m.group(1) for s in (b"coordination_service", b"client.h", b"preemption_"))
+        if dropping and b"Terminating process because the JAX distributed service" in line and not said:
+            out.write(ours + b" (process 0, which runs the coordination service, is gone); stopping too; restart "
+                      b"all " + n.encode() + b" processes with --resume to continue from the last checkpoint\n")
+            said = True
+        elif not dropping:
+            out.write(line)
+    elif line.startswith(ours):
+        if not said:
+            out.write(line)
+        said = dropping = True
+    elif dropping and not line.startswith(keep):
+        continue
+    else:
+        dropping = False
+        out.write(line)
+    out.flush()
+"""
+_filter = []
+
+
+def tidy_stderr(prog: str) -> None:
+    """In processes 1..N-1: route stderr through `_FILTER` (see the NOTE above)."""
+    import subprocess
+
+    if jax.process_count() == 1 or is_primary():
+        return
+    sys.stderr.flush()
+    original = os.dup(2)
+    proc = subprocess.Popen([sys.executable, "-c", _FILTER, prog, str(jax.process_index()), str(jax.process_count())],
+                            stdin=subprocess.PIPE, stdout=original, close_fds=True)
+    os.dup2(proc.stdin.fileno(), 2)
+    os.close(original)
+    _filter.append(proc)  # kept referenced; its stdin (our stderr) closes when this process ends
+
+
 # Words in the errors a collective or the coordination service raises when another process is gone.
 _PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Gloo", "heartbeat", "coordination service",
                "Socket closed", "Broken pipe", "barrier")
