@@ -13,7 +13,8 @@ mesh; XLA inserts the collectives (gloo between CPU processes, NCCL on GPUs).
 - A peer's death: a collective with a dead peer fails at once ("Connection closed by peer"); the
   survivors print one line and exit 1 (`peer_failure`, `exit_on_peer_failure`). A peer that dies
   while the others are not in a collective is found by the coordination service's heartbeat
-  (`HEARTBEAT_S`), which stops the survivors with JAX's own message.
+  (`HEARTBEAT_S`), and JAX aborts the survivors; so it does when process 0 (which runs the
+  service) dies. `tidy_stderr` turns that abort into the same one line.
 
 Example:
     >>> initialize()                              # no-op in a single-process environment
