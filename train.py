@@ -44,6 +44,17 @@ def main(argv=None) -> int:
     from training import signals
 
     signals.install(PROG)  # Ctrl-C / SIGTERM: exit 130 / 143 with one line (training/signals.py)
+    from training import distributed
+
+    try:
+        distributed.initialize()  # N processes (JAX_COORDINATOR_ADDRESS..., SLURM, Open MPI): training/distributed.py
+    except (RuntimeError, ValueError) as e:
+        sys.stderr.write(f"{PROG}: error: could not start the multi-process run ({' '.join(str(e).split())[:300]}); "
+                         f"check JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID and that every "
+                         f"process was started\n")
+        return 1
+    distributed.quiet_others()  # process 0 prints and logs
+    distributed.tidy_stderr(PROG)  # processes 1..N-1: one line, not JAX's abort, when process 0 dies
     import training
     from models.llmc_io import LlmcFormatError
     from training.saving import CheckpointSaveError, quiet_failed_save_threads
@@ -72,6 +83,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")
         return 130
+    except Exception as e:
+        reason = distributed.peer_failure(e)  # multi-process: a collective with a dead process failed
+        if reason is None:
+            raise
+        distributed.exit_on_peer_failure(reason, PROG)
     if signals.pending():  # a signal during the last save: it completed, the run is whole
         sys.stderr.write(f"{PROG}: {signals.describe(signals.pending())} after the last step; the run and its "
                          f"checkpoint are complete\n")

@@ -84,3 +84,37 @@ def test_split_tail_and_checks(tmp_path):
         ds.check(256, 2000)
     with pytest.raises(UsageError, match="too short to hold out"):
         ds.split_tail(0.5, 1500)
+
+
+class _Counting:
+    """A token stream that records which windows are sliced out of it."""
+
+    def __init__(self, a, log):
+        self.a, self.log = a, log
+
+    def __len__(self):
+        return len(self.a)
+
+    def __getitem__(self, s):
+        self.log.append((s.start, s.stop))
+        return self.a[s]
+
+
+def test_rows_are_the_same_rows_and_only_those_are_read(tmp_path):
+    """`rows=` (a process's share of the batch) gives the rows of the whole batch and reads only them."""
+    import dataclasses
+
+    write_tokens(tmp_path / "s.bin", np.arange(5000) % 256)
+    ds = load([str(tmp_path / "s.bin")])
+    x, y = ds.batch(index=5, seed=3, batch_size=8, seq_len=16, accum=2)
+    ex, ey = ds.eval_batch(2, 8, 16)
+    log = []
+    counted = dataclasses.replace(ds, streams=(_Counting(ds.streams[0], log),))
+    xr, yr = counted.batch(index=5, seed=3, batch_size=8, seq_len=16, accum=2, rows=slice(4, 6))
+    np.testing.assert_array_equal(xr, x[:, 4:6])
+    np.testing.assert_array_equal(yr, y[:, 4:6])
+    assert len(log) == 2 * 2  # accum x rows windows, not accum x batch
+    log.clear()
+    exr, _ = counted.eval_batch(2, 8, 16, rows=slice(6, 8))
+    np.testing.assert_array_equal(exr, ex[6:8])
+    assert len(log) == 2

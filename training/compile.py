@@ -65,7 +65,7 @@ def compile_train_step(setup, mcfg=None):
     fn = make_train_step(setup.fam, mcfg, setup.tx, setup.schedule, cfg.dropout)
     jitted = jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
                      out_shardings=(setup.state_sharding, sh.replicated(setup.mesh)), donate_argnums=(0,))
-    b = _batch_struct(setup)
+    b = batch_struct(setup)
     compiled = jitted.lower(abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b).compile()
     _COMPILED[key] = compiled
     while len(_COMPILED) > _COMPILED_MAX:
@@ -73,7 +73,7 @@ def compile_train_step(setup, mcfg=None):
     return compiled
 
 
-def _batch_struct(setup):
+def batch_struct(setup):
     c = setup.cfg
     return jax.ShapeDtypeStruct((c.grad_accum_steps, c.batch_size, c.sequence_length), jnp.int32,
                                 sharding=setup.x_sharding)

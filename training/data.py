@@ -87,26 +87,35 @@ class Dataset:
             out[row] = self.streams[w][s:s + seq_len + 1]
         return out
 
-    def batch(self, index: int, seed: int, batch_size: int, seq_len: int, accum: int = 1):
+    def batch(self, index: int, seed: int, batch_size: int, seq_len: int, accum: int = 1, rows: slice | None = None):
         """Training batch number `index`: random windows drawn from `(seed, index)`.
 
+        Args:
+          rows: read only these rows of the batch axis (a process's share of the global batch,
+            `training.distributed.put_rows`); the start of every row is drawn, so they are the
+            same rows as in the whole batch.
         Returns:
-          x, y: int32 arrays (accum, batch_size, seq_len); y is x shifted by one token.
+          x, y: int32 arrays (accum, batch_size, seq_len), or (accum, rows, seq_len); y is x shifted by one token.
         """
         counts, offsets = self._windows(seq_len)
         rng = np.random.default_rng([seed, index])
-        flat = rng.integers(0, offsets[-1], size=accum * batch_size)
-        w = self._gather(flat, seq_len).reshape(accum, batch_size, seq_len + 1)
+        flat = rng.integers(0, offsets[-1], size=accum * batch_size).reshape(accum, batch_size)
+        if rows is not None:
+            flat = flat[:, rows]
+        w = self._gather(flat.ravel(), seq_len).reshape(accum, flat.shape[1], seq_len + 1)
         return w[..., :-1], w[..., 1:]
 
-    def eval_batch(self, index: int, batch_size: int, seq_len: int):
+    def eval_batch(self, index: int, batch_size: int, seq_len: int, rows: slice | None = None):
         """Validation batch number `index`: consecutive non-overlapping windows (wrapping around).
 
+        Args:
+          rows: read only these rows (as in `batch`).
         Returns:
-          x, y: int32 arrays (batch_size, seq_len).
+          x, y: int32 arrays (batch_size, seq_len), or (rows, seq_len).
         """
         counts, offsets = self._windows(seq_len)
-        stride = np.array([(index * batch_size + b) * seq_len for b in range(batch_size)], np.int64)
+        stride = np.array([(index * batch_size + b) * seq_len for b in range(batch_size)[rows or slice(None)]],
+                          np.int64)
         w = self._gather(stride % offsets[-1], seq_len)
         return w[:, :-1], w[:, 1:]
 

@@ -55,6 +55,8 @@ def device_memory(devices) -> int | None:
     """Peak bytes in use, the maximum over `devices`, from `memory_stats()`; None if unsupported."""
     best = None
     for d in devices:
+        if d.process_index != jax.process_index():  # another process's device (multi-process runs)
+            continue
         try:
             stats = d.memory_stats()
         except Exception:  # some backends raise instead of returning None

@@ -25,7 +25,9 @@ from training import log as log_lib
 from training import saving
 from training import sharding as sh
 from training import signals
+from training.compile import batch_struct
 from training.config import TrainConfig, UsageError
+from training.distributed import put_rows
 from training.model import config_dict
 from training.profile import StepProfiler
 from training.report import describe
@@ -92,8 +94,9 @@ def train(setup, compiled, out, t_compile: float) -> RunResult:
         xs = sh.batch_sharding(mesh, 2, 0)
         losses = []
         for i in range(cfg.val_steps):
-            x, y = setup.val_ds.eval_batch(i, cfg.batch_size, cfg.sequence_length)
-            losses.append(float(eval_fn(params, sh.put_batch(x, xs), sh.put_batch(y, xs))))
+            xd, yd = put_rows(lambda r: setup.val_ds.eval_batch(i, cfg.batch_size, cfg.sequence_length, rows=r),
+                              (cfg.batch_size, cfg.sequence_length), xs, 0)  # this process's rows only
+            losses.append(float(eval_fn(params, xd, yd)))
         return float(np.mean(losses))
 
     profiler = StepProfiler.from_config(cfg, out)
@@ -126,9 +129,9 @@ def train(setup, compiled, out, t_compile: float) -> RunResult:
     try:
         for step in range(start, cfg.num_iterations):
             try:
-                x, y = setup.train_ds.batch(position, cfg.seed, cfg.batch_size, cfg.sequence_length,
-                                            cfg.grad_accum_steps)
-                xd, yd = sh.put_batch(x, setup.x_sharding), sh.put_batch(y, setup.x_sharding)
+                read = lambda r: setup.train_ds.batch(position, cfg.seed, cfg.batch_size, cfg.sequence_length,
+                                                      cfg.grad_accum_steps, rows=r)
+                xd, yd = put_rows(read, batch_struct(setup).shape, setup.x_sharding, 1)  # this process's rows only
                 with profiler.step(step + 1):  # a jax.profiler trace of --profile_steps
                     t0 = time.perf_counter()
                     state, metrics = compiled(state, xd, yd)

@@ -256,14 +256,23 @@ def _first_line(e: BaseException, limit: int = 160) -> str:
 
 def set_aside(directory: str, step: int) -> str:
     """Rename a damaged step directory out of orbax's sight (`damaged_step_<N>`), so that the run
-    can save that step again; returns the new path. Nothing is deleted."""
+    can save that step again; returns the new path. Nothing is deleted. In a multi-process run
+    process 0 renames and every process waits for it."""
+    from jax.experimental.multihost_utils import sync_global_devices
+
+    sync = (lambda what: sync_global_devices(f"set_aside_{step}_{what}")) if jax.process_count() > 1 else None
+    if sync:
+        sync("look")  # every process picks the same name before process 0 renames
     src = os.path.join(directory, str(step))
     dst = os.path.join(directory, f"damaged_step_{step}")
     k = 1
     while os.path.lexists(dst):
         k += 1
         dst = os.path.join(directory, f"damaged_step_{step}.{k}")
-    os.rename(src, dst)
+    if jax.process_index() == 0:
+        os.rename(src, dst)
+    if sync:
+        sync("renamed")
     return dst
 
 

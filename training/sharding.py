@@ -13,8 +13,6 @@ Example:
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -22,34 +20,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from training.config import MESH_AXES, UsageError
 
 BATCH_AXES = ("data", "fsdp")
-_MULTIHOST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
-_DISTRIBUTED = False
 
 
 def maybe_initialize_distributed() -> bool:
-    """Call `jax.distributed.initialize()` when the standard multi-host environment is present.
+    """`training.distributed.initialize()`: `jax.distributed.initialize()` when the environment asks."""
+    from training import distributed
 
-    That is: `JAX_COORDINATOR_ADDRESS` (with `JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`), or a SLURM or
-    Open MPI job of more than one task (auto-detected by JAX). Returns True when it initialized.
-    """
-    global _DISTRIBUTED
-    if _DISTRIBUTED:
-        return True
-    multi = any(os.environ.get(k) for k in _MULTIHOST_ENV)
-    multi |= int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
-    multi |= int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
-    if not multi:
-        return False
-    kw = {}
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        kw["coordinator_address"] = os.environ["JAX_COORDINATOR_ADDRESS"]
-        if os.environ.get("JAX_NUM_PROCESSES"):
-            kw["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
-        if os.environ.get("JAX_PROCESS_ID"):
-            kw["process_id"] = int(os.environ["JAX_PROCESS_ID"])
-    jax.distributed.initialize(**kw)
-    _DISTRIBUTED = True
-    return True
+    return distributed.initialize()
 
 
 def make_mesh(shape: dict[str, int], global_batch: int | None = None) -> Mesh:
