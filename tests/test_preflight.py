@@ -11,7 +11,7 @@ import pytest
 
 import train
 from training import preflight
-from training.log import gib
+from remat.memory import format_bytes
 
 # One layer keeps every compilation short; the data is the default corpus (no files needed).
 BASE = ["--preset", "tiny", "--n_layer", "1", "--val_every", "0", "--no-progress", "--num_iterations", "1"]
@@ -56,7 +56,7 @@ def test_batch_that_does_not_fit_in_ram_exits_2_with_a_smaller_batch(capsys, tmp
     assert rc == 0, err
     est = re.search(r"memory\s+(.*) per device \(compiled est\.\)", out).group(1)
     assert "fits" in out and "dry run" in out, out
-    assert est != gib(0)
+    assert est != format_bytes(0)
 
 
 def test_no_preflight_skips_the_check(monkeypatch):
