@@ -31,8 +31,8 @@ from remat.planner import parse_size
 
 MODELS = ("gpt2", "llama3")
 DTYPES = ("float32", "bfloat16")
-MESH_AXES = ("data", "fsdp")
-TENSOR_AXIS = None  # no tensor-parallel mesh axis yet: DeepSpeed's partition_activations has nothing to split
+MESH_AXES = ("data", "fsdp", "tensor")
+TENSOR_AXIS = "tensor"  # Megatron-style tensor (and sequence) parallelism: training/sharding.py
 DEFAULT_PRESET = "tiny"
 DEFAULT_PROMPT_TOKENS = 32  # the default sample prompt: this many tokens from the start of the validation data
 SEED_MAX = 2**31 - 1  # the seed enters the jitted init as an int32
@@ -68,7 +68,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
         name, eq, value = part.partition("=")
         name = name.strip()
         if not eq or name not in MESH_AXES or name in seen or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh {spec!r}: expected AXIS=N[,AXIS=N] with axes {' and '.join(MESH_AXES)} "
+            raise ValueError(f"--mesh {spec!r}: expected AXIS=N[,AXIS=N] with axes {', '.join(MESH_AXES)} "
                              f"and N >= 1, e.g. --mesh data=2,fsdp=4")
         seen.add(name)
         out[name] = int(value)
