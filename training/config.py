@@ -123,6 +123,11 @@ class TrainConfig:
     cpu_checkpointing: bool = _f(False, "keep each recompute region's input in pinned host memory between the "
                                         "forward and the backward (DeepSpeed's cpu_checkpointing; on CPU nothing "
                                         "moves)")
+    distribute_saved_activations: bool = _f(False, "keep each recompute region's input split along T over the "
+                                                   "mesh's tensor axis between the forward and the backward, "
+                                                   "gathered before its recomputation (Megatron's "
+                                                   "--distribute-saved-activations); needs granularity full, "
+                                                   "--mesh tensor=N (N > 1) and --no-sequence_parallel")
     deepspeed_config: str | None = _f(None, "a DeepSpeed JSON config whose activation_checkpointing block sets the "
                                             "recompute settings (number_checkpoints, cpu_checkpointing, "
                                             "partition_activations, ...); turns recompute on (granularity full)",
@@ -171,7 +176,13 @@ class TrainConfig:
     log_jsonl: str | None = _f(None, "write one JSON object per step to this file (appended to on --resume)",
                                 metavar="PATH")
     mesh: str = _f("data=1,fsdp=1", "device mesh: batch sharded over data x fsdp, parameters and optimizer "
-                                    "state over fsdp, e.g. data=2,fsdp=4", metavar="data=N,fsdp=M")
+                                    "state over fsdp; tensor=N splits attention heads and MLP hidden units over "
+                                    "N devices (Megatron tensor parallelism), e.g. data=2,fsdp=2,tensor=2",
+                   metavar="data=N,fsdp=M,tensor=K")
+    sequence_parallel: bool = _f(True, "with tensor=N > 1 in --mesh: keep activations between attention and MLP "
+                                       "(norms, residual adds, dropout) split along T over tensor (Megatron's "
+                                       "sequence parallelism); --no-sequence_parallel keeps them whole on each "
+                                       "tensor device")
     memory_report: bool = _f(False, "print what the backward keeps (by tagged name) and XLA's compiled "
                                     "memory for the train step, then exit without training")
     dry_run: bool = _f(False, "validate everything, build and compile the train step, print a summary, "
@@ -278,14 +289,51 @@ class TrainConfig:
             raise UsageError(f"--recompute_method {self.recompute_method!r}: a comma list compares methods and "
                              f"needs --memory_report; pass one method to train")
         try:
-            return recompute_flags.recompute_configs(
+            out = recompute_flags.recompute_configs(
                 activation_recompute=self.activation_recompute, recompute_granularity=self.recompute_granularity,
                 methods=methods, num_layers=self.recompute_num_layers, modules=self.recompute_modules,
                 policy=self.remat_policy, use_reentrant=self.use_reentrant, segments=self.recompute_segments,
                 every=self.recompute_every, cpu_checkpointing=self.cpu_checkpointing, deepspeed=self.deepspeed,
-                tensor_axis=TENSOR_AXIS)
+                tensor_axis=self._partition_axis)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if self.distribute_saved_activations:
+            self._check_distribute(out)
+            out = [(label + "+distributed", dataclasses.replace(rc, shard_saved_axis=TENSOR_AXIS)) for label, rc in out]
+        return out
+
+    @property
+    def tensor_size(self) -> int:
+        """The size of the mesh's tensor axis (1: no tensor parallelism)."""
+        return parse_mesh(self.mesh)[TENSOR_AXIS]
+
+    @property
+    def _partition_axis(self) -> str | None:
+        """Where region inputs can be split: the tensor axis, unless absent or sequence parallelism
+        already splits them along T over it (DeepSpeed's partition_activations maps here)."""
+        return TENSOR_AXIS if self.tensor_size > 1 and not self.sequence_parallel else None
+
+    def _check_distribute(self, configs) -> None:
+        """UsageError when --distribute_saved_activations cannot apply."""
+        flag = "--distribute_saved_activations"
+        if self.tensor_size <= 1:
+            raise UsageError(f"{flag} splits each region's saved input over the mesh's tensor axis, but --mesh "
+                             f"{self.mesh} has none; add tensor=N (N > 1) to --mesh, e.g. --mesh tensor=2, or drop {flag}")
+        if self.sequence_parallel:
+            raise UsageError(f"{flag}: with sequence parallelism (on by default with --mesh tensor=N) region inputs "
+                             f"are already split along T over tensor (as in Megatron, the two exclude each other); "
+                             f"add --no-sequence_parallel or drop {flag}")
+        g = configs[0][1].granularity
+        if g != "full":
+            raise UsageError(f"{flag} keeps the inputs of whole-layer recompute regions: it needs "
+                             f"--recompute_granularity full (or just --activation_recompute), not {g}")
+        if any(rc.offload_inputs for _, rc in configs):
+            src = "--cpu_checkpointing" if self.cpu_checkpointing else "--deepspeed_config cpu_checkpointing"
+            raise UsageError(f"{flag} and {src} both decide where region inputs wait (split over tensor, or in host "
+                             f"memory); pass only one")
+        if any(rc.shard_saved_axis for _, rc in configs):
+            raise UsageError(f"{flag} and --deepspeed_config partition_activations ask for the same thing; pass "
+                             f"only one")
 
     @property
     def deepspeed(self):
@@ -303,7 +351,8 @@ class TrainConfig:
     def deepspeed_notes(self) -> list[str]:
         """What each `--deepspeed_config` setting became (printed at start-up); [] without one."""
         ds = self.deepspeed
-        return [] if ds is None else ds.notes(TENSOR_AXIS)
+        return [] if ds is None else ds.notes(self._partition_axis,
+                                              sequence_parallel=self.tensor_size > 1 and self.sequence_parallel)
 
     def _auto_placeholder(self) -> RecomputeConfig:
         """Validate `--recompute_method auto` and `--memory_budget`; full remat stands in until the
@@ -322,6 +371,7 @@ class TrainConfig:
                           ("--recompute_segments", self.recompute_segments is not None),
                           ("--recompute_every", self.recompute_every is not None),
                           ("--cpu_checkpointing", self.cpu_checkpointing),
+                          ("--distribute_saved_activations", self.distribute_saved_activations),
                           ("--deepspeed_config", self.deepspeed_config is not None),
                           ("--remat_policy", self.remat_policy is not None),
                           ("--recompute_modules", self.recompute_modules is not None),
@@ -329,7 +379,8 @@ class TrainConfig:
                           ("--scan_layers", self.scan_layers)):
             if bad:
                 why = ("XLA's cost analysis counts a scanned layer once, so the planner needs the loop layout"
-                       if flag == "--scan_layers" else "auto chooses the policy of every layer itself")
+                       if flag == "--scan_layers" else "the planner does not model split region inputs"
+                       if flag == "--distribute_saved_activations" else "auto chooses the policy of every layer itself")
                 raise UsageError(f"--recompute_method auto cannot be combined with {flag} ({why}); drop {flag}")
         return RecomputeConfig(granularity="full")
 

@@ -70,6 +70,7 @@ RESUME_MAY_CHANGE = frozenset({
     "num_iterations", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "init_from", "mesh",
     "recompute_segments", "recompute_every", "cpu_checkpointing", "deepspeed_config", "loss_chunk",
     "preflight", "profile_steps", "sample_every", "sample_length", "prompt", "temperature", "top_k", "tokenizer",
+    "sequence_parallel", "distribute_saved_activations",
 })
 
 
@@ -233,6 +234,7 @@ def prepare(cfg: TrainConfig) -> Setup:
     sampler = make_sampler(cfg, mcfg, train_ds, val_ds)  # validates --tokenizer and --prompt
     mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
     checks.check_model_size(fam.num_params(mcfg), parse_mesh(cfg.mesh)["fsdp"], list(mesh.devices.flat))
+    sh.check_tensor(mcfg, parse_mesh(cfg.mesh), cfg.sequence_length, cfg.sequence_parallel)
     tx, schedule = _optimizer(optimizer_settings(cfg))
     abstract_state = jax.eval_shape(lambda: init_state(fam, mcfg, tx, cfg.seed))
     state_sharding = sh.state_shardings(mesh, abstract_state)
@@ -367,8 +369,8 @@ _COMPILED_MAX = 8
 
 def compile_train_step(setup: Setup, mcfg=None):
     """AOT-compile the train step for the run's shapes and shardings (cached per process)."""
-    mcfg = setup.mcfg if mcfg is None else mcfg
     cfg = setup.cfg
+    mcfg = sh.model_sharding(setup.mcfg if mcfg is None else mcfg, setup.mesh, cfg.sequence_parallel)
     key = (setup.fam.name, mcfg, optimizer_settings(cfg), cfg.dropout, setup.mesh, cfg.grad_accum_steps,
            cfg.batch_size, cfg.sequence_length)
     if key in _COMPILED:
@@ -378,7 +380,8 @@ def compile_train_step(setup: Setup, mcfg=None):
     jitted = jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
                      out_shardings=(setup.state_sharding, sh.replicated(setup.mesh)), donate_argnums=(0,))
     b = _batch_struct(setup)
-    compiled = jitted.lower(_abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b).compile()
+    with jax.set_mesh(setup.mesh):  # the model's tensor/sequence-parallel constraints are PartitionSpecs
+        compiled = jitted.lower(_abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b).compile()
     _COMPILED[key] = compiled
     while len(_COMPILED) > _COMPILED_MAX:
         _COMPILED.popitem(last=False)
@@ -427,7 +430,8 @@ def memory_report(setup: Setup) -> str:
     xy = jax.ShapeDtypeStruct((cfg.batch_size, cfg.sequence_length), jnp.int32)
     cols = []
     for label, mcfg in setup.mcfgs:
-        res = remat.memory.saved_residuals(lambda p, x, y, m=mcfg: setup.fam.loss_fn(p, m, x, y), params, xy, xy)
+        with jax.set_mesh(setup.mesh):  # --distribute_saved_activations constrains with PartitionSpecs
+            res = remat.memory.saved_residuals(lambda p, x, y, m=mcfg: setup.fam.loss_fn(p, m, x, y), params, xy, xy)
         ma = compile_train_step(setup, mcfg).memory_analysis()
         g = lambda k: int(getattr(ma, k, 0) or 0) if ma is not None else 0
         comp = {"temp": g("temp_size_in_bytes"), "arguments": g("argument_size_in_bytes"),
