@@ -60,7 +60,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
     Example:
       >>> parse_mesh("fsdp=8")
-      {'data': 1, 'fsdp': 8}
+      {'data': 1, 'fsdp': 8, 'tensor': 1}
     """
     out = {a: 1 for a in MESH_AXES}
     seen = set()
