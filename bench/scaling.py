@@ -10,6 +10,9 @@ fall through tensor/sequence parallelism) for t = 1, 2, 4, 8. Settings per t:
   - `full, no SP`: full remat, activations between attention and MLP whole on every device;
   - `full, no SP, distributed`: that plus distributed saved activations (region inputs split
     along T over tensor, `RecomputeConfig.shard_saved_axis="tensor"`), Megatron's pair.
+The LM head and loss run in chunks of T/8 positions (`loss_chunk`): otherwise the (B, T, V) float32
+logits (1.5 GiB at d12, whole on every device without sequence parallelism) set every peak and hide
+what tensor parallelism and the recompute settings change.
 Peaks are compile-only (`jax.jit(jax.grad(loss_fn)).lower(...).compile()` on abstract, sharded
 inputs): XLA's per-device arguments + outputs + temp − aliased and its temp. Step times run a
 smaller shape (`TIME_SHAPE`, printed) because a d12 step at T=1024 takes tens of seconds on 2
@@ -45,8 +48,8 @@ SETTINGS = {  # name: (recompute, sequence parallel)
     "full, no SP": (RecomputeConfig(granularity="full"), False),
     "full, no SP, distributed": (RecomputeConfig(granularity="full", shard_saved_axis="tensor"), False),
 }
-PEAK_SHAPE = dict(preset="d12", seq=1024, batch=8, overrides={})
-SMALL_SHAPE = dict(preset="d12", seq=256, batch=8, overrides=dict(n_layer=4, n_embd=256, n_head=8))
+PEAK_SHAPE = dict(preset="d12", seq=1024, batch=8, overrides=dict(loss_chunk=128))
+SMALL_SHAPE = dict(preset="d12", seq=256, batch=8, overrides=dict(n_layer=4, n_embd=256, n_head=8, loss_chunk=64))
 TIME_SHAPE = dict(preset="d12", seq=128, batch=8, overrides=dict(n_layer=2, n_embd=256, n_head=8))
 
 
@@ -94,9 +97,9 @@ def step_times(shape: dict, rounds: int, log=print) -> dict:
     return interleaved_ms(steps, rounds)
 
 
-def run(shape: dict, rounds: int = 5, timed: bool = True, log=print) -> dict:
+def run(shape: dict, rounds: int = 5, timed: bool = True, peaks: bool = True, log=print) -> dict:
     rows = []
-    for t in TENSOR:
+    for t in TENSOR if peaks else ():
         for setting in SETTINGS:
             if t == 1 and setting.startswith("full, no SP"):
                 continue  # no tensor axis: nothing to split
@@ -115,6 +118,8 @@ def run(shape: dict, rounds: int = 5, timed: bool = True, log=print) -> dict:
 def report(res: dict) -> str:
     m, shape = res["meta"], res["shape"]
     base = {r["setting"]: r for r in res["rows"] if r["tensor"] == 1}
+    if not res["rows"]:
+        base = {}
     lines = [f"# bench.scaling: {shape['preset']} {shape['overrides'] or ''} T={shape['seq']} B={shape['batch']}, "
              f"mesh tensor=t, float32", "",
              f"{m['date']}, {m['nproc']} CPUs ({m['cpu']}), jax {m['jax']}, {len(m['devices'])} {m['backend']} devices, "
@@ -122,12 +127,13 @@ def report(res: dict) -> str:
              "Per-device compiled peak (arguments + outputs + temp − aliased) and temp; ratios to t=1 of the "
              "same remat (`none` or `full`).", ""]
     rows = []
-    for r in res["rows"]:
+    for r in res["rows"] if base else ():
         ref = base["none" if r["setting"] == "none" else "full"]
         rows.append([r["tensor"], r["setting"] + ("" if r["heads_split"] else " †"), fmt(r["peak"] / MiB, ",.1f"),
                      fmt(r["peak"] / ref["peak"], ".3f"), fmt(r["temp"] / MiB, ",.1f"),
                      fmt(r["temp"] / ref["temp"], ".3f")])
-    lines.append(markdown_table(["tensor", "setting", "peak MiB", "peak / t=1", "temp MiB", "temp / t=1"], rows))
+    if rows:
+        lines.append(markdown_table(["tensor", "setting", "peak MiB", "peak / t=1", "temp MiB", "temp / t=1"], rows))
     if any(not r["heads_split"] for r in res["rows"]):
         lines += ["", "† the heads do not split evenly over t: XLA splits inside heads (train.py refuses this mesh)."]
     if "times" in res:
@@ -145,12 +151,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help=f"peaks of {SMALL_SHAPE} instead of d12 T=1024 B=8")
     ap.add_argument("--no-time", dest="timed", action="store_false", help="compile-only: skip the timed steps")
+    ap.add_argument("--time-only", action="store_true", help="only the timed steps (no peaks)")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per setting")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if len(jax.devices()) < 8:
         raise SystemExit("bench.scaling needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    res = run(SMALL_SHAPE if args.small else PEAK_SHAPE, args.rounds, args.timed)
+    res = run(SMALL_SHAPE if args.small else PEAK_SHAPE, args.rounds, args.timed, not args.time_only)
     return publish(res, report, "bench.scaling", argv, args.json)
 
 
