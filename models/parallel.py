@@ -19,9 +19,11 @@ c_fc, c_fc2: the output axis; row-parallel c_proj: the input axis). XLA inserts 
 #     heads and hidden units split, T whole. Going in, XLA all-gathers the norm's output along T;
 #     coming out of the row-parallel c_proj it reduce-scatters the partial sums along T (an
 #     all-reduce without sequence parallelism).
-#   - c_attn's rows are [q; k; v], so an even split of its output axis is not head-aligned; q, k and
-#     v are constrained per head after the matmul and XLA moves the (weight-sized) difference. The
-#     llm.c parameter layout stays as it is (checkpoints and .bin files do not depend on the mesh).
+#   - c_attn's rows are [q; k; v], so an even split of its output axis is not head-aligned. Under
+#     tensor parallelism the layer runs one matmul per piece (`Linear(splits=...)`), so XLA moves
+#     rows of the weight (collective-permutes of C×C pieces), not activations: splitting the fused
+#     output instead moved (B, T, C) activations. The llm.c parameter layout stays as it is
+#     (checkpoints and .bin files do not depend on the mesh).
 # Annotations never change values: the gradients equal one device's (tests/test_tensor_parallel.py).
 
 Example:
