@@ -123,9 +123,10 @@ def report(res: dict) -> str:
     lines = [f"# bench.scaling: {shape['preset']} {shape['overrides'] or ''} T={shape['seq']} B={shape['batch']}, "
              f"mesh tensor=t, float32", "",
              f"{m['date']}, {m['nproc']} CPUs ({m['cpu']}), jax {m['jax']}, {len(m['devices'])} {m['backend']} devices, "
-             f"load {m['loadavg']}", f"command: `{m.get('command', '')}`", "",
-             "Per-device compiled peak (arguments + outputs + temp − aliased) and temp; ratios to t=1 of the "
-             "same remat (`none` or `full`).", ""]
+             f"load {m['loadavg']}", f"command: `{m.get('command', '')}`"]
+    if res["rows"]:
+        lines += ["", "Per-device compiled peak (arguments + outputs + temp − aliased) and temp; ratios to t=1 of "
+                      "the same remat (`none` or `full`).", ""]
     rows = []
     for r in res["rows"] if base else ():
         ref = base["none" if r["setting"] == "none" else "full"]
