@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from models import parallel
 from models.attention import ATTENTION, DEFAULT_TILE
 from models.layers import (MLP, CausalSelfAttention, LayerNorm, check_llmc_tensors, embed, lm_head,
                            stack_layers, unstack_layers)
@@ -46,13 +47,15 @@ class Block(nn.Module):
         cfg, dt = self.config, self.config.compute_dtype
         # NOTE: GPT-2 (and llm.c) scale the init of residual projections by 1/sqrt(2·n_layer).
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        x = checkpoint_name(x, names.BLOCK_INPUT)  # (B, T, C)
-        h = checkpoint_name(LayerNorm(dt, name="ln_1")(x), names.LN_1)
+        sc = cfg.sharding  # sequence parallelism: (B, T, C) split along T between the pieces
+        x = checkpoint_name(parallel.residual(x, sc), names.BLOCK_INPUT)  # (B, T, C)
+        h = checkpoint_name(parallel.residual(LayerNorm(dt, name="ln_1")(x), sc), names.LN_1)
         x = x + CausalSelfAttention(cfg.n_head, cfg.n_head, dt, cfg.dropout, use_bias=True,
                                     proj_std=proj_std, attention=cfg.attention,
-                                    attention_tile=cfg.attention_tile, name="attn")(h, deterministic)
-        h = checkpoint_name(LayerNorm(dt, name="ln_2")(x), names.LN_2)
-        return x + MLP(4 * cfg.n_embd, dt, cfg.dropout, proj_std, name="mlp")(h, deterministic)
+                                    attention_tile=cfg.attention_tile, sharding=sc, name="attn")(h, deterministic)
+        x = parallel.residual(x, sc)
+        h = checkpoint_name(parallel.residual(LayerNorm(dt, name="ln_2")(x), sc), names.LN_2)
+        return parallel.residual(x + MLP(4 * cfg.n_embd, dt, cfg.dropout, proj_std, sc, name="mlp")(h, deterministic), sc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,8 @@ class GPT2Config:
         rematerialized, so the (B, T, Vp) logits never exist (`models.layers.lm_head`).
       attention: the attention core, auto | tiled | xla | cudnn (models/attention.py);
         attention_tile: the tiled core's query tile.
+      sharding: a `models.parallel.ShardingConfig` for tensor/sequence parallelism, or None (no
+        constraints; the model runs without a mesh). Set by the train step, not stored in checkpoints.
     Example:
       >>> GPT2Config.preset("d12", dtype="bfloat16").padded_vocab_size
       50304
@@ -88,6 +93,7 @@ class GPT2Config:
     loss_chunk: int = 0
     attention: str = "auto"
     attention_tile: int = DEFAULT_TILE
+    sharding: parallel.ShardingConfig | None = None
 
     def __post_init__(self):
         if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
@@ -114,6 +120,10 @@ class GPT2Config:
             raise ValueError(f"GPT2Config.attention={self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
         if not isinstance(self.attention_tile, int) or isinstance(self.attention_tile, bool) or self.attention_tile < 1:
             raise ValueError(f"GPT2Config.attention_tile={self.attention_tile!r} must be a positive int, e.g. {DEFAULT_TILE}")
+        try:
+            parallel.check(self.sharding)
+        except ValueError as e:
+            raise ValueError(f"GPT2Config.{e}") from None
         self.recompute.validate_for(self.n_layer)
 
     @property

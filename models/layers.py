@@ -37,6 +37,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from models import attention as attention_lib
+from models import parallel
 from remat import names
 
 F32 = jnp.float32
@@ -489,13 +490,20 @@ class Linear(nn.Module):
     out_dtype: Any = None  # e.g. float32 logits from bf16 inputs
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, splits: tuple[int, ...] | None = None):
+        """y (..., features); with `splits` (output offsets), the pieces of y, each its own matmul
+        with rows of w (under tensor parallelism each piece stays split by heads: no resharding)."""
         w = self.param("w", nn.initializers.normal(self.std), (self.features, x.shape[-1]), F32)
+        b = self.param("b", nn.initializers.zeros, (self.features,), F32) if self.use_bias else None
+        if splits is not None:
+            bs = jnp.split(b, splits) if b is not None else [None] * (len(splits) + 1)
+            return tuple(self._apply(x, wi, bi) for wi, bi in zip(jnp.split(w, splits), bs))
+        return self._apply(x, w, b)
+
+    def _apply(self, x, w, b):
         y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), w.astype(self.dtype),
                        preferred_element_type=self.out_dtype)
-        if self.use_bias:
-            y = y + self.param("b", nn.initializers.zeros, (self.features,), F32).astype(y.dtype)
-        return y
+        return y if b is None else y + b.astype(y.dtype)
 
 
 class LMHead(nn.Module):
@@ -552,6 +560,7 @@ class CausalSelfAttention(nn.Module):
       n_head, n_kv_head: query and key/value heads (n_kv_head == n_head: plain multi-head).
       rope_theta: apply RoPE to q and k when set (`use_scaled_rope`: LLaMA-3.1 scaling).
       proj_std: init std of c_proj (GPT-2 scales it by 1/sqrt(2·n_layer)).
+      sharding: a `models.parallel.ShardingConfig`: heads split over its tensor axis (or None).
     Example:
       >>> attn = CausalSelfAttention(4, 2, attention="xla")
       >>> variables = attn.init(jax.random.key(0), x, True)
@@ -568,54 +577,73 @@ class CausalSelfAttention(nn.Module):
     proj_std: float = 0.02
     attention: str = "auto"
     attention_tile: int = attention_lib.DEFAULT_TILE
+    sharding: Any = None
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
         B, T, C = x.shape
         H, K, D = self.n_head, self.n_kv_head, C // self.n_head
-        qkv = Linear((H + 2 * K) * D, self.use_bias, self.dtype, name="c_attn")(x)  # (B, T, (H+2K)·D)
-        q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)  # (B, T, H·D), (B, T, K·D) ×2
+        c_attn = Linear((H + 2 * K) * D, self.use_bias, self.dtype, name="c_attn")
+        if self.sharding is None:
+            q, k, v = jnp.split(c_attn(x), [H * D, (H + K) * D], axis=-1)  # (B, T, H·D), (B, T, K·D) ×2
+        else:  # one matmul per piece: an even split of c_attn's output over tensor is not head-aligned
+            q, k, v = c_attn(x, splits=(H * D, (H + K) * D))
         if self.rope_theta is not None:
             q = apply_rope(q.reshape(B, T, H, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, H * D)
             k = apply_rope(k.reshape(B, T, K, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, K * D)
-        q, k, v = (checkpoint_name(t, names.QKV) for t in (q, k, v))
+        q, k, v = (checkpoint_name(parallel.split(t, self.sharding), names.QKV) for t in (q, k, v))
         rate = 0.0 if deterministic else self.dropout
         key = self.make_rng("dropout") if rate > 0 else None
         y = attention_lib.causal_attention(q, k, v, H, K, attention=self.attention, tile=self.attention_tile,
                                            dropout_rate=rate, key=key)  # (B, T, C)
-        y = checkpoint_name(y, names.ATTN_CONTEXT)
-        y = checkpoint_name(Linear(C, self.use_bias, self.dtype, self.proj_std, name="c_proj")(y), names.ATTN_OUT)
+        y = checkpoint_name(parallel.split(y, self.sharding), names.ATTN_CONTEXT)
+        y = Linear(C, self.use_bias, self.dtype, self.proj_std, name="c_proj")(y)
+        y = checkpoint_name(parallel.residual(y, self.sharding), names.ATTN_OUT)
         return nn.Dropout(self.dropout)(y, deterministic)
 
 
 class MLP(nn.Module):
-    """GPT-2's MLP: c_fc → tanh-GELU → c_proj → dropout; tags mlp_up, mlp_act, mlp_out."""
+    """GPT-2's MLP: c_fc → tanh-GELU → c_proj → dropout; tags mlp_up, mlp_act, mlp_out.
+
+    `sharding` (a `models.parallel.ShardingConfig` or None): hidden units split over its tensor axis.
+    """
     hidden: int
     dtype: Any = F32
     dropout: float = 0.0
     proj_std: float = 0.02
+    sharding: Any = None
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
-        h = checkpoint_name(Linear(self.hidden, True, self.dtype, name="c_fc")(x), names.MLP_UP)  # (B, T, F)
+        h = Linear(self.hidden, True, self.dtype, name="c_fc")(x)
+        h = checkpoint_name(parallel.split(h, self.sharding), names.MLP_UP)  # (B, T, F)
         h = checkpoint_name(gelu_tanh(h), names.MLP_ACT)
-        y = checkpoint_name(Linear(x.shape[-1], True, self.dtype, self.proj_std, name="c_proj")(h), names.MLP_OUT)
+        y = Linear(x.shape[-1], True, self.dtype, self.proj_std, name="c_proj")(h)
+        y = checkpoint_name(parallel.residual(y, self.sharding), names.MLP_OUT)
         return nn.Dropout(self.dropout)(y, deterministic)
 
 
 class SwiGLU(nn.Module):
-    """LLaMA's MLP: c_proj(silu(c_fc2(x)) · c_fc(x)) → dropout, no biases; tags mlp_up/gate/act/out."""
+    """LLaMA's MLP: c_proj(silu(c_fc2(x)) · c_fc(x)) → dropout, no biases; tags mlp_up/gate/act/out.
+
+    `sharding` (a `models.parallel.ShardingConfig` or None): hidden units split over its tensor axis.
+    """
     hidden: int
     dtype: Any = F32
     dropout: float = 0.0
     proj_std: float = 0.02
+    sharding: Any = None
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
-        up = checkpoint_name(Linear(self.hidden, False, self.dtype, name="c_fc")(x), names.MLP_UP)  # (B, T, F)
-        gate = checkpoint_name(Linear(self.hidden, False, self.dtype, name="c_fc2")(x), names.MLP_GATE)  # (B, T, F)
+        sc = self.sharding
+        up = checkpoint_name(parallel.split(Linear(self.hidden, False, self.dtype, name="c_fc")(x), sc),
+                             names.MLP_UP)  # (B, T, F)
+        gate = checkpoint_name(parallel.split(Linear(self.hidden, False, self.dtype, name="c_fc2")(x), sc),
+                               names.MLP_GATE)  # (B, T, F)
         h = checkpoint_name(swiglu(gate, up), names.MLP_ACT)  # (B, T, F)
-        y = checkpoint_name(Linear(x.shape[-1], False, self.dtype, self.proj_std, name="c_proj")(h), names.MLP_OUT)
+        y = Linear(x.shape[-1], False, self.dtype, self.proj_std, name="c_proj")(h)
+        y = checkpoint_name(parallel.residual(y, sc), names.MLP_OUT)
         return nn.Dropout(self.dropout)(y, deterministic)
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from models import parallel
 from models.attention import ATTENTION, DEFAULT_TILE
 from models.layers import (CausalSelfAttention, LMHead, RMSNorm, SwiGLU, check_llmc_tensors, embed,
                            stack_layers, unstack_layers)
@@ -50,14 +51,16 @@ class Block(nn.Module):
     def __call__(self, x, deterministic: bool = True):
         cfg, dt = self.config, self.config.compute_dtype
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        x = checkpoint_name(x, names.BLOCK_INPUT)  # (B, T, C)
-        h = checkpoint_name(RMSNorm(dt, cfg.norm_eps, name="ln_1")(x), names.LN_1)
+        sc = cfg.sharding  # sequence parallelism: (B, T, C) split along T between the pieces
+        x = checkpoint_name(parallel.residual(x, sc), names.BLOCK_INPUT)  # (B, T, C)
+        h = checkpoint_name(parallel.residual(RMSNorm(dt, cfg.norm_eps, name="ln_1")(x), sc), names.LN_1)
         x = x + CausalSelfAttention(cfg.n_head, cfg.n_kv_head, dt, cfg.dropout, use_bias=False,
                                     rope_theta=cfg.rope_theta, use_scaled_rope=cfg.use_scaled_rope,
                                     proj_std=proj_std, attention=cfg.attention,
-                                    attention_tile=cfg.attention_tile, name="attn")(h, deterministic)
-        h = checkpoint_name(RMSNorm(dt, cfg.norm_eps, name="ln_2")(x), names.LN_2)
-        return x + SwiGLU(cfg.ffn_hidden, dt, cfg.dropout, proj_std, name="mlp")(h, deterministic)
+                                    attention_tile=cfg.attention_tile, sharding=sc, name="attn")(h, deterministic)
+        x = parallel.residual(x, sc)
+        h = checkpoint_name(parallel.residual(RMSNorm(dt, cfg.norm_eps, name="ln_2")(x), sc), names.LN_2)
+        return parallel.residual(x + SwiGLU(cfg.ffn_hidden, dt, cfg.dropout, proj_std, sc, name="mlp")(h, deterministic), sc)
 
 
 def ffn_hidden(n_embd: int, ffn_dim_multiplier: float, multiple_of: int) -> int:
@@ -81,7 +84,7 @@ class Llama3Config:
       ffn_dim_multiplier, multiple_of: the SwiGLU width rule (see `ffn_hidden`).
       norm_eps: RMSNorm epsilon; rope_theta, use_scaled_rope: RoPE base and LLaMA-3.1 scaling.
       dropout, dtype ("float32"|"bfloat16" compute), scan_layers, recompute, loss_chunk, attention,
-        attention_tile: as for GPT-2.
+        attention_tile, sharding: as for GPT-2.
     Example:
       >>> Llama3Config.preset("tiny").ffn_hidden
       96
@@ -104,6 +107,7 @@ class Llama3Config:
     loss_chunk: int = 0
     attention: str = "auto"
     attention_tile: int = DEFAULT_TILE
+    sharding: parallel.ShardingConfig | None = None
 
     def __post_init__(self):
         if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
@@ -131,6 +135,10 @@ class Llama3Config:
             raise ValueError(f"Llama3Config.attention={self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
         if not isinstance(self.attention_tile, int) or isinstance(self.attention_tile, bool) or self.attention_tile < 1:
             raise ValueError(f"Llama3Config.attention_tile={self.attention_tile!r} must be a positive int, e.g. {DEFAULT_TILE}")
+        try:
+            parallel.check(self.sharding)
+        except ValueError as e:
+            raise ValueError(f"Llama3Config.{e}") from None
         self.recompute.validate_for(self.n_layer)
 
     @property

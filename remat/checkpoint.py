@@ -24,6 +24,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: early stop
@@ -127,7 +128,7 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
 
     def bwd(res, g):
         dyn, marks, saved = res
-        dyn = _tie(_load(list(dyn), state["restore"]), g)
+        dyn = _tie(_load(list(dyn), state["restore"], g), g)
         mask = [_is_inexact(x) for x in dyn]
         recompute = flat_fn
         if determinism_check == "structure":  # differentiate the very program that was fingerprinted
@@ -170,12 +171,35 @@ def _storage(dyn, dyn_arg, shard_saved, offload_saved=()):
     for i, a in enumerate(dyn_arg):
         if shard_saved and a in shard_saved:
             saved, full = shard_saved[a]
-            out[i] = (functools.partial(jax.lax.with_sharding_constraint, shardings=saved),
+            out[i] = (functools.partial(_shard_store, spec=saved),
                       functools.partial(jax.lax.with_sharding_constraint, shardings=full))
         elif a in offload_saved and _is_inexact(dyn[i]):
             out[i] = (functools.partial(jax.device_put, device=jax.memory.Space.Host),
                       functools.partial(jax.device_put, device=jax.memory.Space.Device))
     return out
+
+
+def _shard_store(x, spec):
+    """`x` resharded to `spec` (one axis sharded), made by a collective so that it is materialized.
+
+    # NOTE: resharding a replicated input is a local slice, and XLA fuses that slice (and the
+    # elementwise ops producing the input) into the backward's consumer, which then reads the full
+    # input: it stays live from the forward to the backward and the compiled temp does not fall at
+    # all (an optimization barrier does not survive XLA:CPU's pipeline). Going through the last
+    # axis first (P(..., axis)) makes the second step an all-to-all, which XLA does not fuse: the
+    # shard is a buffer of its own and the full input dies after the forward. The all-to-all moves
+    # 1/n of the input per device, less than the all-gather the recomputation needs anyway.
+    """
+    specs = tuple(spec)
+    dims = [d for d, a in enumerate(specs) if a not in (None, P.UNCONSTRAINED)]
+    if len(dims) == 1 and dims[0] != x.ndim - 1 and len(specs) == x.ndim:
+        first = list(specs)
+        first[-1], first[dims[0]] = specs[dims[0]], (P.UNCONSTRAINED if specs[-1] == P.UNCONSTRAINED else None)
+        try:
+            x = jax.lax.with_sharding_constraint(x, P(*first))
+        except ValueError:  # the last axis does not split evenly: a plain reshard
+            pass
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def _store(res, dyn, storage):
@@ -192,8 +216,10 @@ def _store(res, dyn, storage):
     return out, restore
 
 
-def _load(res, restore):
-    return [restore[j](r) if j in restore else r for j, r in enumerate(res)]
+def _load(res, restore, g):
+    """Move stored residuals back for the recomputation, each only once the cotangent `g` exists
+    (`_tie` first: otherwise XLA may gather a sharded input right after the forward)."""
+    return [restore[j](_tie([r], g)[0]) if j in restore else r for j, r in enumerate(res)]
 
 
 def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
@@ -217,7 +243,7 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
         return out, tuple(leaves)
 
     def bwd(res, g):
-        res = _load(list(res), state["restore"])
+        res = _load(list(res), state["restore"], g)
         pullback = jax.tree.unflatten(state["tree"], _tie(res, g))
         return tuple(None if not _is_inexact(x) else ct for x, ct in zip(dyn, pullback(g)))
 

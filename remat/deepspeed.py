@@ -6,7 +6,8 @@ The block's keys (DeepSpeed's defaults in brackets) and what each becomes here:
 |---|---|
 | `partition_activations` [false] | `shard_saved_axis=<tensor axis>`: region inputs kept split along T over
 |                                  | the tensor-parallel axis, all-gathered before recomputing; without a
-|                                  | tensor axis there is nothing to partition (a note says so) |
+|                                  | tensor axis, or with sequence parallelism (which already splits them),
+|                                  | there is nothing to partition (a note says so) |
 | `cpu_checkpointing` [false] | `offload_inputs=True`: region inputs wait in pinned host memory |
 | `number_checkpoints` [null] | `regions=N`: the layers split into N contiguous regions of near-equal size |
 | `contiguous_memory_optimization` [false] | accepted; XLA already does it (see `NOTES`) |
@@ -93,8 +94,9 @@ class DeepSpeedCheckpointing:
             kw["shard_saved_axis"] = tensor_axis
         return kw
 
-    def notes(self, tensor_axis: str | None = None) -> list[str]:
-        """One line per setting: what it became, or what XLA does instead."""
+    def notes(self, tensor_axis: str | None = None, sequence_parallel: bool = False) -> list[str]:
+        """One line per setting: what it became, or what XLA does instead (`sequence_parallel`: the
+        mesh has a tensor axis whose sequence parallelism already splits region inputs)."""
         out = []
         n = self.number_checkpoints
         out.append(f"number_checkpoints={n}: " + (f"{n} contiguous recompute regions of near-equal size"
@@ -107,6 +109,10 @@ class DeepSpeedCheckpointing:
         elif tensor_axis is not None:
             out.append(f"partition_activations=true: region inputs kept split along T over the "
                        f"'{tensor_axis}' axis, all-gathered before recomputing")
+        elif sequence_parallel:
+            out.append("partition_activations=true: no effect here, sequence parallelism already keeps region "
+                       "inputs split along T over the tensor axis (pass --no-sequence_parallel to split them here "
+                       "instead)")
         else:
             out.append("partition_activations=true: no effect here, the mesh has no tensor-parallel axis (its axes "
                        "split the batch, so no device holds a copy of another's activations; there is nothing "

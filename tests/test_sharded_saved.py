@@ -4,6 +4,8 @@ Mesh data=2 x fsdp=4 (Auto axes); the batch is sharded over `data`, so activatio
 over `fsdp`. With `shard_saved_axis="fsdp"` each region keeps its input sharded along T over fsdp
 and all-gathers it before recomputing.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -34,12 +36,15 @@ def test_saved_inputs_sharded_over_fsdp(reentrant):
             cfg = remat.RecomputeConfig(granularity="full", use_reentrant=reentrant, shard_saved_axis=axis)
             f = jax.jit(jax.grad(loss), static_argnums=2)
             compiled = f.lower(PS, x, cfg).compile()
-            out[axis] = compiled.memory_analysis().temp_size_in_bytes, compiled.as_text().count("all-gather")
+            moved = re.findall(r"= \w+\[\d+,\d+,\d+\]\S* (?:all-gather|all-to-all|all-reduce)\(", compiled.as_text())
+            out[axis] = compiled.memory_analysis().temp_size_in_bytes, len(moved)
             assert rel_err(f(PS, x, cfg), ref) <= 1e-5  # gradients unchanged
     # Per device, the L-1 saved region inputs (B/2, T, C) float32 shrink to a quarter.
     saved_inputs = (L - 1) * (B // 2) * T * C * 4
     assert out[None][0] - out["fsdp"][0] >= 0.75 * saved_inputs * 0.9, out
-    assert out["fsdp"][1] > out[None][1]  # gathered again for the recomputation
+    # Activations (rank-3 arrays) now move between devices: the shards are made by an all-to-all
+    # (remat/checkpoint.py `_shard_store`) and gathered, or the recomputation reduced, for the backward.
+    assert out["fsdp"][1] > out[None][1] == 0, out
 
 
 def test_shard_saved_axis_needs_recompute():

@@ -112,9 +112,10 @@ def test_method_comma_list_gives_one_config_per_method():
 
 
 def test_parse_mesh():
-    assert parse_mesh("data=2,fsdp=4") == {"data": 2, "fsdp": 4}
-    assert parse_mesh("fsdp=8") == {"data": 1, "fsdp": 8}
-    for bad in ("data=0", "x=2", "data=2,data=2", "data", "data=two"):
+    assert parse_mesh("data=2,fsdp=4") == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert parse_mesh("fsdp=8") == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert parse_mesh("data=2,fsdp=2,tensor=2") == {"data": 2, "fsdp": 2, "tensor": 2}
+    for bad in ("data=0", "x=2", "data=2,data=2", "data", "data=two", "tensor=0"):
         with pytest.raises(ValueError, match="--mesh"):
             parse_mesh(bad)
 

@@ -55,8 +55,8 @@ _COMPILED_MAX = 8
 
 def compile_train_step(setup, mcfg=None):
     """AOT-compile the train step for the run's shapes and shardings (cached per process)."""
-    mcfg = setup.mcfg if mcfg is None else mcfg
     cfg = setup.cfg
+    mcfg = sh.model_sharding(setup.mcfg if mcfg is None else mcfg, setup.mesh, cfg.sequence_parallel)
     key = (setup.fam.name, mcfg, optimizer_settings(cfg), cfg.dropout, setup.mesh, cfg.grad_accum_steps,
            cfg.batch_size, cfg.sequence_length)
     if key in _COMPILED:
@@ -66,7 +66,8 @@ def compile_train_step(setup, mcfg=None):
     jitted = jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
                      out_shardings=(setup.state_sharding, sh.replicated(setup.mesh)), donate_argnums=(0,))
     b = batch_struct(setup)
-    compiled = jitted.lower(abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b).compile()
+    with jax.set_mesh(setup.mesh):  # the model's tensor/sequence-parallel constraints are PartitionSpecs
+        compiled = jitted.lower(abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b).compile()
     _COMPILED[key] = compiled
     while len(_COMPILED) > _COMPILED_MAX:
         _COMPILED.popitem(last=False)

@@ -32,8 +32,8 @@ from remat.planner import parse_size
 
 MODELS = model_family_names  # the model-family registry (models.family)
 DTYPES = ("float32", "bfloat16")
-MESH_AXES = ("data", "fsdp")
-TENSOR_AXIS = None  # no tensor-parallel mesh axis yet: DeepSpeed's partition_activations has nothing to split
+MESH_AXES = ("data", "fsdp", "tensor")
+TENSOR_AXIS = "tensor"  # Megatron-style tensor (and sequence) parallelism: training/sharding.py
 DEFAULT_PRESET = "tiny"
 DEFAULT_PROMPT_TOKENS = 32  # the default sample prompt: this many tokens from the start of the validation data
 SEED_MAX = 2**31 - 1  # the seed enters the jitted init as an int32
@@ -65,7 +65,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
     Example:
       >>> parse_mesh("fsdp=8")
-      {'data': 1, 'fsdp': 8}
+      {'data': 1, 'fsdp': 8, 'tensor': 1}
     """
     out = {a: 1 for a in MESH_AXES}
     seen = set()
@@ -73,7 +73,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
         name, eq, value = part.partition("=")
         name = name.strip()
         if not eq or name not in MESH_AXES or name in seen or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh {spec!r}: expected AXIS=N[,AXIS=N] with axes {' and '.join(MESH_AXES)} "
+            raise ValueError(f"--mesh {spec!r}: expected AXIS=N[,AXIS=N] with axes {', '.join(MESH_AXES)} "
                              f"and N >= 1, e.g. --mesh data=2,fsdp=4")
         seen.add(name)
         out[name] = int(value)
@@ -110,6 +110,11 @@ class TrainConfig:
     recompute_segments: str | None = _r("recompute_segments")
     recompute_every: int | None = _r("recompute_every")
     cpu_checkpointing: bool = _r("cpu_checkpointing")
+    distribute_saved_activations: bool = _f(False, "keep each recompute region's input split along T over the "
+                                                   "mesh's tensor axis between the forward and the backward, "
+                                                   "gathered before its recomputation (Megatron's "
+                                                   "--distribute-saved-activations); needs granularity full, "
+                                                   "--mesh tensor=N (N > 1) and --no-sequence_parallel")
     deepspeed_config: str | None = _r("deepspeed_config")
     loss_chunk: int = _f(0, "compute the LM head and cross-entropy over chunks of N positions, each "
                             "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)")
@@ -155,7 +160,13 @@ class TrainConfig:
     log_jsonl: str | None = _f(None, "write one JSON object per step to this file (appended to on --resume)",
                                 metavar="PATH")
     mesh: str = _f("data=1,fsdp=1", "device mesh: batch sharded over data x fsdp, parameters and optimizer "
-                                    "state over fsdp, e.g. data=2,fsdp=4", metavar="data=N,fsdp=M")
+                                    "state over fsdp; tensor=N splits attention heads and MLP hidden units over "
+                                    "N devices (Megatron tensor parallelism), e.g. data=2,fsdp=2,tensor=2",
+                   metavar="data=N,fsdp=M,tensor=K")
+    sequence_parallel: bool = _f(True, "with tensor=N > 1 in --mesh: keep activations between attention and MLP "
+                                       "(norms, residual adds, dropout) split along T over tensor (Megatron's "
+                                       "sequence parallelism); --no-sequence_parallel keeps them whole on each "
+                                       "tensor device")
     memory_report: bool = _f(False, "print what the backward keeps (by tagged name) and XLA's compiled "
                                     "memory for the train step, then exit without training")
     dry_run: bool = _f(False, "validate everything, build and compile the train step, print a summary, "
@@ -254,10 +265,51 @@ class TrainConfig:
             raise UsageError(f"--recompute_method {self.recompute_method!r}: a comma list compares methods and "
                              f"needs --memory_report; pass one method to train")
         try:
-            return recompute_flags.from_flags({k: getattr(self, k) for k in recompute_flags.BY_NAME},
-                                              tensor_axis=TENSOR_AXIS)
+            out = recompute_flags.from_flags({k: getattr(self, k) for k in recompute_flags.BY_NAME},
+                                             tensor_axis=self._partition_axis)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if self.distribute_saved_activations:
+            if isinstance(out[0][1], AutoRecompute):
+                raise UsageError("--recompute_method auto cannot be combined with --distribute_saved_activations "
+                                 "(the planner does not model split region inputs); drop "
+                                 "--distribute_saved_activations")
+            self._check_distribute(out)
+            out = [(label + "+distributed", dataclasses.replace(rc, shard_saved_axis=TENSOR_AXIS)) for label, rc in out]
+        return out
+
+    @property
+    def tensor_size(self) -> int:
+        """The size of the mesh's tensor axis (1: no tensor parallelism)."""
+        return parse_mesh(self.mesh)[TENSOR_AXIS]
+
+    @property
+    def _partition_axis(self) -> str | None:
+        """Where region inputs can be split: the tensor axis, unless absent or sequence parallelism
+        already splits them along T over it (DeepSpeed's partition_activations maps here)."""
+        return TENSOR_AXIS if self.tensor_size > 1 and not self.sequence_parallel else None
+
+    def _check_distribute(self, configs) -> None:
+        """UsageError when --distribute_saved_activations cannot apply."""
+        flag = "--distribute_saved_activations"
+        if self.tensor_size <= 1:
+            raise UsageError(f"{flag} splits each region's saved input over the mesh's tensor axis, but --mesh "
+                             f"{self.mesh} has none; add tensor=N (N > 1) to --mesh, e.g. --mesh tensor=2, or drop {flag}")
+        if self.sequence_parallel:
+            raise UsageError(f"{flag}: with sequence parallelism (on by default with --mesh tensor=N) region inputs "
+                             f"are already split along T over tensor (as in Megatron, the two exclude each other); "
+                             f"add --no-sequence_parallel or drop {flag}")
+        g = configs[0][1].granularity
+        if g != "full":
+            raise UsageError(f"{flag} keeps the inputs of whole-layer recompute regions: it needs "
+                             f"--recompute_granularity full (or just --activation_recompute), not {g}")
+        if any(rc.offload_inputs for _, rc in configs):
+            src = "--cpu_checkpointing" if self.cpu_checkpointing else "--deepspeed_config cpu_checkpointing"
+            raise UsageError(f"{flag} and {src} both decide where region inputs wait (split over tensor, or in host "
+                             f"memory); pass only one")
+        if any(rc.shard_saved_axis for _, rc in configs):
+            raise UsageError(f"{flag} and --deepspeed_config partition_activations ask for the same thing; pass "
+                             f"only one")
 
     @property
     def deepspeed(self):
@@ -272,7 +324,8 @@ class TrainConfig:
     def deepspeed_notes(self) -> list[str]:
         """What each `--deepspeed_config` setting became (printed at start-up); [] without one."""
         ds = self.deepspeed
-        return [] if ds is None else ds.notes(TENSOR_AXIS)
+        return [] if ds is None else ds.notes(self._partition_axis,
+                                              sequence_parallel=self.tensor_size > 1 and self.sequence_parallel)
 
     @property
     def memory_budget_bytes(self) -> int | None:

@@ -26,11 +26,12 @@ def family(name: str) -> Family:
 
 
 def config_dict(mcfg) -> dict:
-    """A model config as JSON-able values (the recompute config and the loss chunking are left
-    out: they do not change the parameters, so a checkpoint restores under any such setting)."""
+    """A model config as JSON-able values (the recompute config, the loss chunking and the
+    tensor-parallel sharding are left out: they do not change the parameters, so a checkpoint
+    restores under any such setting)."""
     out = {}
     for f in dataclasses.fields(mcfg):
-        if f.name in ("recompute", "loss_chunk"):
+        if f.name in ("recompute", "loss_chunk", "sharding"):
             continue
         out[f.name] = getattr(mcfg, f.name)
     return out

@@ -189,6 +189,7 @@ def prepare(cfg: TrainConfig) -> Setup:
     sampler = make_sampler(cfg, model, train_ds, val_ds)  # validates --tokenizer and --prompt
     mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
     checks.check_model_size(fam.num_params(model), parse_mesh(cfg.mesh)["fsdp"], list(mesh.devices.flat))
+    sh.check_tensor(model, parse_mesh(cfg.mesh), cfg.sequence_length, cfg.sequence_parallel)
     tx, schedule = optimizer(optimizer_settings(cfg))
     abstract_state = jax.eval_shape(lambda: init_state(fam, model, tx, cfg.seed))
     state_sharding = sh.state_shardings(mesh, abstract_state)

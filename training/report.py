@@ -22,7 +22,8 @@ def memory_report(setup) -> str:
     xy = jax.ShapeDtypeStruct((cfg.batch_size, cfg.sequence_length), jnp.int32)
     cols = []
     for label, mcfg in setup.mcfgs:
-        res = remat.memory.saved_residuals(lambda p, x, y, m=mcfg: setup.fam.loss_fn(p, m, x, y), params, xy, xy)
+        with jax.set_mesh(setup.mesh):  # --distribute_saved_activations constrains with PartitionSpecs
+            res = remat.memory.saved_residuals(lambda p, x, y, m=mcfg: setup.fam.loss_fn(p, m, x, y), params, xy, xy)
         cm = remat.memory.compiled_stats(compile_train_step(setup, mcfg))
         comp = {"temp": cm.temp, "arguments": cm.argument, "outputs": cm.output, "aliased": cm.alias,
                 "peak estimate": cm.peak_estimate}
