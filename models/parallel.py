@@ -27,8 +27,11 @@ c_fc, c_fc2: the output axis; row-parallel c_proj: the input axis). XLA inserts 
 # Annotations never change values: the gradients equal one device's (tests/test_tensor_parallel.py).
 
 Example:
+    >>> from models.gpt2 import GPT2Config
     >>> sc = ShardingConfig()                         # axes data, fsdp (batch) and tensor
     >>> cfg = GPT2Config.preset("tiny", sharding=sc)  # then trace under jax.set_mesh(mesh)
+    >>> cfg.sharding.tensor, cfg.sharding.sequence
+    ('tensor', True)
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ class ShardingConfig:
         `tensor` (else replicated over it).
     Example:
       >>> ShardingConfig(batch=("data", "fsdp"), tensor="tensor", sequence=True)
+      ShardingConfig(batch=('data', 'fsdp'), tensor='tensor', sequence=True)
     """
     batch: tuple[str, ...] = ("data", "fsdp")
     tensor: str = "tensor"
