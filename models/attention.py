@@ -33,10 +33,10 @@ from remat import names
 F32 = jnp.float32
 ATTENTION = ("auto", "tiled", "xla", "cudnn")
 # NOTE: DEFAULT_TILE was measured on XLA:CPU (docs/BENCHMARKS.md, "The default tile"): one GPT-2
-# reference attention layer (C=256, 4 heads), forward + backward, tiles 64/128/256/512 at
-# T=256..4096 (`python -m bench.attention --tile_sweep ...`). 128 was the fastest at T=1024 and
-# 4096 (0.48× and 0.41× of the xla core's time) with temp within 1% of the smallest; 64 is faster
-# at T=256 (0.81× vs 0.95×) but compiles T/64 blocks per pass (minutes at T=4096).
+# reference attention layer (C=256, 4 heads), forward + backward, with the online kernel. 128 was
+# the fastest at T=1024 and 4096 (tiles 256 and 512 lose: a (t, t) tile per step grows the temp and
+# the serial dependency through the running max); 64 ties at the reference T=256 and is slower at
+# T=4096 (more, smaller loop steps).
 DEFAULT_TILE = 128
 
 
