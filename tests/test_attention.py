@@ -123,6 +123,9 @@ def test_dropout_bits_are_a_function_of_position():
     for a, e in [(0, 7), (7, 14), (14, 24)]:  # any query tiling, any key prefix: the same bits
         part = np.asarray(keep(key, rate, shape[:3] + (e - a, e), a))
         np.testing.assert_array_equal(part, full[:, :, :, a:e, :e])
+    tile = jax.jit(lambda i, j: attention.dropout_keep(key, rate, shape[:3] + (8, 8), i * 8, j * 8))
+    for i, j in [(0, 0), (2, 1), (1, 2)]:  # (query tile, key tile) blocks at traced offsets, as the online kernel draws
+        np.testing.assert_array_equal(np.asarray(tile(i, j)), full[:, :, :, 8 * i:8 * i + 8, 8 * j:8 * j + 8])
     assert not np.array_equal(full, np.asarray(keep(jax.random.key(1), rate, shape, 0)))
     many = np.asarray(keep(key, rate, (4, 4, 2, 64, 64), 0))  # 131,072 draws
     assert abs(many.mean() - 0.75) < 5 * math.sqrt(0.75 * 0.25 / many.size)  # binomial, 5 sigma
