@@ -1,13 +1,17 @@
-"""Attention cores at long sequences: compiled temp and step time, today's (xla) core vs tiled.
+"""Attention cores at long sequences: compiled temp and step time, the xla core, the tiled core and
+the tiled core's former static-prefix kernel.
 
     python -m bench.attention                                  # T = 1024, 2048, 4096
     python -m bench.attention --seqs 1024 --steps 3 --json out/bench/attention.json
     python -m bench.attention --tile_sweep 64,128,256 --shapes 8x256,1x1024   # the default tile
+    python -m bench.attention --cores xla,tiled                # without the prefix rows
 
 GPT-2, 8 layers, C=256, 4 heads, B=1, vocabulary 1024, float32 (the reference width at long
 sequences). Per T, the settings none / full / selective core_attn, each with `attention="xla"`
-(the whole (T, T) scores, `models.layers.causal_attention`) and `attention="tiled"`
-(`models.attention`, tile `--tile`), are compiled first and then timed round-robin
+(the whole (T, T) scores, `models.layers.causal_attention`), `attention="tiled"`
+(`models.attention`, the online-softmax kernel, tile `--tile`) and `prefix` (`attention="tiled"`
+compiled with `models.attention.TILED_KERNEL = "prefix"`, the static-prefix kernel that was the
+tiled core before 2026-12-01), are compiled first and then timed round-robin
 (`bench.common.interleaved_ms`), one warm-up step and `--steps` timed ones, the median reported.
 A step is jitted `jax.value_and_grad(loss_fn)`; temp is XLA's compiled temp buffer of that step
 (`remat.memory.compiled_stats`). The layers run under `lax.scan` (`--no-scan` for the Python
@@ -16,6 +20,7 @@ loop): the layer body compiles once, so T=4096 compiles in seconds rather than m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -31,12 +36,23 @@ SHAPE = dict(n_layer=_REF["n_layer"], n_embd=_REF["n_embd"], n_head=_REF["n_head
 SEQS = (1024, 2048, 4096)
 SETTINGS = {"none": RecomputeConfig(), "full": RecomputeConfig(granularity="full"),
             "selective core_attn": RecomputeConfig(granularity="selective", modules=("core_attn",))}
-CORES = ("xla", "tiled")
+CORES = ("xla", "prefix", "tiled")
+
+
+@contextlib.contextmanager
+def _kernel(name: str):
+    """Compile with the tiled core's `name` kernel (models.attention.TILED_KERNEL), restored after."""
+    from models import attention
+    old, attention.TILED_KERNEL = attention.TILED_KERNEL, name
+    try:
+        yield
+    finally:
+        attention.TILED_KERNEL = old
 
 
 def run(seqs=SEQS, *, batch: int = 1, steps: int = 3, tile: int = DEFAULT_TILE, scan: bool = True,
         n_layer: int = SHAPE["n_layer"], n_embd: int = SHAPE["n_embd"], n_head: int = SHAPE["n_head"],
-        vocab: int = SHAPE["vocab"], log=None) -> dict:
+        vocab: int = SHAPE["vocab"], cores=CORES, log=None) -> dict:
     """Every (T, setting, core) row, timed per T in one interleaved round-robin.
 
     Example:
@@ -53,11 +69,12 @@ def run(seqs=SEQS, *, batch: int = 1, steps: int = 3, tile: int = DEFAULT_TILE, 
         params, idx, targets = policies.inputs(base, batch, T)
         cases = {}
         for name, rc in SETTINGS.items():
-            for core in CORES:
+            for core in cores:
                 log(f"T={T}: compiling {name} / {core} ...")
-                cfg = dataclasses.replace(base, attention=core)
-                cases[(name, core)] = policies.prepare("gpt2", cfg, policies.Setting(f"{name} {core}", rc),
-                                                       params, idx, targets)
+                cfg = dataclasses.replace(base, attention="tiled" if core == "prefix" else core)
+                with _kernel("prefix" if core == "prefix" else "online"):  # traced and compiled here
+                    cases[(name, core)] = policies.prepare("gpt2", cfg, policies.Setting(f"{name} {core}", rc),
+                                                           params, idx, targets)
         log(f"T={T}: timing {len(cases)} settings, {steps} interleaved rounds after 1 warm-up ...")
         times = interleaved_ms({f"{n} {c}": case.step for (n, c), case in cases.items()}, n=steps, warmup=1)
         for (name, core), case in cases.items():
@@ -66,14 +83,16 @@ def run(seqs=SEQS, *, batch: int = 1, steps: int = 3, tile: int = DEFAULT_TILE, 
             rows.append(dict(seq=T, setting=name, attention=core, saved_bytes=case.saved, temp_bytes=case.temp,
                              flops=case.flops, step_ms=ms, step_ms_all=times[f"{name} {core}"], loss=case.loss,
                              temp_vs_xla=case.temp / xla.temp, time_vs_xla=ms / xla_ms))
-    meta = dict(info, batch=batch, steps=steps, tile=tile, scan=scan, seqs=list(seqs),
+    meta = dict(info, batch=batch, steps=steps, tile=tile, scan=scan, seqs=list(seqs), cores=list(cores),
                 shape=dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab=vocab), command=None)
     return {"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}
 
 
-def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int = 64, log=None) -> dict:
+def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int = 64, kernels=("online", "prefix"),
+               log=None) -> dict:
     """One attention core's forward + backward (the reference width: 4 heads of 64), per (B, T):
-    compiled temp and step time of the xla core and of the tiled core at each tile, interleaved.
+    compiled temp and step time of the xla core and of the tiled core at each tile and kernel
+    (rows "tiled t" for the online kernel, "prefix t"), interleaved.
 
     Example:
       >>> res = tile_sweep([(1, 64)], [16, 32], steps=1)
@@ -88,9 +107,11 @@ def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int 
         x = jnp.full((B, T, n_head * head_dim), 0.01, jnp.float32)
         cores = {"xla": lambda q, k, v: layers.causal_attention(q, k, v, n_head, n_head)}
         for t in tiles:
-            if t <= T:
-                cores[f"tiled {t}"] = functools.partial(
-                    lambda q, k, v, t: attention.tiled_causal_attention(q, k, v, n_head, n_head, tile=t), t=t)
+            for kern in kernels:
+                if t <= T:
+                    cores[f"{'tiled' if kern == 'online' else kern} {t}"] = functools.partial(
+                        lambda q, k, v, t, kern: attention.tiled_causal_attention(q, k, v, n_head, n_head, tile=t,
+                                                                                  kernel=kern), t=t, kern=kern)
         steps_by, temps = {}, {}
         for name, fn in cores.items():
             log(f"B={B} T={T}: compiling {name} ...")
@@ -102,7 +123,8 @@ def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int 
             rows.append(dict(batch=B, seq=T, core=name, temp_bytes=temps[name], step_ms=median(times[name]),
                              temp_vs_xla=temps[name] / temps["xla"],
                              time_vs_xla=median(times[name]) / median(times["xla"])))
-    return {"meta": dict(info, steps=steps, n_head=n_head, head_dim=head_dim, command=None), "rows": rows}
+    return {"meta": dict(info, steps=steps, n_head=n_head, head_dim=head_dim, kernels=list(kernels), command=None),
+            "rows": rows}
 
 
 def sweep_report(res: dict) -> str:
@@ -156,6 +178,8 @@ def main(argv=None) -> int:
         p.add_argument(f"--{k}", type=int, default=v)
     p.add_argument("--tile_sweep", default=None, help="instead: one attention layer at these tiles, e.g. 64,128,256")
     p.add_argument("--shapes", default="8x256,1x1024,1x4096", help="with --tile_sweep: BxT shapes")
+    p.add_argument("--cores", default=",".join(CORES), help=f"comma-separated, from {', '.join(CORES)} (xla needed)")
+    p.add_argument("--kernels", default="online,prefix", help="with --tile_sweep: the tiled kernels to time")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
     a = p.parse_args(argv)
     if a.tile_sweep:
@@ -166,16 +190,23 @@ def main(argv=None) -> int:
         except (ValueError, AssertionError):
             raise SystemExit(f"--tile_sweep {a.tile_sweep!r} --shapes {a.shapes!r}: give e.g. --tile_sweep 64,128 "
                              f"--shapes 8x256,1x1024") from None
-        return common.publish(tile_sweep(shapes, tiles, steps=a.steps), sweep_report, "bench.attention", argv, a.json)
+        kernels = tuple(k for k in a.kernels.split(",") if k)
+        if not kernels or any(k not in ("online", "prefix") for k in kernels):
+            raise SystemExit(f"--kernels {a.kernels!r}: give online and/or prefix, e.g. --kernels online,prefix")
+        return common.publish(tile_sweep(shapes, tiles, steps=a.steps, kernels=kernels), sweep_report,
+                              "bench.attention", argv, a.json)
     try:
         seqs = tuple(int(x) for x in a.seqs.split(",") if x.strip())
     except ValueError:
         seqs = ()
+    cores = tuple(c for c in a.cores.split(",") if c)
+    if "xla" not in cores or any(c not in CORES for c in cores):
+        raise SystemExit(f"--cores {a.cores!r}: give xla and any of prefix, tiled, e.g. --cores xla,tiled")
     if not seqs or min(seqs) < 1 or a.steps < 1 or a.tile < 1:
         raise SystemExit(f"--seqs {a.seqs!r}, --steps {a.steps}, --tile {a.tile}: give positive integers, "
                          f"e.g. --seqs 1024,2048 --steps 3")
     res = run(seqs, batch=a.batch, steps=a.steps, tile=a.tile, scan=a.scan, n_layer=a.n_layer, n_embd=a.n_embd,
-              n_head=a.n_head, vocab=a.vocab)
+              n_head=a.n_head, vocab=a.vocab, cores=cores)
     return common.publish(res, report, "bench.attention", argv, a.json)
 
 

@@ -1,17 +1,19 @@
 """Causal attention cores and the one switch between them: `tiled`, `xla`, `cudnn`, or `auto`.
 
-- `tiled` (`tiled_causal_attention`): query tiles of `tile` positions; tile i reads keys
-  [0, end of tile i) only, so the key tiles above the diagonal are never computed, forward or
-  backward, and only the diagonal tile is masked. Keeps q, k, v and the log-sum-exp; compiled temp
-  grows as B·H·T·tile instead of B·H·T².
+- `tiled` (`tiled_causal_attention`): flash-attention style, `lax` loops over query tiles and,
+  for each, over the key tiles at or below the diagonal with an online softmax (running max and
+  sum); tiles above the diagonal are never computed, forward or backward, only the diagonal tile is
+  masked. Keeps q, k, v and the log-sum-exp; compiled temp grows as B·H·T·tile instead of B·H·T²,
+  and the program does not grow with T/tile. (`kernel="prefix"`: the static-prefix kernel it
+  replaced, unrolled per query tile, kept for comparison in bench.attention.)
 - `xla`: `models.layers.causal_attention`, the whole (T, T) score matrix per kv head (the core
   before this module); the same residuals and dropout bits, for comparison.
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (cuDNN flash attention; GPU,
   bf16/fp16, no dropout), its residuals tagged `names.ATTN_PROBS` (see `cudnn_causal_attention`).
 - `auto`: cudnn where it runs (a GPU, bf16/fp16, no dropout, a head size cuDNN takes), else tiled.
 
-Shapes: B batch, T sequence, H query heads, K kv heads, G = H/K, D head size, t query tile,
-S keys a tile reads.
+Shapes: B batch, T sequence, H query heads, K kv heads, G = H/K, D head size, t tile, S keys a
+block reads, n = ceil(T/t) tiles.
 
 Example:
     >>> causal_attention(q, k, v, 4, 2, attention="tiled", tile=4).shape  # (B, T, H·D); q (B, T, 4·8), k and v (B, T, 2·8)
@@ -32,10 +34,10 @@ from remat import names
 F32 = jnp.float32
 ATTENTION = ("auto", "tiled", "xla", "cudnn")
 # NOTE: DEFAULT_TILE was measured on XLA:CPU (docs/BENCHMARKS.md, "The default tile"): one GPT-2
-# reference attention layer (C=256, 4 heads), forward + backward, tiles 64/128/256/512 at
-# T=256..4096 (`python -m bench.attention --tile_sweep ...`). 128 was the fastest at T=1024 and
-# 4096 (0.48× and 0.41× of the xla core's time) with temp within 1% of the smallest; 64 is faster
-# at T=256 (0.81× vs 0.95×) but compiles T/64 blocks per pass (minutes at T=4096).
+# reference attention layer (C=256, 4 heads), forward + backward, with the online kernel. 128 was
+# the fastest at T=1024 and 4096 (tiles 256 and 512 lose: a (t, t) tile per step grows the temp and
+# the serial dependency through the running max); 64 ties at the reference T=256 and is slower at
+# T=4096 (more, smaller loop steps).
 DEFAULT_TILE = 128
 
 
@@ -51,12 +53,12 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
-def dropout_keep(key, rate: float, shape, q_offset: int = 0):
+def dropout_keep(key, rate: float, shape, q_offset=0, k_offset=0):
     """The dropout keep-mask of a (B, K, G, t, S) block of attention probabilities.
 
-    Element (b, kv, g, i, j) is kept iff hash(key, b, head kv·G+g, query q_offset+i, key j) ≥
-    rate·2³², so any tiling, the forward and the backward, and every remat setting draw the same
-    bit for the same position.
+    Element (b, kv, g, i, j) is kept iff hash(key, b, head kv·G+g, query q_offset+i, key
+    k_offset+j) ≥ rate·2³², so any tiling, the forward and the backward, and every remat setting
+    draw the same bit for the same position. The offsets may be traced (loop indices).
     Example:
       >>> keep = dropout_keep(jax.random.key(0), 0.5, (1, 1, 1, 4, 4))
       >>> keep.shape, keep.dtype
@@ -71,38 +73,48 @@ def dropout_keep(key, rate: float, shape, q_offset: int = 0):
     hb = _fmix32(seed[0] + u((B, 1, 1, 1, 1), 0) * jnp.uint32(0x9E3779B9))
     head = u((1, K, G, 1, 1), 1) * jnp.uint32(G) + u((1, K, G, 1, 1), 2)
     hh = _fmix32(hb ^ (seed[1] + head * jnp.uint32(0x85EBCA77)))
-    hr = _fmix32(hh ^ ((u((1, 1, 1, t, 1), 3) + jnp.uint32(q_offset)) * jnp.uint32(0xC2B2AE3D)))  # (B, K, G, t, 1)
-    h = _fmix32(hr + u((1, 1, 1, 1, S), 4) * jnp.uint32(0x27D4EB2F))  # (B, K, G, t, S)
+    off = lambda o: jnp.asarray(o).astype(jnp.uint32)
+    hr = _fmix32(hh ^ ((u((1, 1, 1, t, 1), 3) + off(q_offset)) * jnp.uint32(0xC2B2AE3D)))  # (B, K, G, t, 1)
+    h = _fmix32(hr + (u((1, 1, 1, 1, S), 4) + off(k_offset)) * jnp.uint32(0x27D4EB2F))  # (B, K, G, t, S)
     return h >= jnp.uint32(min(round(rate * 2.0 ** 32), 2 ** 32 - 1))
 
 
 # ------------------------------------------------------------------------------------------------
 # The tiled core.
 
-def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = DEFAULT_TILE,
-                           dropout_rate: float = 0.0, key=None):
-    """Causal GQA attention in query tiles that skip the masked key tiles; keeps q, k, v and the lse.
+KERNELS = ("online", "prefix")
+# The kernel `tiled` runs when `tiled_causal_attention` is not given one. bench.attention sets it
+# to "prefix" (and back) around the compilation of its comparison rows.
+TILED_KERNEL = "online"
 
-    Same arguments and result as `models.layers.causal_attention`, plus `tile`, the query tile
-    (any T: the last tile may be shorter).
+
+def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = DEFAULT_TILE,
+                           dropout_rate: float = 0.0, key=None, kernel: str | None = None):
+    """Causal GQA attention over tiles that skip the masked key tiles; keeps q, k, v and the lse.
+
+    Same arguments and result as `models.layers.causal_attention`, plus `tile` (any T: the last
+    tile may be shorter) and `kernel`: "online" (loops, online softmax; the default) or "prefix"
+    (one unrolled block per query tile over its whole key prefix, at most MAX_TILES tiles).
     Example:
       >>> tiled_causal_attention(q, k, v, 4, 2, tile=4).shape  # (B, T, H·D); tests/test_attention.py compares the cores
       (2, 8, 32)
     """
+    kernel = TILED_KERNEL if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not valid; use one of {', '.join(KERNELS)}")
     if key is None or dropout_rate == 0.0:
         key, dropout_rate = None, 0.0
-    return _tiled(q, k, v, key, n_head, n_kv_head, int(tile), float(dropout_rate))
+    return (_online if kernel == "online" else _tiled)(q, k, v, key, n_head, n_kv_head, int(tile),
+                                                       float(dropout_rate))
 
 
-# NOTE: why a static loop over query tiles and no online softmax. Query tile i reads the keys
-# [0, e_i), e_i its end: a static, growing prefix. The softmax over that prefix is taken in one
-# block (t rows × e_i columns), so no running max/sum across key tiles is needed, the masked
-# tiles above the diagonal are simply not in any block, and only the last t columns need the
-# causal mask. A block is at most t × T, which bounds compiled temp by O(B·H·T·t). A
-# lax.fori_loop/scan over (query, key) tile pairs with an online softmax would have a t × t bound
-# but would run t × t matmuls one after another, which XLA:CPU cannot spread over its threads
-# (not built or measured here; a GPU wants cuDNN's kernel anyway). The price of the static loop
-# is program size: T/t blocks in the forward and in the backward (compile time grows with T/t).
+# NOTE: the static-prefix kernel (`_tiled`, kernel="prefix"; the tiled core until 2026-12-01).
+# Query tile i reads the keys [0, e_i), e_i its end: a static, growing prefix, whose softmax is
+# taken in one (t × e_i) block, so no running max/sum is needed. Its price is program size: one
+# unrolled block per query tile in the forward and per (query, key) tile pair in the backward, so
+# compile time grows as (T/t)² (MAX_TILES bounds it by widening the tile). The online kernel
+# below replaced it: faster at every measured shape, a quarter of its temp at T=4096, and a
+# program of constant size (docs/BENCHMARKS.md, "Attention cores").
 
 def _split(x, n_kv_head, groups):
     """(B, T, K·G·D) → (B, K, G, T, D)."""
@@ -236,6 +248,155 @@ def _tiled_bwd(n_head, n_kv_head, tile, rate, res, dy):
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# The online-softmax core: loops over (query tile, key tile) pairs, program size independent of T.
+
+# NOTE: flash-attention style (FlashAttention-2's algorithm, in XLA loops). `lax.scan` runs over
+# the query tiles; for query tile i a `lax.fori_loop` with the traced bound i runs over the key
+# tiles j < i (no mask), then the diagonal tile j = i runs once with the causal mask. Tiles above
+# the diagonal are never visited, forward or backward. The forward keeps a running row max m, row
+# sum l and unnormalized context acc per query tile and rescales them by exp(m_old - m_new) at
+# each key tile; it ends with y = acc / l and lse = m + log l. The loop bodies are traced once, so
+# the program does not grow with T/tile (tests/test_attention.py counts HLO instructions), and the
+# live temp is one (t, t) score tile per (B, K, G) plus O(B·H·T·D) accumulators: O(B·H·T·tile).
+# T is padded to a multiple of the tile: padded keys only ever meet real queries in the last
+# diagonal tile, where the causal mask removes them; padded query rows are sliced off and get a
+# zero cotangent, so they add nothing to dk and dv.
+#
+# The backward keeps only q, k, v and the lse. The softmax backward's row term rowsum(dP∘P)
+# (= rowsum(dO∘O), with or without dropout) needs the whole key row before the first dS, so each
+# query tile runs two key loops: the first accumulates the row term (QKᵀ and dO·Vᵀ per tile pair),
+# the second forms dS and adds up dQ (carried), dK and dV (float32 buffers indexed by key tile,
+# one rounding to k's dtype at the end). Keeping O as a fifth residual would save the first loop
+# (2 of the backward's 7 tile-pair matmuls) but break "q, k, v and the lse only", on which the
+# saved-bytes comparisons with PyTorch and the memory model rest; the measured cost of the
+# recompute is in the step times of docs/BENCHMARKS.md.
+
+def _tile_major(x5, n, t):
+    """(B, K, G, n·t, D) → (n, B, K, G·t, D): tile i's rows of all G heads of a kv group."""
+    B, K, G, _, D = x5.shape
+    return x5.reshape(B, K, G, n, t, D).transpose(3, 0, 1, 2, 4, 5).reshape(n, B, K, G * t, D)
+
+
+def _from_tile_major(xt, G, T):
+    """(n, B, K, G·t, ...) → (B, K, G, T, ...) (the inverse of `_tile_major`, padding cut)."""
+    n, B, K, R = xt.shape[:4]
+    rest = xt.shape[4:]
+    x = xt.reshape((n, B, K, G, R // G) + rest)
+    x = jnp.moveaxis(x, 0, 3).reshape((B, K, G, n * (R // G)) + rest)
+    return x[:, :, :, :T]
+
+
+def _online_setup(q, k, v, n_head, n_kv_head, tile):
+    q5, kh, vh, G, scale = _heads(q, k, v, n_head, n_kv_head)  # (B, K, G, T, D), (B, K, T, D) ×2
+    T = q.shape[1]
+    t = min(tile, T)
+    n = -(-T // t)
+    pad = n * t - T
+    q5 = jnp.pad(q5, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+    kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))[:, :, None]  # (B, K, 1, n·t, D)
+    return _tile_major(q5, n, t), _tile_major(kv(kh), n, t), _tile_major(kv(vh), n, t), G, scale, t, n
+
+
+def _online_scores(qi, kj, scale, masked, G):
+    """Scaled scores of one (query tile, key tile) pair, float32 (B, K, G·t, t); causal on the diagonal."""
+    s = jnp.einsum("bkrd,bksd->bkrs", qi, kj, preferred_element_type=F32) * scale
+    if masked:  # diagonal tile: query row r sits at r % t of the tile, key column c at c
+        R, t = s.shape[-2:]
+        s = jnp.where(lax.broadcasted_iota(jnp.int32, (R, t), 0) % t >= lax.broadcasted_iota(jnp.int32, (R, t), 1),
+                      s, -jnp.inf)
+    return s
+
+
+def _online_keep(key, rate, p, i, j, G):
+    B, K, R, t = p.shape
+    return dropout_keep(key, rate, (B, K, G, R // G, t), i * t, j * t).reshape(p.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _online(q, k, v, key, n_head, n_kv_head, tile, rate):
+    return _online_fwd(q, k, v, key, n_head, n_kv_head, tile, rate)[0]
+
+
+def _online_fwd(q, k, v, key, n_head, n_kv_head, tile, rate):
+    qt, kt, vt, G, scale, t, n = _online_setup(q, k, v, n_head, n_kv_head, tile)  # (n, B, K, G·t | t, D)
+
+    def row(_, xs):
+        i, qi = xs
+
+        def step(j, carry, masked):
+            m, l, acc = carry  # (B, K, G·t) ×2, (B, K, G·t, D) float32
+            s = _online_scores(qi, kt[j], scale, masked, G)  # (B, K, G·t, t)
+            m_new = jnp.maximum(m, s.max(-1))  # finite: key tile 0 or the diagonal comes first
+            p = jnp.exp(s - m_new[..., None])
+            alpha = jnp.exp(m - m_new)
+            if rate:
+                p_v = jnp.where(_online_keep(key, rate, p, i, j, G), p / (1.0 - rate), 0.0)
+            else:
+                p_v = p
+            pv = jnp.einsum("bkrs,bksd->bkrd", p_v.astype(v.dtype), vt[j], preferred_element_type=F32)
+            return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+        init = (jnp.full(qi.shape[:3], -jnp.inf, F32), jnp.zeros(qi.shape[:3], F32), jnp.zeros(qi.shape, F32))
+        carry = lax.fori_loop(0, i, functools.partial(step, masked=False), init)
+        m, l, acc = step(i, carry, masked=True)
+        return None, ((acc / l[..., None]).astype(v.dtype), m + jnp.log(l))
+
+    _, (yt, lset) = lax.scan(row, None, (jnp.arange(n), qt))  # (n, B, K, G·t, D), (n, B, K, G·t)
+    T = q.shape[1]
+    return _merge(_from_tile_major(yt, G, T)), (q, k, v, key, _from_tile_major(lset, G, T))  # lse (B, K, G, T)
+
+
+def _online_bwd(n_head, n_kv_head, tile, rate, res, dy):
+    q, k, v, key, lse = res
+    T = q.shape[1]
+    qt, kt, vt, G, scale, t, n = _online_setup(q, k, v, n_head, n_kv_head, tile)
+    dyt = _tile_major(jnp.pad(_split(dy, n_kv_head, G), ((0, 0),) * 3 + ((0, n * t - T), (0, 0))), n, t)
+    lset = _tile_major(jnp.pad(lse, ((0, 0),) * 3 + ((0, n * t - T),))[..., None], n, t)[..., 0]  # (n, B, K, G·t)
+
+    def row(dkv, xs):
+        i, qi, dyi, lse_i = xs
+
+        def probs(j, masked):
+            p = jnp.exp(_online_scores(qi, kt[j], scale, masked, G) - lse_i[..., None])  # (B, K, G·t, t)
+            dp = jnp.einsum("bkrd,bksd->bkrs", dyi, vt[j], preferred_element_type=F32)
+            if not rate:
+                return p, p, dp
+            keep = _online_keep(key, rate, p, i, j, G)
+            return p, jnp.where(keep, p / (1.0 - rate), 0.0), jnp.where(keep, dp / (1.0 - rate), 0.0)
+
+        def row_term(j, acc, masked):
+            p, _, dp = probs(j, masked)
+            return acc + (p * dp).sum(-1)
+
+        d = row_term(i, lax.fori_loop(0, i, functools.partial(row_term, masked=False),
+                                      jnp.zeros(qi.shape[:3], F32)), masked=True)  # (B, K, G·t)
+
+        def grads(j, carry, masked):
+            dq, dk, dv = carry
+            p, pd, dp = probs(j, masked)
+            ds = (p * (dp - d[..., None]) * scale).astype(q.dtype)  # (B, K, G·t, t)
+            dq = dq + jnp.einsum("bkrs,bksd->bkrd", ds, kt[j], preferred_element_type=F32)
+            dk = dk.at[j].add(jnp.einsum("bkrs,bkrd->bksd", ds, qi, preferred_element_type=F32))
+            dv = dv.at[j].add(jnp.einsum("bkrs,bkrd->bksd", pd.astype(v.dtype), dyi, preferred_element_type=F32))
+            return dq, dk, dv
+
+        carry = lax.fori_loop(0, i, functools.partial(grads, masked=False), (jnp.zeros(qi.shape, F32),) + dkv)
+        dq, dk, dv = grads(i, carry, masked=True)
+        return (dk, dv), dq.astype(q.dtype)
+
+    # NOTE: the dk/dv accumulators depend on nothing, and XLA:CPU's scheduler otherwise creates every
+    # layer's at the start of the backward (reference GPT-2, Python loop of layers, full remat:
+    # compiled temp 136 MiB; made after dy with `_after`: 104 MiB, tests/test_peak.py).
+    zeros = _after((jnp.zeros(kt.shape, F32),), dyt)[0]  # (n, B, K, t, D) per key tile
+    (dkt, dvt), dqt = lax.scan(row, (zeros, zeros), (jnp.arange(n), qt, dyt, lset))
+    kv = lambda xt, like: _merge(_from_tile_major(xt, 1, T).astype(like.dtype))  # → (B, T, K·D)
+    return _merge(_from_tile_major(dqt, G, T)), kv(dkt, k), kv(dvt, v), None
+
+
+_online.defvjp(_online_fwd, _online_bwd)
 
 
 # ------------------------------------------------------------------------------------------------

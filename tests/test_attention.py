@@ -71,18 +71,20 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max() / np.abs(np.asarray(b, np.float64)).max())
 
 
-@pytest.mark.parametrize("case", _params(*[(c,) for c in CASES]))
-def test_tiled_matches_float64_reference(case):
+@pytest.mark.parametrize("case, kernel", _params(*[(c, "online") for c in CASES], ("T%tile", "prefix")))
+def test_tiled_matches_float64_reference(case, kernel):
     # float32 against float64: every value is a sum of at most T products rounded at ~6e-8
-    # relative; 1e-6 of the largest entry leaves room for that and for nothing like a wrong mask,
-    # a dropped tile or a misplaced group (those are O(1)).
+    # relative (the online kernel adds one rescaling per key tile); 1e-6 of the largest entry
+    # leaves room for that and for nothing like a wrong mask, a dropped tile or a misplaced group
+    # (those are O(1)).
     B, T, H, K, D, tile = CASES[case]
     q, k, v, dy = _inputs(B, T, H, K, D)
     y0, g0 = _reference(q, k, v, dy, H, K)
-    y, g = jax.jit(lambda *a: _vjp(lambda q, k, v: attention.tiled_causal_attention(q, k, v, H, K, tile=tile), *a))(q, k, v, dy)
+    fn = lambda q, k, v: attention.tiled_causal_attention(q, k, v, H, K, tile=tile, kernel=kernel)
+    y, g = jax.jit(lambda *a: _vjp(fn, *a))(q, k, v, dy)
     assert _rel(y, y0) <= 1e-6
     for name, a, b in zip("qkv", g, g0):
-        assert _rel(a, b) <= 1e-6, (case, f"d{name}", _rel(a, b))
+        assert _rel(a, b) <= 1e-6, (case, kernel, f"d{name}", _rel(a, b))
 
 
 @pytest.mark.parametrize("case, dtype", _params(("T%tile", "float32"), ("K<H", "bfloat16"),
@@ -94,8 +96,10 @@ def test_tiled_matches_xla_core_with_dropout(case, dtype):
     # in both cores; scores and softmax float32): the cores round the same quantities, but the
     # tiled core sums dk and dv over query tiles in float32 before one rounding, where the xla
     # core rounds one matmul, and XLA may order the float32 sums differently: results may differ
-    # by a few bf16 ulps (2^-8 ≈ 3.9e-3 relative each). 2e-2 of the largest entry is five ulps; a
-    # wrong mask or dropped tile is O(1).
+    # by a few bf16 ulps (2^-8 ≈ 3.9e-3 relative each); the online kernel also rounds the
+    # unnormalized probabilities exp(s - running max) to bf16 for P·V and divides by the row sum
+    # after, where the xla core rounds the normalized ones: again a rounding of the same size.
+    # 2e-2 of the largest entry is five ulps; a wrong mask or dropped tile is O(1).
     B, T, H, K, D, tile = CASES[case]
     dt = jnp.dtype(dtype)
     q, k, v, dy = (jnp.asarray(a, dt) for a in _inputs(B, T, H, K, D, seed=1))
@@ -119,6 +123,9 @@ def test_dropout_bits_are_a_function_of_position():
     for a, e in [(0, 7), (7, 14), (14, 24)]:  # any query tiling, any key prefix: the same bits
         part = np.asarray(keep(key, rate, shape[:3] + (e - a, e), a))
         np.testing.assert_array_equal(part, full[:, :, :, a:e, :e])
+    tile = jax.jit(lambda i, j: attention.dropout_keep(key, rate, shape[:3] + (8, 8), i * 8, j * 8))
+    for i, j in [(0, 0), (2, 1), (1, 2)]:  # (query tile, key tile) blocks at traced offsets, as the online kernel draws
+        np.testing.assert_array_equal(np.asarray(tile(i, j)), full[:, :, :, 8 * i:8 * i + 8, 8 * j:8 * j + 8])
     assert not np.array_equal(full, np.asarray(keep(jax.random.key(1), rate, shape, 0)))
     many = np.asarray(keep(key, rate, (4, 4, 2, 64, 64), 0))  # 131,072 draws
     assert abs(many.mean() - 0.75) < 5 * math.sqrt(0.75 * 0.25 / many.size)  # binomial, 5 sigma
@@ -126,9 +133,30 @@ def test_dropout_bits_are_a_function_of_position():
     np.testing.assert_array_equal(np.asarray(layers.attention_dropout_mask(key, rate, shape)), full)
 
 
+def _layer_grad(fn, T, H=2, D=16):
+    x = jax.ShapeDtypeStruct((1, T, H * D), jnp.float32)
+    return jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))).lower(x, x, x).compile()
+
+
 def _layer_temp(fn, T, H=2, D=16):
     x = jax.ShapeDtypeStruct((1, T, H * D), jnp.float32)
     return memory.compiled_memory(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)), x, x, x).temp
+
+
+def _hlo_instructions(compiled):
+    return sum(1 for line in compiled.as_text().splitlines() if " = " in line)
+
+
+def test_online_program_size_does_not_grow_with_tiles():
+    # The online kernel's loops are traced once: one attention layer's forward + backward has the
+    # same number of HLO instructions at 4 and at 128 tiles (T=8192, tile 64: the prefix kernel
+    # would unroll 8k backward blocks; it needed MAX_TILES and a widened tile for this), and the
+    # long sequence compiles like the short one.
+    fn = lambda q, k, v: attention.tiled_causal_attention(q, k, v, 2, 2, tile=64)
+    small, long = _layer_grad(fn, 256), _layer_grad(fn, 8192)
+    assert _hlo_instructions(long) == _hlo_instructions(small), (_hlo_instructions(small), _hlo_instructions(long))
+    prefix = lambda q, k, v: attention.tiled_causal_attention(q, k, v, 2, 2, tile=64, kernel="prefix")
+    assert _hlo_instructions(_layer_grad(prefix, 1024)) > 3 * _hlo_instructions(_layer_grad(prefix, 256))
 
 
 def test_tiled_temp_grows_as_T_times_tile():
@@ -136,7 +164,7 @@ def test_tiled_temp_grows_as_T_times_tile():
     # the tiled core's temp (blocks are tile × T) and quadruples the xla core's (T × T scores).
     tiled = lambda q, k, v: attention.tiled_causal_attention(q, k, v, 2, 2, tile=64)
     xla = lambda q, k, v: layers.causal_attention(q, k, v, 2, 2)
-    # (Measured 2.06× and 3.96×; at T=256 → 512 the tiled core's O(T) buffers still weigh in.)
+    # (Measured 1.55× and 3.96×: the online kernel's temp is O(T·D) accumulators plus one (t, t) tile.)
     t1, t2 = _layer_temp(tiled, 512), _layer_temp(tiled, 1024)
     x1, x2 = _layer_temp(xla, 512), _layer_temp(xla, 1024)
     assert t2 / t1 < 2.5 and x2 / x1 > 3.5, (t1, t2, x1, x2)
@@ -149,6 +177,9 @@ def test_resolve_and_switch():
     assert attention.resolve("tiled", jnp.bfloat16, 64) == "tiled"
     with pytest.raises(ValueError, match="attention='flash' is not valid; use one of auto, tiled, xla, cudnn"):
         attention.resolve("flash", jnp.float32, 64)
+    with pytest.raises(ValueError, match="kernel='flash' is not valid; use one of online, prefix"):
+        attention.tiled_causal_attention(jnp.zeros((1, 8, 8)), jnp.zeros((1, 8, 8)), jnp.zeros((1, 8, 8)), 2, 2,
+                                         kernel="flash")
     if jax.default_backend() != "gpu":  # this machine has no cuDNN: the library says so and names the fix
         q = jnp.zeros((1, 8, 32), jnp.bfloat16)
         with pytest.raises(ValueError, match="use attention='tiled'"):
@@ -215,9 +246,9 @@ def test_train_attention_flag(tmp_path):
 
 
 @pytest.mark.parametrize("T,tile", [(1024, 8), (100_000, 128), (37, 16), (4096, 128)])
-def test_tile_count_is_bounded_and_tiles_cover_the_sequence(T, tile):
-    # The unrolled program grows as (T/tile)²: past MAX_TILES the tile widens (a T=100000 step
-    # compiled for over ten minutes in >12 GiB before this bound).
+def test_prefix_tile_count_is_bounded_and_tiles_cover_the_sequence(T, tile):
+    # The prefix kernel's unrolled program grows as (T/tile)²: past MAX_TILES the tile widens (a
+    # T=100000 step compiled for over ten minutes in >12 GiB before this bound).
     tiles = attention._tiles(T, tile)
     assert len(tiles) <= attention.MAX_TILES
     assert tiles[0][0] == 0 and tiles[-1][1] == T and all(e == a2 for (_, e), (a2, _) in zip(tiles, tiles[1:]))
@@ -225,11 +256,12 @@ def test_tile_count_is_bounded_and_tiles_cover_the_sequence(T, tile):
         assert len(tiles) == -(-T // tile)  # within the bound the tile is as asked
 
 
-def test_widened_tiles_match_the_float64_reference():
+def test_prefix_widened_tiles_match_the_float64_reference():
     # T=70 at tile 1 asks for 70 tiles: widened to 3 rows (24 tiles, the last one 1 row).
     B, T, H, K, D = 1, 70, 2, 1, 4
     assert len(attention._tiles(T, 1)) == 24
     q, k, v, dy = _inputs(B, T, H, K, D)
-    y, g = jax.jit(lambda *a: _vjp(lambda q, k, v: attention.tiled_causal_attention(q, k, v, H, K, tile=1), *a))(q, k, v, dy)
+    fn = lambda q, k, v: attention.tiled_causal_attention(q, k, v, H, K, tile=1, kernel="prefix")
+    y, g = jax.jit(lambda *a: _vjp(fn, *a))(q, k, v, dy)
     y_ref, g_ref = _reference(q, k, v, dy, H, K)
     assert _rel(y, y_ref) <= 1e-6 and max(_rel(a, b) for a, b in zip(g, g_ref)) <= 1e-6

@@ -294,7 +294,7 @@ def test_gpu_check_smoke_attention_rows(tmp_path):
     assert "unavailable" in rows["attn cudnn full"] and "| attn cudnn full |" in (tmp_path / "gpu_check.md").read_text()
 
 
-@pytest.mark.slow  # six compilations (three settings × two cores)
+@pytest.mark.slow  # nine compilations (three settings × three cores)
 def test_attention_bench_tiny():
     from bench import attention as bench_attention
     res = bench_attention.run((48,), n_layer=1, n_embd=32, n_head=4, vocab=256, steps=1, tile=16, log=lambda _: None)
@@ -303,6 +303,9 @@ def test_attention_bench_tiny():
     for (s, c), r in rows.items():
         assert r["temp_vs_xla"] == pytest.approx(r["temp_bytes"] / rows[(s, "xla")]["temp_bytes"])
         assert r["loss"] == pytest.approx(rows[("none", "xla")]["loss"], rel=1e-6)  # same model, any core
+    # the prefix rows really compile the other kernel (TILED_KERNEL is set around their compilation)
+    pre, onl = rows[("none", "prefix")], rows[("none", "tiled")]
+    assert (pre["temp_bytes"], pre["flops"]) != (onl["temp_bytes"], onl["flops"])
     assert [t["name"] for t in res["targets"]] == ["T=48: full-remat compiled temp, tiled ≤ 0.5× xla's",
                                                    "T=48: no-remat step time, tiled ≤ xla's"]
     assert "| 48 | full | tiled |" in bench_attention.report(res)
