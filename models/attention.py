@@ -104,6 +104,8 @@ def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = 
         raise ValueError(f"kernel={kernel!r} is not valid; use one of {', '.join(KERNELS)}")
     if key is None or dropout_rate == 0.0:
         key, dropout_rate = None, 0.0
+    if q.shape[1] <= tile:  # one tile: a single masked block, nothing to loop over (same result)
+        kernel = "prefix"
     return (_online if kernel == "online" else _tiled)(q, k, v, key, n_head, n_kv_head, int(tile),
                                                        float(dropout_rate))
 
@@ -289,14 +291,20 @@ def _from_tile_major(xt, G, T):
     return x[:, :, :, :T]
 
 
+def _pad_seq(x, pad: int):
+    """`x` padded with `pad` zero rows along its sequence axis (-2); no op at all when pad is 0, so
+    that a remat policy sees q, k, v themselves, not copies of them (tests/test_bf16_policy.py)."""
+    return x if pad == 0 else jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, pad), (0, 0)))
+
+
 def _online_setup(q, k, v, n_head, n_kv_head, tile):
     q5, kh, vh, G, scale = _heads(q, k, v, n_head, n_kv_head)  # (B, K, G, T, D), (B, K, T, D) ×2
     T = q.shape[1]
     t = min(tile, T)
     n = -(-T // t)
     pad = n * t - T
-    q5 = jnp.pad(q5, ((0, 0),) * 3 + ((0, pad), (0, 0)))
-    kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))[:, :, None]  # (B, K, 1, n·t, D)
+    q5 = _pad_seq(q5, pad)
+    kv = lambda x: _pad_seq(x, pad)[:, :, None]  # (B, K, 1, n·t, D)
     return _tile_major(q5, n, t), _tile_major(kv(kh), n, t), _tile_major(kv(vh), n, t), G, scale, t, n
 
 
@@ -353,8 +361,8 @@ def _online_bwd(n_head, n_kv_head, tile, rate, res, dy):
     q, k, v, key, lse = res
     T = q.shape[1]
     qt, kt, vt, G, scale, t, n = _online_setup(q, k, v, n_head, n_kv_head, tile)
-    dyt = _tile_major(jnp.pad(_split(dy, n_kv_head, G), ((0, 0),) * 3 + ((0, n * t - T), (0, 0))), n, t)
-    lset = _tile_major(jnp.pad(lse, ((0, 0),) * 3 + ((0, n * t - T),))[..., None], n, t)[..., 0]  # (n, B, K, G·t)
+    dyt = _tile_major(_pad_seq(_split(dy, n_kv_head, G), n * t - T), n, t)
+    lset = _tile_major(_pad_seq(lse[..., None], n * t - T), n, t)[..., 0]  # (n, B, K, G·t)
 
     def row(dkv, xs):
         i, qi, dyi, lse_i = xs
