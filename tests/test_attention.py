@@ -256,6 +256,7 @@ def test_prefix_tile_count_is_bounded_and_tiles_cover_the_sequence(T, tile):
         assert len(tiles) == -(-T // tile)  # within the bound the tile is as asked
 
 
+@pytest.mark.slow  # the prefix kernel is kept for bench.attention's comparison only
 def test_prefix_widened_tiles_match_the_float64_reference():
     # T=70 at tile 1 asks for 70 tiles: widened to 3 rows (24 tiles, the last one 1 row).
     B, T, H, K, D = 1, 70, 2, 1, 4
