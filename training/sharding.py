@@ -44,8 +44,10 @@ def maybe_initialize_distributed() -> bool:
 def make_mesh(shape: dict[str, int], global_batch: int | None = None) -> Mesh:
     """A Mesh with axes ("data", "fsdp", "tensor") of the given sizes over the first data·fsdp·tensor devices.
 
-    Raises UsageError when the mesh does not divide the device count or the batch.
+    An axis missing from `shape` has size 1. Raises UsageError when the mesh does not divide the
+    device count or the batch.
     """
+    shape = {a: int(shape.get(a, 1)) for a in MESH_AXES}
     n = int(np.prod([shape[a] for a in MESH_AXES]))
     devices = jax.devices()
     spec = ",".join(f"{a}={shape[a]}" for a in MESH_AXES)
