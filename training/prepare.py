@@ -24,6 +24,7 @@ from remat import RecomputeConfig
 from remat.config import AutoRecompute
 from training import checks
 from training import data as data_lib
+from training import distributed
 from training import saving
 from training import sharding as sh
 from training.compile import optimizer
@@ -139,7 +140,7 @@ def prepare(cfg: TrainConfig) -> Setup:
 
     Raises UsageError (one line, naming the fix) for every bad input. Writes nothing.
     """
-    sh.maybe_initialize_distributed()
+    distributed.initialize()  # jax.distributed, when the environment asks for several processes
     fam = family(cfg.model)
     recomputes = cfg.recompute_configs()
     train_ds = _load_data(cfg.data, "--data")

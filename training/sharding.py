@@ -34,13 +34,6 @@ from training.config import MESH_AXES, TENSOR_AXIS, UsageError
 BATCH_AXES = ("data", "fsdp")
 
 
-def maybe_initialize_distributed() -> bool:
-    """`training.distributed.initialize()`: `jax.distributed.initialize()` when the environment asks."""
-    from training import distributed
-
-    return distributed.initialize()
-
-
 def make_mesh(shape: dict[str, int], global_batch: int | None = None) -> Mesh:
     """A Mesh with axes ("data", "fsdp", "tensor") of the given sizes over the first data·fsdp·tensor devices.
 
@@ -131,8 +124,3 @@ def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def put_batch(array: np.ndarray, sharding: NamedSharding):
-    """Place a host batch (the same on every process) as one global array."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
