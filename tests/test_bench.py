@@ -253,6 +253,29 @@ def test_torch_peer_tiny():
     assert torch_peer.thread_counts(None, 2) == [1, 2] and torch_peer.thread_counts("2", 2) == [2]
 
 
+def test_cpu_ceiling_matmul_rows_and_scaling():
+    from bench import cpu_ceiling
+    res = cpu_ceiling.run(m=64, k=64, n=64, seconds=0.2, step=False)
+    rows = {r["impl"]: r for r in res["rows"]}
+    two, one = rows["JAX matmul, 2 processes at once"], rows["JAX matmul, 1 process"]
+    assert len(two["gflops_each"]) == 2 and all(g > 0 for g in two["gflops_each"])  # really two workers
+    assert two["scaling"] == pytest.approx(sum(two["gflops_each"]) / one["gflops"]) and one["scaling"] is None
+    assert ("PyTorch matmul, 2 threads" in rows) == res["meta"]["torch"]
+    assert "| JAX matmul, 2 processes at once |" in cpu_ceiling.report(res)
+    with pytest.raises(SystemExit) as e:
+        cpu_ceiling.main(["--matmul", "2048x256"])
+    assert e.value.code == 2
+
+
+@pytest.mark.slow
+def test_cpu_ceiling_two_host_devices_compute_the_same_step():
+    from bench import cpu_ceiling
+    res = cpu_ceiling.run(m=64, k=64, n=64, seconds=0.1, steps=1)
+    one, two = [r for r in res["rows"] if r["kind"] == "step"]
+    assert "2 host devices" in two["impl"] and two["scaling"] == pytest.approx(one["ms"] / two["ms"])
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)  # the batch split in two, the same mean loss
+
+
 def test_loss_chunk_bench_rows_and_target():
     from bench import loss_chunk
     res = loss_chunk.run("tiny", seq=32, batch=2, chunks=(8,), log=lambda _: None)
