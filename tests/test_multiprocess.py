@@ -261,3 +261,27 @@ def test_put_rows_reads_each_held_row_range_once():
     assert sorted(read) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     np.testing.assert_array_equal(np.asarray(x), full)
     np.testing.assert_array_equal(np.asarray(y), -full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["ck2", "ck1"])
+def test_resume_in_two_processes(runs, tmp_path, data_file, source):
+    """Step 3 of a checkpoint restored in 2 processes x 4 devices and trained to step 5: the same
+    count (written by 2 processes) and another count (written by 1 process x 8 devices) both give
+    the uninterrupted 2-process run's steps 4-5 and final state, bit for bit."""
+    d, _ = runs
+    two = _losses(d / "two.jsonl")
+    final2, _ = _state(d / "ck2", STEPS)
+    ck = tmp_path / "ck"
+    shutil.copytree(d / source, ck)
+    shutil.rmtree(ck / str(STEPS))  # as if the job had stopped after step 3
+    shutil.copy(d / "two.jsonl", tmp_path / "resumed.jsonl")
+    args = ARGS + ["--data", data_file, "--checkpoint_dir", str(ck), "--resume", "--log_jsonl",
+                   str(tmp_path / "resumed.jsonl")]
+    procs = _launch(2, 4, args, tmp_path, "resume")
+    assert _wait(procs) == [0, 0], _read(tmp_path / "resume.0.err")[-2000:] + _read(tmp_path / "resume.1.err")[-2000:]
+    assert "resume   from step 3" in _read(tmp_path / "resume.0.out")
+    resumed = _losses(tmp_path / "resumed.jsonl")
+    assert len(resumed) == STEPS and resumed == two, (resumed, two)
+    final, _ = _state(ck, STEPS)
+    assert not _bitwise_equal(final, final2), _bitwise_equal(final, final2)[:5]
