@@ -168,7 +168,9 @@ class Filter:
             self._write(seg)
 
     def _may_hold(self, tail: bytes) -> bool:
-        return bool(MAYBE_GLOG.match(tail)) or self.ours.startswith(tail) or tail.startswith(self.ours)
+        # our own line (`exit_on_peer_failure` writes it in one write) once its "PROG:" has come
+        ours = len(tail) > len(self.prog) and self.ours.startswith(tail[:len(self.ours)])
+        return bool(MAYBE_GLOG.match(tail)) or ours
 
     def _other_glog(self, seg: bytes) -> bool:
         m = GLOG.match(seg)
