@@ -7,10 +7,12 @@ library only, no project imports: it must start in a few milliseconds and outliv
 What it changes (everything else passes through unchanged, at once, partial lines included):
 - JAX's fatal abort when the distributed service finds a peer gone (a `client.h` "Terminating
   process because the JAX distributed service detected fatal errors" line, its status lines and
-  the C++ stack trace) becomes one line naming the situation:
-    process K sent no heartbeat for S s   (the coordination service in process 0 found it; in
-                                           any process of the run)
-    process 0 ... is gone                  (in processes 1..N-1, when the service died with it)
+  the C++ stack trace) becomes the one peer-failure line, naming the situation:
+    "the coordination service in process 0 heard no heartbeat from process K for S s"
+        (in any process: the service found K gone while this one was not in a collective)
+    "process 0, which runs the coordination service, is gone"
+        (in processes 1..N-1: the service died with process 0)
+    "JAX's distributed service: STATUS" (any other fatal status, its first line)
 - The coordination service's and preemption manager's own glog lines that lead up to that abort
   are dropped with it. They are held back (at most `HOLD_S`, or until the process ends) and
   written unchanged when no abort follows.
