@@ -106,9 +106,9 @@ def quiet_others() -> None:
 # (process 0, where the coordination service runs, saw no heartbeat from process K for
 # HEARTBEAT_S; or, in processes 1..N-1, process 0 and the service died), JAX's agent aborts the
 # process from a C++ thread: a LOG(FATAL) line, glog error lines and a C++ stack trace on fd 2,
-# then SIGABRT. That comes before any failed collective reaches Python (or with no collective at
-# all, e.g. while a process compiles or waits in the key-value store), so no code in the process
-# can replace it. A small filter process (`training/stderr_filter.py`), which outlives the abort,
+# then SIGABRT. That often comes before a failed collective reaches Python (and comes with no
+# collective at all, e.g. while a process compiles or waits in the key-value store), so no code in
+# the process can replace it. A small filter process (`training/stderr_filter.py`), which outlives the abort,
 # reads fd 2 through a pipe and writes one line in place of the abort and the service's lines
 # that led to it; every other byte passes through unchanged, as it arrives.
 # Python's own `sys.stderr` (tracebacks, our messages, tqdm's bar in process 0) keeps writing to
@@ -133,7 +133,7 @@ def tidy_stderr(prog: str) -> None:
         return
     sys.stderr.flush()
     original = os.dup(2)
-    # -I: the standard library only (no site-packages, no environment, not this directory on the path)
+    # -I: no PYTHON* variables, no user site, and not training/ on sys.path (its profile.py would shadow the stdlib's)
     proc = subprocess.Popen([sys.executable, "-I", _FILTER_SCRIPT, prog, str(jax.process_index()),
                              str(jax.process_count()), str(HEARTBEAT_S)],
                             stdin=subprocess.PIPE, stdout=original, close_fds=True)
