@@ -268,8 +268,8 @@ KILLS = {"collective": (1, "training"), "heartbeat": (1, "compiling"), "service"
 def test_killed_process_stops_the_other(tmp_path, data_file, case):
     """SIGKILL one of 2 training processes: the other exits non-zero within 120 s with one line on stderr.
 
-    Process 0's stderr is a terminal (the default `--progress`'s condition) with `--no-progress`:
-    no bar, only that line.
+    Process 0's stderr is a terminal (where tqdm would draw its bar), with `--no-progress`: no bar,
+    only that line.
     """
     victim, when = KILLS[case]
     log = tmp_path / "log.jsonl"
