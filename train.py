@@ -54,7 +54,7 @@ def main(argv=None) -> int:
                          f"process was started\n")
         return 1
     distributed.quiet_others()  # process 0 prints and logs
-    distributed.tidy_stderr(PROG)  # processes 1..N-1: one line, not JAX's abort, when process 0 dies
+    distributed.tidy_stderr(PROG)  # N processes: one line, not JAX's abort, when the service finds a peer gone
     import training
     from models.llmc_io import LlmcFormatError
     from training.saving import CheckpointSaveError, quiet_failed_save_threads

@@ -9,15 +9,21 @@
 # reproduced bit for bit, parameters and optimizer state included. That is the comparison that
 # shows the data feeding, sharding and checkpoints of several processes exact.
 """
+import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
+import threading
 import time
+import tty
 
 import jax
 import numpy as np
@@ -48,22 +54,57 @@ def _env(devices: int, **extra):
     return env
 
 
-def _launch(n: int, devices: int, argv: list, out_dir, tag: str, distributed=True):
-    """Start `n` processes of `argv` (train.py args, or ["-c", code]); stdout/stderr go to files."""
+def _launch(n: int, devices: int, argv: list, out_dir, tag: str, distributed=True, tty0=False):
+    """Start `n` processes of `argv` (train.py args, or ["-c", code]); stdout/stderr go to files.
+
+    tty0: process 0's stderr is a terminal (a pty copied into its file), as tqdm needs to show its bar.
+    """
     port, procs = _port(), []
     for i in range(n):
         env = _env(devices, **(dict(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(n),
                                     JAX_PROCESS_ID=str(i)) if distributed else {}))
         cmd = [sys.executable, *(argv if argv[0] == "-c" else [os.path.join(ROOT, "train.py"), *argv])]
-        out, err = open(out_dir / f"{tag}.{i}.out", "w"), open(out_dir / f"{tag}.{i}.err", "w")
+        out = open(out_dir / f"{tag}.{i}.out", "w")
+        err = _pty_into(out_dir / f"{tag}.{i}.err") if tty0 and i == 0 else open(out_dir / f"{tag}.{i}.err", "w")
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err))
+        if not hasattr(err, "write"):
+            os.close(err)
     return procs
+
+
+_copiers = []
+
+
+def _pty_into(path) -> int:
+    """A pty's slave end (raw: bytes pass unchanged, 100 columns); a thread copies what is written to it
+    into `path` until every slave end has closed."""
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+
+    def copy():
+        with open(path, "wb", buffering=0) as f:
+            while True:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the process and its stderr filter have closed it
+                    break
+                if not data:
+                    break
+                f.write(data)
+        os.close(master)
+
+    _copiers.append(threading.Thread(target=copy, daemon=True))
+    _copiers[-1].start()
+    return slave
 
 
 def _wait(procs, timeout=600):
     deadline = time.monotonic() + timeout
     for p in procs:
         p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    while _copiers:  # every pty copied into its file (they end with the stderr filters)
+        _copiers.pop().join(timeout=max(1.0, deadline - time.monotonic()))
     return [p.returncode for p in procs]
 
 
@@ -112,7 +153,7 @@ def runs(tmp_path_factory, data_file):
     d = tmp_path_factory.mktemp("mp")
     t0 = time.monotonic()
     two = _launch(2, 4, ARGS + ["--data", data_file, "--checkpoint_dir", str(d / "ck2"), "--log_jsonl",
-                                str(d / "two.jsonl")], d, "two")
+                                str(d / "two.jsonl"), "--progress"], d, "two", tty0=True)
     one = _launch(1, 8, ARGS + ["--data", data_file, "--checkpoint_dir", str(d / "ck1"), "--log_jsonl",
                                 str(d / "one.jsonl")], d, "one")
     rcs = _wait(two + one)
@@ -128,6 +169,10 @@ def test_two_processes_equal_one(runs, data_file):
     out0, out1 = _read(d / "two.0.out"), _read(d / "two.1.out")
     assert f"step {STEPS}/{STEPS}" in out0 and "mesh     data=2,fsdp=4 over 8 cpu device(s)" in out0, out0
     assert out1 == "" and _read(d / "two.1.err") == "", (out1, _read(d / "two.1.err"))
+    # process 0's fd 2 goes through the stderr filter, its tqdm bar (on a terminal) does not: the
+    # bar's '\r' updates reach the terminal (a pipe would turn the bar off: tqdm's disable=None)
+    err0 = open(d / "two.0.err", "rb").read()
+    assert len(re.findall(rb"\rtrain: +\d+%\|", err0)) >= 2 and b"\n" not in err0, err0[-2000:]
     assert "[Gloo]" not in out0  # gloo's C-level announcements are dropped
     two, one = _losses(d / "two.jsonl"), _losses(d / "one.jsonl")
     assert len(two) == STEPS and two == one  # bit for bit (same collectives: see the NOTE above)
@@ -204,43 +249,61 @@ def test_resume_in_one_process_from_two(runs, tmp_path, data_file):
             assert all(_within_ulps(a, b) for a, b in zip(resumed[3:], two[3:])), (resumed, two)
 
 
+# NOTE: the three ways a survivor learns of a dead peer, each made certain by when the kill comes.
+# - "collective": process 1 killed while training; process 0's next collective fails at once
+#   (gloo: the peer's socket closed) and train.py prints our line (exit 1). If process 0 is not in
+#   a collective then, the heartbeat finds process 1 instead: the same one line either way.
+# - "heartbeat": process 1 killed when process 0 starts compiling the train step, before any
+#   collective has run: process 0's first collective builds its gloo communicators through the
+#   coordination service's key-value store, where it waits for the dead process, so only the
+#   service's heartbeat (HEARTBEAT_S) finds it, and JAX aborts process 0 (SIGABRT); its stderr
+#   filter writes our line, naming process 1.
+# - "service": process 0 killed while training; the coordination service dies with it and JAX's
+#   agent in process 1 aborts it (SIGABRT), or its failed collective comes first; one line.
+KILLS = {"collective": (1, "training"), "heartbeat": (1, "compiling"), "service": (0, "training")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [1, 0])
-def test_killed_process_stops_the_other(tmp_path, data_file, victim):
+@pytest.mark.parametrize("case", list(KILLS))
+def test_killed_process_stops_the_other(tmp_path, data_file, case):
     """SIGKILL one of 2 training processes: the other exits non-zero within 120 s with one line on stderr.
 
-    Process 1 killed: process 0's next collective fails; it prints one line and exits 1.
-    Process 0 killed: the coordination service dies with it, and JAX's agent in process 1 usually
-    aborts that process (SIGABRT) before the failed collective reaches Python; the stderr filter of
-    processes 1..N-1 (`training.distributed.tidy_stderr`) turns JAX's fatal lines into the one line.
+    Process 0's stderr is a terminal (where tqdm would draw its bar), with `--no-progress`: no bar,
+    only that line.
     """
+    victim, when = KILLS[case]
     log = tmp_path / "log.jsonl"
     args = ARGS[:ARGS.index("--num_iterations")] + ["--num_iterations", "100000", "--val_every", "0", "--no-progress",
                                                     "--mesh", "data=2,fsdp=4", "--data", data_file, "--log_jsonl", str(log)]
-    procs = _launch(2, 4, args, tmp_path, "kill")
+    procs = _launch(2, 4, args, tmp_path, "kill", tty0=True)
     try:
         deadline = time.monotonic() + 300
-        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3 if when == "training"
+                   else "compile  the train step" in _read(tmp_path / "kill.0.out")):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "training did not start"
-            time.sleep(0.5)
+            time.sleep(0.1)
         procs[victim].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         survivor = procs[1 - victim]
         rc = survivor.wait(timeout=120)
         elapsed = time.monotonic() - t0
+        assert when == "training" or not _read(log).strip(), "process 0 trained a step with a dead peer"
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    _wait(procs, 30)  # and their stderr filters have written what they had
     path, end = tmp_path / f"kill.{1 - victim}.err", time.monotonic() + 10
-    while "\n" not in _read(path) and time.monotonic() < end:  # process 1's stderr filter may write last
+    while "\n" not in _read(path) and time.monotonic() < end:  # process 1's filter may write last
         time.sleep(0.1)
     time.sleep(0.5)
     err = _read(path)
     lines = [l for l in err.splitlines() if l.strip()]
-    print(f"victim {victim}: survivor exit {rc} after {elapsed:.1f} s: {err.strip()}")
+    print(f"{case}: survivor exit {rc} after {elapsed:.1f} s: {err.strip()}")
     assert rc != 0 and elapsed <= 120, err
     assert len(lines) == 1 and f"process {1 - victim} of 2: another process of this run stopped" in lines[0], err
+    if case == "heartbeat":
+        assert "heard no heartbeat from process 1 for 30 s" in lines[0] and rc == -signal.SIGABRT, (rc, err)
 
 
 def test_put_rows_reads_each_held_row_range_once():
