@@ -171,7 +171,7 @@ def _storage(dyn, dyn_arg, shard_saved, offload_saved=()):
     for i, a in enumerate(dyn_arg):
         if shard_saved and a in shard_saved:
             saved, full = shard_saved[a]
-            out[i] = (functools.partial(_shard_store, spec=saved, full=full),
+            out[i] = (functools.partial(_shard_store, spec=saved),
                       functools.partial(jax.lax.with_sharding_constraint, shardings=full))
         elif a in offload_saved and _is_inexact(dyn[i]):
             out[i] = (functools.partial(jax.device_put, device=jax.memory.Space.Host),
@@ -179,7 +179,7 @@ def _storage(dyn, dyn_arg, shard_saved, offload_saved=()):
     return out
 
 
-def _shard_store(x, spec, full=None):
+def _shard_store(x, spec):
     """`x` resharded to `spec` (one axis sharded), made by a collective so that it is materialized.
 
     # NOTE: resharding a replicated input is a local slice, and XLA fuses that slice (and the
@@ -190,8 +190,6 @@ def _shard_store(x, spec, full=None):
     # shard is a buffer of its own and the full input dies after the forward. The all-to-all moves
     # 1/n of the input per device, less than the all-gather the recomputation needs anyway.
     """
-    if full is not None:
-        x = jax.lax.with_sharding_constraint(x, full)
     specs = tuple(spec)
     dims = [d for d, a in enumerate(specs) if a not in (None, P.UNCONSTRAINED)]
     if len(dims) == 1 and dims[0] != x.ndim - 1 and len(specs) == x.ndim:
