@@ -223,8 +223,9 @@ def test_distributed_saved_activations_on_data_fsdp_tensor_mesh():
     """Distributed saved activations on data x fsdp x tensor: float32 gradients equal one device's, and
     the only all-gathers of a whole (B_local, T, C) activation are the region inputs gathered back
     along T before their recomputation, in the backward inside the blocks (none in the forward,
-    none along another axis: the first region's input is pinned whole before its T-shard is
-    stored, else XLA computed it split along C and all-gathered it for the forward)."""
+    none along another axis: the models constrain the embedding output like the residual stream,
+    else XLA computed the first region's input split along C, the first step of its store, and
+    all-gathered it for the forward)."""
     mod, cfg, params = _setup("gpt2", RecomputeConfig(granularity="full", shard_saved_axis="tensor"))
     mesh_shape = MESHES["d2f2t2"]
     ref, _ = _grad(mod, dataclasses.replace(cfg, recompute=REMAT["full"]), params)  # one device: no axis to split over
