@@ -198,8 +198,8 @@ def test_distributed_saved_activations_cut_compiled_temp_tensor4():
 def test_distributed_saved_activations_cut_compiled_temp_batch_axes(mesh_name):
     """The same cut on meshes with data/fsdp axes, 8 sequences of T=256 per data x fsdp shard.
 
-    # NOTE: why another shape. With data/fsdp, XLA reduces the weight gradients over the batch axes
-    # in one combined all-reduce / reduce-scatter after the last layer's backward, so (1) until then
+    # NOTE: why another shape. With data/fsdp, XLA:CPU reduces the weight gradients over the batch
+    # axes in one combined all-reduce (fsdp too) after the last layer's backward, so (1) until then
     # the gradient output buffers are idle and XLA keeps full saved inputs in them (they cost no
     # temp, so at B=8, T=64 splitting them saves almost nothing: fall -66,560 B on fsdp=2 x
     # tensor=2, -1,024 B on data=2 x fsdp=2 x tensor=2) and (2) every layer's gradient stays in temp
