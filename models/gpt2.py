@@ -180,6 +180,7 @@ class GPT2(nn.Module):
         wpe = self.param("wpe", nn.initializers.normal(0.02), (cfg.block_size, cfg.n_embd), jnp.float32)
         x = (embed(wte, idx) + wpe[:T]).astype(dt)  # (B, T, C)
         x = nn.Dropout(cfg.dropout)(x, deterministic)
+        x = parallel.residual(x, cfg.sharding)  # the residual stream entering the blocks (NOTE in models.parallel)
         # NOTE: the one place layers are grouped and rematerialized (remat.linen.LayerStack).
         x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,
                        scan=cfg.scan_layers, name="blocks")(x, deterministic)

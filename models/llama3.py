@@ -199,6 +199,7 @@ class Llama3(nn.Module):
         wte = self.param("wte", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.n_embd), jnp.float32)
         x = embed(wte, idx).astype(dt)  # (B, T, C)
         x = nn.Dropout(cfg.dropout)(x, deterministic)
+        x = parallel.residual(x, cfg.sharding)  # the residual stream entering the blocks (NOTE in models.parallel)
         # NOTE: the one place layers are grouped and rematerialized (remat.linen.LayerStack).
         x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,
                        scan=cfg.scan_layers, name="blocks")(x, deterministic)

@@ -15,6 +15,10 @@ c_fc, c_fc2: the output axis; row-parallel c_proj: the input axis). XLA inserts 
 # The layout (Megatron-LM's, arXiv 1909.08053 and 2205.05198):
 #   - between the blocks' pieces (norms, residual adds, dropout) an activation (B, T, C) is
 #     P(batch, tensor, None) with sequence parallelism (`sequence=True`), else P(batch, None, None);
+#     so is the embedding output entering the first block. Left free, sharding propagation may
+#     pick another layout for it: with distributed saved activations (remat `shard_saved`, whose
+#     store first splits the region input along C) XLA computed it split along C and all-gathered
+#     it, whole, for the first block's forward (tests/test_tensor_parallel.py);
 #   - q, k, v, the attention context and the MLP hidden (B, T, F) are P(batch, None, tensor):
 #     heads and hidden units split, T whole. Going in, XLA all-gathers the norm's output along T;
 #     coming out of the row-parallel c_proj it reduce-scatters the partial sums along T (an
