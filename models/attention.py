@@ -172,6 +172,18 @@ def _after(xs, *prev):
     return tuple((x + dep.astype(x.dtype)) for x in xs)
 
 
+def _fresh(xs, *prev):
+    """Zero buffers `xs` for a loop to write into, made from `prev` (`_after`) so that XLA makes them
+    when `prev` exists, one per layer.
+
+    # NOTE: a plain zeros, or the stacked outputs of `lax.scan`, start from a constant broadcast,
+    # which XLA shares between every loop of the program; under SPMD partitioning XLA:CPU then made
+    # one copy per loop at the start of the program, all live until their loop ran (GPT-2, 8 layers,
+    # tensor=2: 24 copies of (n, B, K, G·t, D) in the forward, before any layer; 6 MiB of a 36 MiB temp).
+    """
+    return _after(xs, *prev)
+
+
 # NOTE: program size. Each pass unrolls one block per query tile, and the backward one per
 # (query tile, key tile) pair on or below the diagonal, so the program grows as (T/tile)²: at
 # T=100000 and tile 128 the backward alone would be ~300k blocks (compiling for tens of minutes in
@@ -331,8 +343,8 @@ def _online(q, k, v, key, n_head, n_kv_head, tile, rate):
 def _online_fwd(q, k, v, key, n_head, n_kv_head, tile, rate):
     qt, kt, vt, G, scale, t, n = _online_setup(q, k, v, n_head, n_kv_head, tile)  # (n, B, K, G·t | t, D)
 
-    def row(_, xs):
-        i, qi = xs
+    def row(i, out):
+        qi = qt[i]
 
         def step(j, carry, masked):
             m, l, acc = carry  # (B, K, G·t) ×2, (B, K, G·t, D) float32
@@ -350,9 +362,10 @@ def _online_fwd(q, k, v, key, n_head, n_kv_head, tile, rate):
         init = (jnp.full(qi.shape[:3], -jnp.inf, F32), jnp.zeros(qi.shape[:3], F32), jnp.zeros(qi.shape, F32))
         carry = lax.fori_loop(0, i, functools.partial(step, masked=False), init)
         m, l, acc = step(i, carry, masked=True)
-        return None, ((acc / l[..., None]).astype(v.dtype), m + jnp.log(l))
+        return out[0].at[i].set((acc / l[..., None]).astype(v.dtype)), out[1].at[i].set(m + jnp.log(l))
 
-    _, (yt, lset) = lax.scan(row, None, (jnp.arange(n), qt))  # (n, B, K, G·t, D), (n, B, K, G·t)
+    # (n, B, K, G·t, D), (n, B, K, G·t): written tile by tile into buffers made from q (see `_fresh`)
+    yt, lset = lax.fori_loop(0, n, row, _fresh((jnp.zeros(qt.shape, v.dtype), jnp.zeros(qt.shape[:-1], F32)), qt))
     T = q.shape[1]
     return _merge(_from_tile_major(yt, G, T)), (q, k, v, key, _from_tile_major(lset, G, T))  # lse (B, K, G, T)
 
@@ -364,8 +377,9 @@ def _online_bwd(n_head, n_kv_head, tile, rate, res, dy):
     dyt = _tile_major(_pad_seq(_split(dy, n_kv_head, G), n * t - T), n, t)
     lset = _tile_major(_pad_seq(lse[..., None], n * t - T), n, t)[..., 0]  # (n, B, K, G·t)
 
-    def row(dkv, xs):
-        i, qi, dyi, lse_i = xs
+    def row(i, carry):
+        dqt, dkv = carry
+        qi, dyi, lse_i = qt[i], dyt[i], lset[i]
 
         def probs(j, masked):
             p = jnp.exp(_online_scores(qi, kt[j], scale, masked, G) - lse_i[..., None])  # (B, K, G·t, t)
@@ -393,13 +407,13 @@ def _online_bwd(n_head, n_kv_head, tile, rate, res, dy):
 
         carry = lax.fori_loop(0, i, functools.partial(grads, masked=False), (jnp.zeros(qi.shape, F32),) + dkv)
         dq, dk, dv = grads(i, carry, masked=True)
-        return (dk, dv), dq.astype(q.dtype)
+        return dqt.at[i].set(dq.astype(q.dtype)), (dk, dv)
 
     # NOTE: the dk/dv accumulators depend on nothing, and XLA:CPU's scheduler otherwise creates every
     # layer's at the start of the backward (reference GPT-2, Python loop of layers, full remat:
     # compiled temp 136 MiB; made after dy with `_after`: 104 MiB, tests/test_peak.py).
-    zeros = _after((jnp.zeros(kt.shape, F32),), dyt)[0]  # (n, B, K, t, D) per key tile
-    (dkt, dvt), dqt = lax.scan(row, (zeros, zeros), (jnp.arange(n), qt, dyt, lset))
+    dq0, zeros = _fresh((jnp.zeros(qt.shape, q.dtype), jnp.zeros(kt.shape, F32)), dyt)  # dk, dv: per key tile
+    dqt, (dkt, dvt) = lax.fori_loop(0, n, row, (dq0, (zeros, zeros)))
     kv = lambda xt, like: _merge(_from_tile_major(xt, 1, T).astype(like.dtype))  # → (B, T, K·D)
     return _merge(_from_tile_major(dqt, G, T)), kv(dkt, k), kv(dvt, v), None
 
