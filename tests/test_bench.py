@@ -253,6 +253,7 @@ def test_torch_peer_tiny():
     assert torch_peer.thread_counts(None, 2) == [1, 2] and torch_peer.thread_counts("2", 2) == [2]
 
 
+@pytest.mark.slow  # five worker processes, ~14 s
 def test_cpu_ceiling_matmul_rows_and_scaling():
     from bench import cpu_ceiling
     res = cpu_ceiling.run(m=64, k=64, n=64, seconds=0.2, step=False)
@@ -276,6 +277,7 @@ def test_cpu_ceiling_two_host_devices_compute_the_same_step():
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)  # the batch split in two, the same mean loss
 
 
+@pytest.mark.slow  # ~12 s of compiles
 def test_loss_chunk_bench_rows_and_target():
     from bench import loss_chunk
     res = loss_chunk.run("tiny", seq=32, batch=2, chunks=(8,), log=lambda _: None)

@@ -77,7 +77,7 @@ def _model_namespace(module: str) -> dict:
 # whole-model modules cost ~14 s CPU together and what they show (init, loss, gradients, decoding)
 # is tested in depth by test_models.py / test_sample.py, so they run with the slow set
 # (`make test-all`); the default set runs the rest in ~15 s.
-SLOW = {"models.gpt2", "models.llama3", "models.sample"}
+SLOW = {"models.gpt2", "models.llama3", "models.sample", "models.attention"}  # attention: ~10 s (tested in depth by test_attention.py)
 
 
 @pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODULES])

@@ -46,6 +46,7 @@ def test_full_remat_cuts_compiled_temp(scan):  # the loop layout (21 s) runs in 
     assert t["full"] < t["uniform2"] < t["none"] and t["full"] < t["block4"] < t["none"], t
 
 
+@pytest.mark.slow  # two loop-layout compiles, ~16 s
 def test_untied_checkpoint_does_not_fall():
     """The mechanism matters: plain jax.checkpoint on the loop layout saves nothing at run time."""
     ck = sys.modules["remat.checkpoint"]

@@ -88,7 +88,7 @@ def planned(frac: float):
     return budget, _PLANS[budget]
 
 
-@pytest.mark.parametrize("frac", [0.15, 0.45, 0.8])
+@pytest.mark.parametrize("frac", [pytest.param(0.15, marks=pytest.mark.slow), 0.45, 0.8])  # 0.15: ~45 s
 def test_plan_fits_and_beats_every_hand_setting(frac):
     budget, plan = planned(frac)
     lo, hi = _bounds()
@@ -261,6 +261,7 @@ def test_cli_exit_2_one_line(text_file):
     assert p.returncode == 2 and len(lines) == 1 and "add --recompute_method auto" in lines[0], p.stderr
 
 
+@pytest.mark.slow  # ~18 s: two planner runs through the CLI
 def test_cli_budget_too_small_states_the_minimum(text_file):
     """In process (train.py turns this UsageError into one line and exit 2, as above)."""
     import training

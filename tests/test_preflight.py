@@ -35,6 +35,7 @@ def _one_line(err):
     return lines[0]
 
 
+@pytest.mark.slow  # ~28 s (bisects the batch); test_recompute_that_fits_is_suggested_and_fits covers the check fast
 def test_batch_that_does_not_fit_in_ram_exits_2_with_a_smaller_batch(capsys, tmp_path):
     avail = preflight.host_available()
     log = tmp_path / "log.jsonl"

@@ -255,6 +255,7 @@ def test_sampler_decodes_byte_text_from_the_start_of_the_validation_data(text_fi
     assert [sampler.due(n) for n in (1, 2, 3, 4)] == [False, True, False, True]
 
 
+@pytest.mark.slow  # a training run and a CLI run, ~15 s
 def test_train_samples_token_data_and_the_cli_continues_the_saved_run(tmp_path, capsys):
     """--sample_every 2 over 3 steps samples at steps 2 and 3 (the last); the text is decoded with
     --tokenizer and generated with --temperature/--top_k/--seed; `python -m models.sample` on the

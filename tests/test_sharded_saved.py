@@ -24,7 +24,7 @@ def loss(ps, x, cfg):
     return jnp.mean(remat.apply_layers(lambda p, h, k: block(p, h), ps, x, cfg) ** 2)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("reentrant", [pytest.param(False, marks=pytest.mark.slow), True])  # False: ~16-50 s
 def test_saved_inputs_sharded_over_fsdp(reentrant):
     assert len(jax.devices()) >= 8, "tests/conftest.py sets 8 host devices"
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)

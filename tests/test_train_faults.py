@@ -209,7 +209,7 @@ CUSTOM = {
 }
 
 
-@pytest.mark.parametrize("model", ["llama3", "gpt2"])
+@pytest.mark.parametrize("model", [pytest.param("llama3", marks=pytest.mark.slow), "gpt2"])
 def test_init_from_takes_every_shape_field_from_the_header(model, tmp_path, text_file):
     mod = llama3 if model == "llama3" else gpt2
     cfg = CUSTOM[model]
