@@ -83,7 +83,10 @@ LINEN_REF = _linen_grad(RecomputeConfig())
 
 
 def _params(cfgs):
-    return [pytest.param(c, id=IDS[SETTINGS.index(c)]) for c in CORE] + \
+    # fast: CORE without num_layers 3 (1 and 2 exercise the same grouping code) and without the
+    # reentrant path (test_plain_functions and test_jitted run it fast); the rest slow
+    fast = lambda c: c.num_layers != 3 and not c.use_reentrant
+    return [pytest.param(c, id=IDS[SETTINGS.index(c)], marks=() if fast(c) else pytest.mark.slow) for c in CORE] + \
         [pytest.param(c, id=IDS[SETTINGS.index(c)], marks=pytest.mark.slow) for c in REST]
 
 
@@ -95,7 +98,14 @@ def test_linen_stack(cfg):
 SCAN_SETTINGS = [c for c in SETTINGS if c.policy in (None, "core_attn")]
 
 
-@pytest.mark.parametrize("cfg", SCAN_SETTINGS, ids=[IDS[SETTINGS.index(c)] for c in SCAN_SETTINGS])
+def _scan_params():
+    # fast: every method at num_layers 1 and 2 with the default policy (non-reentrant) and the
+    # selective presets; the reentrant path, num_layers 3 and core_attn run with `-m slow`
+    fast = lambda c: c.policy is None and not c.use_reentrant and c.num_layers != 3
+    return [pytest.param(c, id=IDS[SETTINGS.index(c)], marks=() if fast(c) else pytest.mark.slow) for c in SCAN_SETTINGS]
+
+
+@pytest.mark.parametrize("cfg", _scan_params())
 def test_linen_stack_scan(cfg):
     g = _linen_grad(cfg, scan=True)["params"]["h"]
     ref = jax.tree.map(lambda *a: jnp.stack(a), *[LINEN_REF["params"][f"h_{i}"] for i in range(L)])
