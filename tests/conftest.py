@@ -1,9 +1,34 @@
 """Test configuration: CPU only, tests/ importable (tinyblocks, llmc_reference)."""
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 CPU devices for the sharding tests; set before JAX starts.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(__file__))
+
+# NOTE: one persistent XLA compilation cache per test run for the train.py/bench subprocesses the
+# tests start (they inherit this environment; the controller loads this file before it starts the
+# xdist workers). Those processes compile the same tiny train steps again and again; a program
+# compiled once is loaded by every later process that builds it (measured: the subprocess-heavy
+# files ran 25-35% faster). The test processes themselves do not use it: their programs are mostly
+# unique and writing them cost more than it saved. The cache is made empty for each run and
+# removed at its end, so no result depends on an earlier run.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="remat-tests-xla-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+import jax  # noqa: E402  (after the environment above is set)
+
+jax.config.update("jax_enable_compilation_cache", False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the compilation cache this process made (the controller's, or a lone run's)."""
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
