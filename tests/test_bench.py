@@ -334,3 +334,20 @@ def test_attention_bench_tiny():
     assert [t["name"] for t in res["targets"]] == ["T=48: full-remat compiled temp, tiled ≤ 0.5× xla's",
                                                    "T=48: no-remat step time, tiled ≤ xla's"]
     assert "| 48 | full | tiled |" in bench_attention.report(res)
+
+
+def test_step_profile_splits_the_traced_wall_time():
+    """A real trace of a tiny step: every part of the wall time lands in exactly one bucket."""
+    from bench import step_profile
+    res = step_profile.run(n_layer=2, n_embd=32, seq=32, batch=2, steps=2)
+    s = res["summary"]
+    assert sum(r["ms"] for r in res["split"]) == pytest.approx(s["traced_wall_ms"], rel=1e-9)
+    parts = {r["part"]: r["ms"] for r in res["split"]}
+    assert parts["matmul alone"] > 0 and parts["other alone"] > 0  # both kinds were seen running
+    assert s["matmul_busy_ms"] == pytest.approx(sum(v for k, v in parts.items() if "matmul" in k))
+    kinds = {(r["where"], r["kind"]) for r in res["costly"]}
+    assert ("fwd/btc,vc->btv/dot_general", "matmul") in kinds  # the LM head's matmul, by name
+    assert all(not w.startswith("jit(") for w, _ in kinds)
+    assert "| other alone |" in step_profile.report(res)
+    with pytest.raises(SystemExit):
+        step_profile.run(n_layer=2, n_embd=32, seq=32, batch=2, steps=1, setting="no such setting")
