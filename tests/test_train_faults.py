@@ -334,6 +334,24 @@ def test_no_intact_step_is_a_usage_error(two_steps, tmp_path):
         _run(common + ["--num_iterations", "6", "--checkpoint_dir", d, "--resume"])
 
 
+def test_unreadable_steps_in_a_real_process_print_two_lines_and_exit_2(two_steps, tmp_path):
+    """Both steps' array data truncated, in a real train.py process: the fallback warning and the
+    error, nothing else. orbax's abandoned reads of the other arrays used to print a 60-line
+    "Exception ignored in: <coroutine ...>" traceback each when collected (at exit)."""
+    src, common, _ = two_steps
+    d = str(tmp_path / "ck")
+    shutil.copytree(src, d)
+    for s in ("2", "4"):
+        DAMAGE["truncated data"][0](os.path.join(d, s))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *common, "--num_iterations", "6",
+                        "--checkpoint_dir", d, "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 2 and len(lines) == 2, p.stderr[:3000]
+    assert lines[0].startswith(f"warning: --resume {d}: step 4 cannot be read") and "falling back to step 2" in lines[0]
+    assert "step 2 cannot be read" in lines[1] and "no older step is intact" in lines[1]
+
+
 # ------------------------------------------------------------------------------------------------
 # resuming: the log holds each step once; training flags must not change
 

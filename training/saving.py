@@ -223,15 +223,48 @@ def restore(directory: str, step: int, abstract_state, partial: bool = False, ve
         state_args = (ocp.args.PyTreeRestore(item=abstract_state, partial_restore=True,
                                              restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
                       if partial else ocp.args.StandardRestore(abstract_state))
+        failure = None
         try:
             out = mngr.restore(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()))
         except Exception as e:  # tensorstore / orbax errors of missing, truncated or corrupt files
-            raise CheckpointDamaged(f"step {step} cannot be read ({_first_line(e)})") from None
+            failure = _first_line(e)
+        if failure is not None:
+            _finish_abandoned_reads()
+            raise CheckpointDamaged(f"step {step} cannot be read ({failure})")
         if verify:
             verify_digest(out.state, out.meta, f"step {step}")
         return out.state, out.meta
     finally:
         mngr.close()
+
+
+_READS_QUIETED = False
+
+
+def _finish_abandoned_reads() -> None:
+    """Keep the array reads orbax abandoned in a failed restore from printing tracebacks.
+
+    # NOTE: orbax reads every array in its own coroutine; when one read fails, the others are
+    # abandoned and each reports the same damage again when it is finalized, through
+    # sys.unraisablehook: a 60-line "Exception ignored in: <coroutine ...>" traceback per array,
+    # printed after the run's one-line error or at exit, whenever orbax's threads let go of them.
+    # The failure is already reported as CheckpointDamaged, so from the first failed restore on,
+    # unraisable reports of orbax's own coroutines are dropped (every other one is printed as
+    # before), and what can be finalized now is collected.
+    """
+    global _READS_QUIETED
+    import gc
+    if not _READS_QUIETED:
+        previous = sys.unraisablehook
+
+        def hook(u):
+            code = getattr(u.object, "cr_code", None)
+            if code is None or "orbax" not in code.co_filename:
+                previous(u)
+
+        sys.unraisablehook = hook
+        _READS_QUIETED = True
+    gc.collect()
 
 
 _OS_ERRORS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
