@@ -81,6 +81,17 @@ def test_model_too_large_for_the_devices_is_a_usage_error(text_file, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("flags, match", [
+    (["--recompute_granularity", "full", "--recompute_method", "uniform", "--recompute_num_layers", "99"],
+     r"^--recompute_num_layers 99 exceeds n_layer=2; use 1\.\.2$"),
+    (["--recompute_granularity", "full", "--recompute_every", "5"], r"^--recompute_every 5 exceeds n_layer=2"),
+])
+def test_recompute_layers_beyond_the_model_are_named_by_flag(flags, match, text_file):
+    """Only the model knows its layer count: the config's error reaches the user in flag words."""
+    with pytest.raises(UsageError, match=match):
+        prepare(config_from_args(TINY + ["--data", text_file] + flags))
+
+
 def _big_text(tmp_path):
     path = tmp_path / "big.txt"
     path.write_bytes(b"".join(pathlib.Path(f).read_bytes() for f in default_corpus()[:60])[:250000])

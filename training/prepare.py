@@ -21,7 +21,8 @@ from models import attention
 from models.family import of as family_of
 from models.llmc_io import LlmcFormatError
 from remat import RecomputeConfig
-from remat.config import AutoRecompute
+from remat.config import AutoRecompute, RecomputeConfigError
+from remat.flags import flag_error
 from training import checks
 from training import data as data_lib
 from training import distributed
@@ -86,6 +87,8 @@ def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, blo
         # cudnn where it cannot run is a usage error now, not a trace-time failure later
         attention.resolve(mcfg.attention, mcfg.compute_dtype, mcfg.n_embd // mcfg.n_head, mcfg.dropout > 0)
         return mcfg
+    except RecomputeConfigError as e:  # e.g. --recompute_num_layers larger than the model's layers
+        raise UsageError(flag_error(e)) from None
     except ValueError as e:
         raise UsageError(str(e).replace("attention='cudnn'", "--attention cudnn").replace("attention='tiled' (--attention tiled)", "--attention tiled")) from None
 
