@@ -26,7 +26,7 @@ import functools
 import sys
 
 from bench import common, policies
-from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown
+from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown, cli
 from models.attention import DEFAULT_TILE
 from remat import RecomputeConfig
 from remat.memory import compiled_stats
@@ -211,4 +211,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(main, "attention"))

@@ -126,6 +126,25 @@ def loadavg() -> list[float] | None:
         return None
 
 
+def cli(main: Callable[[], int], module: str) -> int:
+    """Run a bench module's `main()` as `python -m bench.<module>`: bad input found after argument
+    parsing (a SystemExit carrying a message) exits 2 with `python -m bench.<module>: error: ...`,
+    like argparse's own usage errors, instead of 1.
+
+    Example:
+      >>> if __name__ == "__main__":
+      ...     sys.exit(cli(main, "policies"))
+    """
+    import sys
+    try:
+        return main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(f"python -m bench.{module}: error: {e.code}", file=sys.stderr)
+            return 2
+        raise
+
+
 def publish(res: dict, report: Callable[[dict], str], module: str, argv, json_path: str | None) -> int:
     """Record the command in `res`, print the report, and write `res` as JSON when asked."""
     import json

@@ -8,13 +8,14 @@ and compiled once in this process (`jax.jit(...).lower(...).compile()`); nothing
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import time
 
 import jax
 import jax.numpy as jnp
 
-from bench.common import REFERENCE_BATCH, reference_config
+from bench.common import REFERENCE_BATCH, reference_config, cli
 from models import gpt2
 from remat import RecomputeConfig
 
@@ -54,4 +55,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli(main, "compile_time"))

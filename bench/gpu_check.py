@@ -59,7 +59,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import GiB, Target, fmt, markdown_table, targets_markdown
+from bench.common import GiB, Target, fmt, markdown_table, targets_markdown, cli
 from remat.memory import compiled_stats, is_oom
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak (NVIDIA H200 SXM datasheet)
@@ -540,4 +540,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(main, "gpu_check"))

@@ -16,12 +16,13 @@ chunking, at the first chunk size of `--chunks`.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-from bench.common import MiB, Target, fmt, machine, markdown_table, publish, targets_markdown
+from bench.common import MiB, Target, fmt, machine, markdown_table, publish, targets_markdown, cli
 from models import gpt2, memory_model
 from remat import RecomputeConfig
 from remat.memory import compiled_memory, predict_saved
@@ -101,4 +102,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli(main, "loss_chunk"))

@@ -31,7 +31,8 @@ import time
 
 import jax
 
-from bench.common import REFERENCE_BATCH, MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown
+from bench.common import (REFERENCE_BATCH, MiB, Target, fmt, interleaved_ms, machine, markdown_table, median,
+                          targets_markdown, cli)
 from bench.common import reference_config
 from models import gpt2
 from models.memory_model import activation_bytes
@@ -237,4 +238,4 @@ def _short(lp) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(main, "planner"))

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from bench.common import REFERENCE, REFERENCE_BATCH, MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, ratio, targets_markdown
+from bench.common import (REFERENCE, REFERENCE_BATCH, MiB, Target, fmt, interleaved_ms, machine,
+                          markdown_table, median, ratio, targets_markdown, cli)
 from models import family
 from remat import RecomputeConfig
 from remat.memory import compiled_stats, saved_residuals
@@ -248,4 +249,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(main, "policies"))

@@ -12,13 +12,14 @@ generation's first call in this process, compilation included.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import interleaved_ms, median
+from bench.common import interleaved_ms, median, cli
 from models import family
 from models.sample import generate
 
@@ -74,4 +75,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli(main, "sample"))

@@ -26,6 +26,7 @@ d12 has 12 heads: with t=8 XLA splits the 768 attention features 96 per device, 
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import time
 
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import MiB, fmt, interleaved_ms, machine, markdown_table, median, publish
+from bench.common import MiB, fmt, interleaved_ms, machine, markdown_table, median, publish, cli
 from models import gpt2
 from remat import RecomputeConfig
 from training import sharding as sh
@@ -163,4 +164,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli(main, "scaling"))

@@ -30,7 +30,7 @@ import tempfile
 import time
 
 from bench import policies
-from bench.common import REFERENCE_BATCH, machine, markdown_table, median, publish
+from bench.common import REFERENCE_BATCH, machine, markdown_table, median, publish, cli
 
 WORKER = "bench.step_profile"
 STEP = "remat_step"  # the TraceAnnotation around each traced step
@@ -199,4 +199,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(main, "step_profile"))

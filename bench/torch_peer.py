@@ -28,7 +28,7 @@ import numpy as np
 
 from bench import policies
 from bench import common
-from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown
+from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown, cli
 from models import gpt2
 
 INSTALL_HINT = "bench.torch_peer needs PyTorch (the `peer` extra): pip install -e '.[peer]'"
@@ -255,4 +255,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(main, "torch_peer"))

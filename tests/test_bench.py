@@ -351,3 +351,13 @@ def test_step_profile_splits_the_traced_wall_time():
     assert "| other alone |" in step_profile.report(res)
     with pytest.raises(SystemExit):
         step_profile.run(n_layer=2, n_embd=32, seq=32, batch=2, steps=1, setting="no such setting")
+
+
+@pytest.mark.parametrize("argv", [["bench.attention", "--seqs", "abc"], ["bench.step_profile", "--setting", "nope"]])
+def test_bench_bad_input_exits_2_with_one_line(argv):
+    """Bad input found after argument parsing is a usage error (2), like argparse's own, not rc 1."""
+    p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert lines[-1].startswith(f"python -m {argv[0]}: error: {argv[1]} ") and argv[2] in lines[-1]
