@@ -233,9 +233,8 @@ class RecomputeConfig:
             raise RecomputeConfigError("every", f"recompute_every={self.every} exceeds n_layer={n_layers}; use "
                                        f"1..{n_layers}")
         if self.regions is not None and self.regions > n_layers:
-            raise RecomputeConfigError("regions", f"recompute regions={self.regions} (DeepSpeed's "
-                                       f"number_checkpoints, --deepspeed_config) exceeds n_layer={n_layers}; use "
-                                       f"1..{n_layers}")
+            raise RecomputeConfigError("regions", f"recompute regions={self.regions} exceeds n_layer={n_layers}; use "
+                                       f"1..{n_layers} (the region count: DeepSpeed's number_checkpoints)")
         if self.method in ("uniform", "block") and self.num_layers > n_layers:
             raise RecomputeConfigError("num_layers", f"recompute_num_layers={self.num_layers} exceeds "
                                        f"n_layer={n_layers}; use 1..{n_layers}")

@@ -152,7 +152,7 @@ def test_unknown_flag_values(argv, match, capsys, tmp_path, text_file):
 @pytest.mark.parametrize("argv,match", [
     # --recompute_num_layers larger than the model's layers, or < 1 with uniform/block
     (["--activation_recompute", "--recompute_method", "uniform", "--recompute_num_layers", "3"],
-     "recompute_num_layers=3 exceeds n_layer=2; use 1..2"),
+     "--recompute_num_layers 3 exceeds n_layer=2; use 1..2"),
     (["--activation_recompute", "--recompute_method", "block", "--recompute_num_layers", "0"],
      "--recompute_num_layers 0 must be >= 1"),
     (["--model", "llama3", "--activation_recompute", "--recompute_method", "block", "--recompute_num_layers", "9"],
