@@ -249,22 +249,27 @@ def _finish_abandoned_reads() -> None:
     # sys.unraisablehook: a 60-line "Exception ignored in: <coroutine ...>" traceback per array,
     # printed after the run's one-line error or at exit, whenever orbax's threads let go of them.
     # The failure is already reported as CheckpointDamaged, so from the first failed restore on,
-    # unraisable reports of orbax's own coroutines are dropped (every other one is printed as
-    # before), and what can be finalized now is collected.
+    # unraisable reports of orbax's own coroutines are dropped, and what can be finalized now is
+    # collected.
     """
     global _READS_QUIETED
     import gc
     if not _READS_QUIETED:
-        previous = sys.unraisablehook
-
-        def hook(u):
-            code = getattr(u.object, "cr_code", None)
-            if code is None or "orbax" not in code.co_filename:
-                previous(u)
-
-        sys.unraisablehook = hook
+        _drop_unraisable(lambda u: "orbax" in getattr(getattr(u.object, "cr_code", None), "co_filename", ""))
         _READS_QUIETED = True
     gc.collect()
+
+
+def _drop_unraisable(drop) -> None:
+    """Chain a sys.unraisablehook that drops the reports for which `drop(u)` is true; every other
+    unraisable exception is printed as before."""
+    previous = sys.unraisablehook
+
+    def hook(u):
+        if not drop(u):
+            previous(u)
+
+    sys.unraisablehook = hook
 
 
 _OS_ERRORS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
@@ -399,11 +404,4 @@ def quiet_failed_save_threads() -> None:
     (through sys.unraisablehook) after orbax gave up on a failed asynchronous save: dozens of them
     for a full disk. The failure itself is reported once, as one line, by the training loop; every
     other unraisable exception is printed as before."""
-    previous = sys.unraisablehook
-
-    def hook(u):
-        if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed":
-            return
-        previous(u)
-
-    sys.unraisablehook = hook
+    _drop_unraisable(lambda u: u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed")
