@@ -1,8 +1,10 @@
 """Readers and writers for llm.c's binary files (NumPy; no JAX at import).
 
-Covers GPT-2 and LLaMA-3 model checkpoints, their debug-state files and GPT-2
-token shards, byte for byte as described in ``shared/design/FORMATS.md``:
-a 256 x int32 little-endian header (1024 bytes), then the payload back to back.
+Covers GPT-2 and LLaMA-3 model checkpoints, their debug-state files and token
+shards (GPT-2: uint16 tokens, magic 20240520; LLaMA-3: uint32 tokens, magic 20240801,
+as llm.c's ``dev/data/data_common.py`` writes them), byte for byte as described in
+``shared/design/FORMATS.md``: a 256 x int32 little-endian header (1024 bytes),
+then the payload back to back.
 The tensor names and shapes of model and state files come from the model files'
 tables (``models.gpt2.llmc_shapes`` / ``models.llama3.llmc_shapes``, found through
 ``models.family``), imported on first use; token shards need no model.
@@ -40,6 +42,9 @@ __all__ = [
     "write_model",
     "read_state",
     "write_state",
+    "TokenFormat",
+    "TOKEN_FORMATS",
+    "token_format",
     "read_tokens",
     "write_tokens",
     "float32_to_bfloat16_bits",
@@ -55,7 +60,8 @@ GPT2_STATE_VERSION = 2
 LLAMA3_MAGIC = 20240803  # model files and debug-state files share it
 TOKENS_MAGIC = 20240520
 TOKENS_VERSION = 1
-LLAMA3_TOKENS_MAGIC = 20240801  # llm.c's uint32 LLaMA-3 shards (version 7)
+LLAMA3_TOKENS_MAGIC = 20240801  # llm.c's uint32 LLaMA-3 shards
+LLAMA3_TOKENS_VERSION = 7
 
 VERSION_FLOAT32 = 3
 VERSION_BFLOAT16 = 5
@@ -725,8 +731,79 @@ def write_state(
 # token shards
 
 
-def read_tokens(path: str | os.PathLike) -> np.ndarray:
-    """Read a GPT-2 token shard (magic 20240520, version 1) as a 1-D uint16 array.
+@dataclasses.dataclass(frozen=True)
+class TokenFormat:
+    """One llm.c token shard format (``dev/data/data_common.py``'s ``HEADERS_INFO``).
+
+    Example:
+        >>> TOKEN_FORMATS["llama3"].describe()
+        'llm.c LLaMA-3 shard (uint32, magic 20240801)'
+    """
+
+    kind: str     # "gpt2" / "llama3": llm.c's model_desc "gpt-2" / "llama-3"
+    title: str    # for messages
+    magic: int
+    version: int
+    dtype: str    # little-endian NumPy dtype of one token
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        """``llm.c GPT-2 shard (uint16, magic 20240520)``: the words messages use."""
+        return f"llm.c {self.title} shard ({np.dtype(self.dtype).name}, magic {self.magic})"
+
+
+TOKEN_FORMATS = {f.kind: f for f in (
+    TokenFormat("gpt2", "GPT-2", TOKENS_MAGIC, TOKENS_VERSION, "<u2"),
+    TokenFormat("llama3", "LLaMA-3", LLAMA3_TOKENS_MAGIC, LLAMA3_TOKENS_VERSION, "<u4"),
+)}
+_TOKEN_MAGICS = {f.magic: f for f in TOKEN_FORMATS.values()}
+
+
+def token_format(path: str | os.PathLike) -> tuple[TokenFormat, int]:
+    """Check a token shard's header and size without reading its tokens: ``(format, token count)``.
+
+    Example:
+        >>> fmt, n = token_format("tokens.bin")
+        >>> fmt.kind, n
+        ('gpt2', 8)
+    """
+    path = os.fspath(path)
+    f, size, ints = _open_checked(path, "token shard")
+    with f:
+        return _token_header(path, size, ints)
+
+
+def _token_header(path: str, size: int, ints: np.ndarray) -> tuple[TokenFormat, int]:
+    magic, version, n = int(ints[0]), int(ints[1]), int(ints[2])
+    fmt = _TOKEN_MAGICS.get(magic)
+    if fmt is None:
+        what = _describe_magic(magic)
+        problem = f"magic {magic} is {what}, not a token shard" if what else f"unknown magic {magic}"
+        known = ", ".join(f"{f.magic} ({f.title}, {np.dtype(f.dtype).name})" for f in TOKEN_FORMATS.values())
+        raise _fail(path, problem, f"known token shard magics: {known}; pass a shard written by llm.c's "
+                                   "dev/data scripts")
+    if version != fmt.version:
+        raise _fail(path, f"unsupported {fmt.title} token shard version {version} (expected {fmt.version} "
+                          f"with magic {magic})", "re-tokenize with llm.c's dev/data scripts")
+    if n <= 0:
+        raise _fail(path, f"token shard header says it holds {n} tokens (empty shard)",
+                    "re-create the shard or drop it from the dataset")
+    _check_size(path, size, HEADER_BYTES + fmt.itemsize * n,
+                f"{HEADER_BYTES}-byte header + {n} {np.dtype(fmt.dtype).name} tokens of a {fmt.describe()}")
+    return fmt, n
+
+
+def read_tokens(path: str | os.PathLike, *, mmap: bool = False) -> np.ndarray:
+    """Read an llm.c token shard as a 1-D array: GPT-2 (magic 20240520) uint16, LLaMA-3 (20240801) uint32.
+
+    The header (magic, version, token count) and the exact file size are checked first.
+
+    Args:
+        path: the shard.
+        mmap: return a read-only ``np.memmap`` of the tokens instead of reading them into memory.
 
     Example:
         >>> read_tokens("tokens.bin")[:4]   # e.g. fineweb_train_000001.bin
@@ -735,46 +812,47 @@ def read_tokens(path: str | os.PathLike) -> np.ndarray:
     path = os.fspath(path)
     f, size, ints = _open_checked(path, "token shard")
     with f:
-        magic, version, n = int(ints[0]), int(ints[1]), int(ints[2])
-        if magic == LLAMA3_TOKENS_MAGIC:
-            raise _fail(path, f"magic {magic} is a LLaMA-3 uint32 token shard (version {version}), "
-                              "but read_tokens reads GPT-2 uint16 shards (magic 20240520)",
-                        "use a GPT-2 tokenized dataset")
-        if magic != TOKENS_MAGIC:
-            what = _describe_magic(magic)
-            problem = f"magic {magic} is {what}, not a token shard" if what else f"unknown magic {magic}"
-            raise _fail(path, problem, "known token shard magic: 20240520 (GPT-2, uint16); pass a shard written "
-                                       "by llm.c's dev/data scripts")
-        if version != TOKENS_VERSION:
-            raise _fail(path, f"unsupported token shard version {version} (expected 1)",
-                        "re-tokenize with llm.c's dev/data scripts")
-        if n <= 0:
-            raise _fail(path, f"token shard header says it holds {n} tokens (empty shard)",
-                        "re-create the shard or drop it from the dataset")
-        _check_size(path, size, HEADER_BYTES + 2 * n, f"{HEADER_BYTES}-byte header + {n} uint16 tokens")
-        return _read_array(f, path, "<u2", n).astype(np.uint16)
+        fmt, n = _token_header(path, size, ints)
+        if mmap:
+            return np.memmap(path, dtype=fmt.dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
+        return _read_array(f, path, fmt.dtype, n).astype(np.dtype(fmt.dtype).newbyteorder("="))
 
 
-def write_tokens(path: str | os.PathLike, tokens: np.ndarray) -> None:
-    """Write a GPT-2 token shard (magic 20240520, version 1, uint16 tokens) atomically.
+def write_tokens(path: str | os.PathLike, tokens: np.ndarray, kind: str = "gpt2") -> None:
+    """Write an llm.c token shard atomically, as llm.c's ``write_datafile`` does.
+
+    Args:
+        path: destination file.
+        tokens: non-empty 1-D integer token ids.
+        kind: ``"gpt2"`` (magic 20240520, version 1, uint16 tokens) or ``"llama3"``
+            (magic 20240801, version 7, uint32 tokens): llm.c's ``model_desc`` "gpt-2" / "llama-3".
 
     Example:
         >>> write_tokens("shard.bin", np.array([50256, 464], np.uint16))
         >>> read_tokens("shard.bin")
         array([50256,   464], dtype=uint16)
+        >>> write_tokens("shard3.bin", np.array([128000, 9906]), kind="llama3")
+        >>> read_tokens("shard3.bin")
+        array([128000,   9906], dtype=uint32)
     """
     path = os.fspath(path)
+    if kind not in TOKEN_FORMATS:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, TOKEN_FORMATS))}, got {kind!r}")
+    fmt = TOKEN_FORMATS[kind]
     tok = np.asarray(tokens)
     if tok.ndim != 1 or tok.size == 0:
         raise _fail(path, f"tokens must be a non-empty 1-D array, got shape {tok.shape}", "pass a flat token list")
     if not np.issubdtype(tok.dtype, np.integer):
         raise _fail(path, f"tokens have dtype {tok.dtype}", "pass integer token ids")
-    if tok.min() < 0 or tok.max() > 0xFFFF:
-        raise _fail(path, f"token ids span [{tok.min()}, {tok.max()}], outside uint16", "use a vocab below 65536")
+    top = int(np.iinfo(np.dtype(fmt.dtype)).max)
+    if tok.min() < 0 or tok.max() > top:
+        name = np.dtype(fmt.dtype).name
+        fix = "write kind='llama3' (uint32 tokens)" if kind == "gpt2" else "check the token ids"
+        raise _fail(path, f"token ids span [{tok.min()}, {tok.max()}], outside {name} ({fmt.describe()})", fix)
     if tok.size >= 2**31:
         raise _fail(path, f"{tok.size} tokens do not fit the int32 count", "split the shard")
     ints = np.zeros(HEADER_INTS, dtype="<i4")
-    ints[:3] = [TOKENS_MAGIC, TOKENS_VERSION, tok.size]
+    ints[:3] = [fmt.magic, fmt.version, tok.size]
     with _atomic_writer(path) as f:
         _write_array(f, ints)
-        _write_array(f, tok.astype("<u2"))
+        _write_array(f, tok.astype(fmt.dtype))

@@ -353,3 +353,32 @@ def forward_backward(kind: str, header, tensors, x, y):
     """Dispatch to :func:`gpt2_forward_backward` or :func:`llama3_forward_backward` by ``kind``."""
     fn = {"gpt2": gpt2_forward_backward, "llama3": llama3_forward_backward}[kind]
     return fn(header, tensors, x, y)
+
+
+# ---------------------------------------------------------------------------
+# token shards, as llm.c's own writer makes them
+
+
+# The two formats of llm.c's dev/data/data_common.py (HEADERS_INFO), keyed by its model_desc.
+LLMC_TOKEN_HEADERS = {
+    "gpt-2": dict(magic=20240520, version=1, token_dtype=np.uint16),
+    "llama-3": dict(magic=20240801, version=7, token_dtype=np.uint32),
+}
+
+
+def llmc_write_datafile(filename, toks, model_desc: str = "gpt-2") -> None:
+    """What llm.c's ``dev/data/data_common.py`` ``write_datafile`` does, independently of models.llmc_io.
+
+    A header of 256 int32 (native order, as NumPy writes it: [0] magic, [1] version, [2] token
+    count), then the tokens as uint16 ("gpt-2") or uint32 ("llama-3"), written with a plain
+    ``open(..., "wb")`` (not atomic); ids are cast with ``np.array(toks, dtype=...)`` unchecked.
+    """
+    assert len(toks) < 2**31, "token count too large"
+    assert model_desc in LLMC_TOKEN_HEADERS, f"unknown model descriptor {model_desc}"
+    info = LLMC_TOKEN_HEADERS[model_desc]
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [info["magic"], info["version"], len(toks)]
+    body = np.array(toks, dtype=info["token_dtype"])
+    with open(filename, "wb") as f:
+        f.write(header.tobytes())
+        f.write(body.tobytes())

@@ -1,7 +1,8 @@
 """Training data: llm.c token shards or byte-level text, sampled deterministically by batch index.
 
-A dataset is a list of token streams. Token shards (`*.bin`, magic 20240520) are each one stream
-(read through a memory map after `models.llmc_io.read_tokens` has validated them); text files are
+A dataset is a list of token streams. llm.c token shards (`*.bin`: GPT-2, uint16, magic 20240520;
+LLaMA-3, uint32, magic 20240801) are each one stream (a memory map that
+`models.llmc_io.read_tokens` returns after validating the file), all of one format; text files are
 concatenated into one stream of bytes (vocabulary 256). A batch is `batch_size` windows of
 `sequence_length + 1` tokens that never cross a stream boundary; batch `i` depends only on
 `(seed, i)`, so the data position of a run is the single integer `i` and a resumed run sees
@@ -23,10 +24,13 @@ import sysconfig
 
 import numpy as np
 
-from models.llmc_io import HEADER_BYTES, LlmcFormatError, read_tokens
+from models.llmc_io import LlmcFormatError, TokenFormat, read_tokens, token_format
 from training.config import UsageError
 
 BYTE_VOCAB = 256
+# NOTE: the model whose vocabulary is llm.c's tokenizer of each shard format (GPT-2 50257, LLaMA-3
+# 128256): the fix a message names when a shard's ids do not fit the model (if they fit that vocab).
+_FAMILY_FIX = {"gpt2": ("--model gpt2 --preset d12", 50257), "llama3": ("--model llama3 --preset 1b", 128256)}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
 
@@ -43,10 +47,12 @@ def default_corpus() -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Dataset:
     """Token streams plus what they are. `vocab_needed` is max token id + 1."""
-    streams: tuple  # 1-D integer arrays (np.memmap for shards)
+    streams: tuple  # 1-D integer arrays (np.memmap for shards: uint16 GPT-2, uint32 LLaMA-3)
     kind: str       # "tokens" (llm.c shards) or "text" (bytes)
     vocab_needed: int
     description: str
+    token_format: TokenFormat | None = None  # shards: their one format (GPT-2 uint16 / LLaMA-3 uint32)
+    top_file: str = ""                       # shards: the file holding the largest token id
 
     @property
     def n_tokens(self) -> int:
@@ -55,7 +61,15 @@ class Dataset:
     def check(self, vocab_size: int, seq_len: int, what: str = "--data") -> None:
         """Raise UsageError unless every token id is < vocab_size and a window of seq_len+1 fits."""
         if self.vocab_needed > vocab_size:
-            raise UsageError(f"{what} ({self.description}) holds token ids up to {self.vocab_needed - 1}, but the "
+            top = self.vocab_needed - 1
+            if self.token_format is not None:
+                flags, vocab = _FAMILY_FIX[self.token_format.kind]
+                model = f"{flags} (vocab {vocab}) or " if top < vocab else ""
+                raise UsageError(
+                    f"{what} {self.top_file} ({self.token_format.describe()}) holds token ids up to {top}, but the "
+                    f"model's vocab_size is {vocab_size}; pass {model}--vocab_size >= {top + 1}, or data tokenized "
+                    f"for this model's vocabulary")
+            raise UsageError(f"{what} ({self.description}) holds token ids up to {top}, but the "
                              f"model's vocab_size is {vocab_size}; use a preset/--vocab_size >= {self.vocab_needed}")
         longest = max(len(s) for s in self.streams)
         if longest < seq_len + 1:
@@ -160,15 +174,23 @@ def load(paths, what: str = "--data") -> Dataset:
         raise UsageError(f"{what} mixes token shards (*.bin) and text files ({files[0]}, ...): their token ids "
                          f"mean different things; pass one kind")
     if shards:
-        streams, top = [], 0
+        formats = [token_format(path)[0] for path in shards]  # header and size of every shard, first
+        mixed = next((i for i, f in enumerate(formats) if f != formats[0]), None)
+        if mixed is not None:
+            raise UsageError(f"{what} mixes token shard formats: {shards[0]} is an {formats[0].describe()}, "
+                             f"{shards[mixed]} an {formats[mixed].describe()}; their token ids come from "
+                             f"different tokenizers: pass shards of one format")
+        streams, top, top_file = [], -1, shards[0]
         for path in shards:
-            tokens = read_tokens(path)  # validates magic, version, count and size (LlmcFormatError)
-            top = max(top, int(tokens.max()))
-            del tokens
-            n = (os.path.getsize(path) - HEADER_BYTES) // 2
-            streams.append(np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)))
+            # NOTE: a memory map (validated by read_tokens): the shard is paged in to find its largest id,
+            # and later only the windows a batch reads; it is never copied into this process's memory.
+            tokens = read_tokens(path, mmap=True)
+            m = int(tokens.max())
+            if m > top:
+                top, top_file = m, path
+            streams.append(tokens)
         desc = shards[0] if len(shards) == 1 else f"{len(shards)} token shards ({shards[0]}, ...)"
-        return Dataset(tuple(streams), "tokens", top + 1, desc)
+        return Dataset(tuple(streams), "tokens", top + 1, desc, formats[0], top_file)
     parts = []
     for path in files:
         with open(path, "rb") as fh:

@@ -187,6 +187,10 @@ def prepare(cfg: TrainConfig) -> Setup:
         val_ds.check(model.vocab_size, cfg.sequence_length, "--val_data")
         if val_ds.kind != train_ds.kind:
             raise UsageError(f"--val_data is {val_ds.kind} but --data is {train_ds.kind}; pass the same kind")
+        if val_ds.token_format != train_ds.token_format:
+            raise UsageError(f"--val_data {val_ds.description} is an {val_ds.token_format.describe()} but --data "
+                             f"is an {train_ds.token_format.describe()}; their token ids come from different "
+                             f"tokenizers: pass shards of one format")
     elif cfg.val_every > 0:
         train_ds, val_ds = train_ds.split_tail(VAL_FRACTION, cfg.sequence_length + 1)
 
