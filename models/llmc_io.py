@@ -792,7 +792,7 @@ def _token_header(path: str, size: int, ints: np.ndarray) -> tuple[TokenFormat, 
         raise _fail(path, f"token shard header says it holds {n} tokens (empty shard)",
                     "re-create the shard or drop it from the dataset")
     _check_size(path, size, HEADER_BYTES + fmt.itemsize * n,
-                f"{HEADER_BYTES}-byte header + {n} {np.dtype(fmt.dtype).name} tokens of a {fmt.describe()}")
+                f"{HEADER_BYTES}-byte header + {n} {np.dtype(fmt.dtype).name} tokens of an {fmt.describe()}")
     return fmt, n
 
 

@@ -83,7 +83,7 @@ def test_dataset_of_llama3_shards_keeps_ids_above_uint16(tmp_path):
 
 
 @pytest.mark.parametrize("case, cut, fragments", [
-    ("truncated", 4, ["truncated by 4 bytes", "uint32 tokens of a " + LLAMA]),
+    ("truncated", 4, ["truncated by 4 bytes", "uint32 tokens of an " + LLAMA]),
     ("half-token", 2, ["truncated by 2 bytes"]),
     ("version", 0, ["unsupported LLaMA-3 token shard version 6 (expected 7 with magic 20240801)"]),
 ])
