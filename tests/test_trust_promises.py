@@ -67,9 +67,9 @@ def test_batch_advice_keeps_the_sequences_per_step():
     """A real advice, compiled: 96 sequences per step (48 x 2) with a capacity sized so that about 40
     of them fit per micro-batch under full remat with the chunked loss. The advice is 32 x 3 = 96
     (rounding the accumulation up gave ~40 x 3 = 120), and its configuration fits."""
-    base = TINY + ["--n_layer", "1", "--batch_size", "48", "--grad_accum_steps", "2"]
+    chunk = 16  # the run's own --loss_chunk: one full-remat candidate to compile, not two
+    base = TINY + ["--n_layer", "1", "--batch_size", "48", "--grad_accum_steps", "2", "--loss_chunk", str(chunk)]
     setup = prepare(config_from_args(base))
-    chunk = 16  # what the advice adds at T=64 (a quarter of T)
     full = dataclasses.replace(setup.mcfg, recompute=preflight._full(setup.mcfg), loss_chunk=chunk)
     stats = compiled_stats(compile_train_step(setup, full))
     fixed = stats.peak_estimate - stats.temp
