@@ -174,6 +174,8 @@ def test_two_processes_equal_one(runs, data_file):
     err0 = open(d / "two.0.err", "rb").read()
     assert len(re.findall(rb"\rtrain: +\d+%\|", err0)) >= 2 and b"\n" not in err0, err0[-2000:]
     assert "[Gloo]" not in out0  # gloo's C-level announcements are dropped
+    one0 = _read(d / "one.0.out")  # in a 1-process jax.distributed run too (it runs on gloo as well)
+    assert "[Gloo]" not in one0 and f"step {STEPS}/{STEPS}" in one0, one0
     two, one = _losses(d / "two.jsonl"), _losses(d / "one.jsonl")
     assert len(two) == STEPS and two == one  # bit for bit (same collectives: see the NOTE above)
     s2, meta2 = _state(d / "ck2", STEPS)

@@ -84,10 +84,11 @@ def quiet_others() -> None:
     """Process 0 prints; the others' stdout goes to /dev/null (stderr keeps their errors).
 
     On CPU, gloo announces each new communicator on the C-level stdout ("[Gloo] Rank 0 is connected
-    to 3 peer ranks"); those lines are dropped in every process, and Python's `sys.stdout` keeps
-    writing to the original stdout of process 0.
+    to 3 peer ranks"); those lines are dropped in every process of a `jax.distributed` run, a
+    one-process one included (it runs on gloo too), and Python's `sys.stdout` keeps writing to the
+    original stdout of process 0. A no-op in an ordinary process.
     """
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 and not _state["initialized"]:
         return
     sys.stdout.flush()
     devnull = os.open(os.devnull, os.O_WRONLY)

@@ -12,8 +12,8 @@ candidates, most memory-saving first:
      The first that fits gives `--recompute_method auto --memory_budget B` (plus `--loss_chunk`):
      the planner (remat.plan_for_budget) then picks the cheapest recompute per layer that fits B,
      which is 80% of what there is (per device), rounded down.
-  3. If neither fits, a smaller `--batch_size` (a multiple of the mesh's size) with
-     `--grad_accum_steps` raised to keep the sequences per step, `--activation_recompute` and the
+  3. If neither fits, a smaller `--batch_size` (a multiple of the mesh's size that divides the
+     sequences per step) with `--grad_accum_steps` raised so that their product stays the same, `--activation_recompute` and the
      chunked loss: concrete flags, verified by compiling exactly the configuration they give (at most
      3 tries); or, when the parameters and optimizer state alone exceed the budget, a smaller
      model or more devices.
@@ -155,6 +155,30 @@ def advice(setup, cap: Capacity, compile_step) -> str:
     return _batch_advice(setup, cap, compile_step, chunk, p_min, compiled)
 
 
+def split_batch(seqs: int, most: int, step: int = 1) -> tuple[int, int] | None:
+    """`(batch_size, grad_accum_steps)` whose product is exactly `seqs`: the largest micro-batch that is
+    at most `most`, a multiple of `step` and divides `seqs`; None when there is none.
+
+    Example:
+        >>> split_batch(65536, 44731)
+        (32768, 2)
+        >>> split_batch(96, 40, step=8)
+        (32, 3)
+        >>> split_batch(12, 5, step=8) is None
+        True
+    """
+    # NOTE: only divisors: rounding the accumulation up (ceil(seqs / b)) would change the optimizer's
+    # step (65,536 sequences became 2 x 44,731 = 89,462), which the advice promises to keep.
+    best = None
+    for d in range(1, math.isqrt(seqs) + 1):
+        if seqs % d:
+            continue
+        for b in (d, seqs // d):
+            if b <= most and b % step == 0 and (best is None or b > best):
+                best = b
+    return None if best is None else (best, seqs // best)
+
+
 def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
     """A smaller micro-batch with full remat and the chunked loss, as concrete flags, verified by
     compiling exactly the configuration they give."""
@@ -174,10 +198,16 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
         if fixed >= budget or temp <= 0:
             return (f"{what} and the parameters and optimizer state alone need {format_bytes(fixed * cap.sharing)}: use a "
                     f"smaller model, or shard them over more devices (--mesh fsdp=N)")
-        b = (int(b * (budget - fixed) / temp) // step) * step
-        if b < step:
+        most = min(int(b * (budget - fixed) / temp), b - 1)  # below the micro-batch that did not fit
+        if most < step:
             break
-        accum = math.ceil(seqs / b)
+        split = split_batch(seqs, most, step)
+        if split is None:
+            return (f"{what}; a micro-batch of at most {most:,} might fit, but none that is a multiple of {step} "
+                    f"(the mesh's devices) divides the {seqs:,} sequences per step: choose --batch_size and "
+                    f"--grad_accum_steps whose product is near {seqs:,}, with --activation_recompute "
+                    f"--loss_chunk {chunk}{without}")
+        b, accum = split
         tcfg = dataclasses.replace(cfg, batch_size=b, grad_accum_steps=accum, activation_recompute=True,
                                    recompute_granularity=None, recompute_method="none", memory_budget=None,
                                    recompute_modules=None, remat_policy=None, loss_chunk=chunk)
@@ -186,9 +216,11 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
                                                                      loss_chunk=chunk))
         if p <= budget:
             keep = f" --grad_accum_steps {accum}" if accum != cfg.grad_accum_steps else ""
+            short = (f"; {b:,} is the largest micro-batch that divides them (a multiple of {step}) below the "
+                     f"{most:,} that might fit" if 2 * b <= most else "")
             return (f"{what}: reduce the micro-batch, e.g. --batch_size {b}{keep} --activation_recompute "
                     f"--loss_chunk {chunk}{without}, which needs {format_bytes(p * cap.sharing)} "
-                    f"({b * accum * cfg.sequence_length:,} tokens per step)")
+                    f"(the same {seqs:,} sequences, {seqs * cfg.sequence_length:,} tokens, per step{short})")
         temp = compiled_stats(compiled).temp
         fixed = p - temp
     return (f"{what}, and no smaller batch found fits: use a shorter --sequence_length, a smaller model, or "

@@ -15,6 +15,23 @@ import remat
 from training import log as log_lib
 from training.compile import compile_train_step
 
+# NOTE: XLA:CPU has one memory space: pinned host memory is the same host RAM as "device" memory, so
+# offloading (--cpu_checkpointing, an offload_names policy) compiles and runs but moves nothing and
+# saves nothing. The run says so rather than let a CPU run look like it tested the offload.
+CPU_OFFLOAD = "on a cpu backend pinned host memory is the same host RAM: nothing moves"
+
+
+def _saved_cell(res, name: str) -> str:
+    """One cell of the saved table: `count x bytes of each`, or `count, total` where sizes differ."""
+    count, total = res.by_name().get(name, (0, 0))
+    if not count:
+        return "-"
+    # by_name's own key of each row (one-row SavedResiduals), so the grouping cannot drift from it
+    sizes = {r.bytes for r in res.rows if next(iter(type(res)((r,)).by_name())) == name}
+    fmt = remat.memory.format_bytes
+    return f"{count} x {fmt(total // count)}" if len(sizes) == 1 else f"{count}, {fmt(total)} total"
+
+
 def memory_report(setup) -> str:
     """What the backward keeps (by tagged name) and XLA's compiled memory, one column per config."""
     cfg = setup.cfg
@@ -31,22 +48,22 @@ def memory_report(setup) -> str:
     names = []
     for _, res, _ in cols:
         names += [k for k in res.by_name() if k not in names]
-    w0, w = 46, max(18, *(len(c[0]) + 2 for c in cols))
     mib = remat.memory.format_bytes
+    table = [[_saved_cell(res, n) for _, res, _ in cols] for n in names]
+    w0, w = 46, max(18, *(len(c[0]) + 2 for c in cols), *(len(x) + 2 for row in table for x in row))
     dev = setup.mesh.devices.flat[0]
     lines = [f"memory report: {cfg.model} {cfg.preset} ({setup.fam.num_params(setup.mcfg):,} params), micro-batch "
              f"{cfg.batch_size}x{cfg.sequence_length}, {cfg.dtype}, mesh {cfg.mesh} on {setup.mesh.size} "
              f"{dev.platform} device(s)",
-             "", "saved for the backward of one micro-batch (count x size), by tagged name",
+             "", "saved for the backward of one micro-batch, by tagged name: count x bytes of each "
+                 "(count, total where their sizes differ)",
              "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
-    for n in names:
-        cells = []
-        for _, res, _ in cols:
-            c, b = res.by_name().get(n, (0, 0))
-            cells.append(f"{c} x {mib(b)}" if c else "-")
+    for n, cells in zip(names, table):
         lines.append(f"  {n[:w0 - 2]}".ljust(w0) + "".join(x.rjust(w) for x in cells))
     lines.append("  total (intermediates)".ljust(w0) + "".join(mib(r.intermediates).rjust(w) for _, r, _ in cols))
     lines.append("  total (with arguments)".ljust(w0) + "".join(mib(r.total).rjust(w) for _, r, _ in cols))
+    if dev.platform == "cpu" and any(res.offloaded for _, res, _ in cols):
+        lines.append(f"  (host) rows: {CPU_OFFLOAD}")
     lines += ["", "XLA's compiled train step, per device", "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
     for k in ("temp", "arguments", "outputs", "aliased", "peak estimate"):
         lines.append(f"  {k}".ljust(w0) + "".join(mib(comp[k]).rjust(w) for _, _, comp in cols))
@@ -82,6 +99,9 @@ def describe(setup, compiled=None) -> str:
         f"mesh     {cfg.mesh} over {setup.mesh.size} {setup.mesh.devices.flat[0].platform} device(s)",
     ]
     lines[2:2] = [f"deepspeed {note}" for note in cfg.deepspeed_notes()]
+    ds = cfg.deepspeed
+    if rc.offload_inputs and setup.mesh.devices.flat[0].platform == "cpu" and not (ds and ds.cpu_checkpointing):
+        lines.insert(2, f"offload  region inputs wait in pinned host memory (--cpu_checkpointing); {CPU_OFFLOAD}")
     if compiled is not None:
         lines.append(f"memory   {remat.memory.format_bytes(log_lib.compiled_estimate(compiled))} per device (compiled est.)")
     return "\n".join(lines)
