@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     import training
     from models.llmc_io import LlmcFormatError
     from training.saving import CheckpointSaveError, quiet_failed_save_threads
+    from training.log import LogWriteError
     from training.run import Interrupted
 
     quiet_failed_save_threads()
@@ -68,6 +69,9 @@ def main(argv=None) -> int:
         usage_exit(str(e), PROG)
     except training.TrainingDiverged as e:
         sys.stderr.write(f"{PROG}: stopped: {e}\n")
+        return 1
+    except LogWriteError as e:  # a full disk under --log_jsonl: the checkpoints in flight were completed
+        sys.stderr.write(f"{PROG}: error: {e.strerror}\n")
         return 1
     except CheckpointSaveError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
