@@ -192,7 +192,7 @@ def test_fifo_model_file_exits_2(tmp_path, text_file, alarm, capsys):
         read_model(fifo)
     assert llmc.main(["verify", str(fifo), str(fifo)]) == 2
     assert "FIFO" in _one_line(capsys.readouterr().err)
-    with pytest.raises(UsageError, match=f"--init_from {fifo}: this is a FIFO"):
+    with pytest.raises(UsageError, match=f"--init_from {fifo}: it is a FIFO .named pipe., not a regular file"):
         prepare(config_from_args(TINY + ["--data", text_file, "--init_from", str(fifo)]))
 
 
