@@ -106,7 +106,9 @@ def model_file(tmp_path_factory, text_file):
     return str(path)
 
 
-@pytest.mark.parametrize("flag", list(FLAG_VALUES))
+# The three flags that reached the model before (the join is the same code) run with the slow set.
+@pytest.mark.parametrize("flag", [pytest.param(f, marks=pytest.mark.slow if f in ("dropout", "dtype", "scan_layers")
+                                               else ()) for f in FLAG_VALUES])
 def test_model_config_flag_reaches_the_model_from_a_file(flag, text_file, model_file):
     """Each flag changes the compiled program, with --init_from FILE.bin as without it: the model built
     from the file is the preset's model, field for field, and lowers to the same program.
