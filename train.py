@@ -20,11 +20,12 @@
 Flags are generated from `training.TrainConfig` (`python train.py --help`). Bad input (an unknown
 value, inconsistent recompute flags, a missing or malformed data file, a mismatched --init_from,
 --resume without a checkpoint or with changed training flags, an unusable --checkpoint_dir or
---log_jsonl, a mesh that does not fit, a model or batch too large for the devices: the preflight
+--log_jsonl, an empty path, an input that is not a readable regular file, an output path that is an
+input, a mesh that does not fit, a model or batch too large for the devices: the preflight
 compares the compiled peak with the devices' memory and names a setting to try; --no-preflight
-skips it) exits with status 2 and one line on stderr, before anything is written. A NaN/inf loss
-or a failed checkpoint save stops the run with status 1; Ctrl-C exits 130 and SIGTERM 143 (an
-in-flight save is completed first).
+skips it) exits with status 2 and one line on stderr, before anything is written. A NaN/inf loss,
+a failed checkpoint save or a failed --log_jsonl write (a full disk) stops the run with status 1;
+Ctrl-C exits 130 and SIGTERM 143 (an in-flight save is completed first).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
     import training
     from models.llmc_io import LlmcFormatError
     from training.saving import CheckpointSaveError, quiet_failed_save_threads
+    from training.log import LogWriteError
     from training.run import Interrupted
 
     quiet_failed_save_threads()
@@ -68,6 +70,9 @@ def main(argv=None) -> int:
         usage_exit(str(e), PROG)
     except training.TrainingDiverged as e:
         sys.stderr.write(f"{PROG}: stopped: {e}\n")
+        return 1
+    except LogWriteError as e:  # a full disk under --log_jsonl: the checkpoints in flight were completed
+        sys.stderr.write(f"{PROG}: error: {e.strerror}\n")
         return 1
     except CheckpointSaveError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")

@@ -192,7 +192,7 @@ def test_fifo_model_file_exits_2(tmp_path, text_file, alarm, capsys):
         read_model(fifo)
     assert llmc.main(["verify", str(fifo), str(fifo)]) == 2
     assert "FIFO" in _one_line(capsys.readouterr().err)
-    with pytest.raises(UsageError, match=f"--init_from {fifo}: this is a FIFO"):
+    with pytest.raises(UsageError, match=f"--init_from {fifo}: it is a FIFO .named pipe., not a regular file"):
         prepare(config_from_args(TINY + ["--data", text_file, "--init_from", str(fifo)]))
 
 
@@ -470,3 +470,138 @@ def test_full_disk_save_error_is_one_line_at_the_failed_save(tmp_path, text_file
     assert (f"saving step 4 to {mnt}/ck failed: No space left on device; step 2 is the last complete checkpoint"
             in line), line
     assert "step  7/12" not in p.stdout  # stopped at the next save at the latest, not later
+
+
+# ------------------------------------------------------------------------------------------------
+# the bad-input sweep over every path flag (issue 20): empty, special files, output = input
+
+SWEEP_DRIVER = r"""
+import contextlib, io, json, resource, signal, sys, traceback
+import train
+
+# a case that reads /dev/zero to its end fails with MemoryError at 8 GiB, not by filling the host
+resource.setrlimit(resource.RLIMIT_DATA, (8 << 30, 8 << 30))
+
+def on_alarm(signum, frame):
+    raise TimeoutError("hung")
+
+signal.signal(signal.SIGALRM, on_alarm)
+results = []
+for argv in json.load(open(sys.argv[1])):
+    out, err = io.StringIO(), io.StringIO()
+    signal.alarm(60)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = train.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    except BaseException:
+        rc, err = "traceback", io.StringIO(err.getvalue() + traceback.format_exc())
+    signal.alarm(0)
+    results.append({"rc": rc, "err": err.getvalue()})
+json.dump(results, open(sys.argv[2], "w"))
+"""
+PATH_FLAGS = ("data", "val_data", "init_from", "deepspeed_config", "tokenizer", "checkpoint_dir", "log_jsonl")
+SPECIAL = {"fifo": "{fifo}", "directory": "{dir}", "/dev/zero": "/dev/zero", "/dev/null": "/dev/null"}
+
+
+def _sweep_cases():
+    """(name, argv template, what the one line must say): every path flag empty and given each special
+    file, and every output path equal to an input."""
+    cases = []
+    for flag in PATH_FLAGS:
+        # --tokenizer is for llm.c token data (with text it is refused before it is opened)
+        data = ["--data", "{shard}", "--vocab_size", "256", "--sample_every", "1"] if flag == "tokenizer" else \
+            ["--data", "{text}"]
+        cases.append((f"--{flag} ''", data + [f"--{flag}", ""], f"--{flag} '' is an empty path"))
+        for kind, path in SPECIAL.items():
+            if kind == "directory" and flag == "checkpoint_dir":
+                continue  # a directory is what --checkpoint_dir takes
+            msg = "holds no complete checkpoint" if (kind, flag) == ("directory", "init_from") else f"--{flag} "
+            cases.append((f"--{flag} {kind}", data + [f"--{flag}", path], msg))
+    tok = ["--data", "{shard}", "--vocab_size", "256", "--sample_every", "1", "--tokenizer", "{tok}"]
+    for name, argv in [("text", ["--data", "{text}", "--log_jsonl", "{text}"]),
+                       ("shard", ["--data", "{shard}", "--vocab_size", "256", "--log_jsonl", "{shard}"]),
+                       ("val", ["--data", "{text}", "--val_data", "{val}", "--log_jsonl", "{val}"]),
+                       ("model", ["--data", "{text}", "--init_from", "{model}", "--log_jsonl", "{model}"]),
+                       ("deepspeed", ["--data", "{text}", "--deepspeed_config", "{ds}", "--log_jsonl", "{ds}"]),
+                       ("tokenizer", tok + ["--log_jsonl", "{tok}"]),
+                       ("symlink", ["--data", "{text}", "--log_jsonl", "{link}"]),
+                       ("checkpoints", ["--data", "{text}", "--init_from", "{dir}", "--checkpoint_dir", "{dir}"])]:
+        cases.append((f"output = {name}", argv, "the run would overwrite it"))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, text_file):
+    """Every case run through train.main in one process (one JAX import; a case that hangs fails at
+    60 s), on real files: FIFOs, /dev/zero, a symlink to the data."""
+    from models import tokenizer as tk
+    from models.llmc_io import write_tokens
+
+    tmp = tmp_path_factory.mktemp("sweep")
+    files = {"text": tmp / "train.txt", "val": tmp / "val.txt", "shard": tmp / "shard.bin",
+             "model": tmp / "model.bin", "ds": tmp / "ds.json", "tok": tmp / "tok.bin"}
+    shutil.copy(text_file, files["text"])
+    shutil.copy(text_file, files["val"])
+    write_tokens(str(files["shard"]), np.arange(5000, dtype=np.uint16) % 256)
+    cfg = gpt2.GPT2Config(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=32)
+    llmc.save(str(files["model"]), cfg, gpt2.init_params(cfg, jax.random.PRNGKey(0)))
+    files["ds"].write_text('{"activation_checkpointing": {}}')
+    tk.save(str(files["tok"]), [bytes([i]) for i in range(256)], eot_token=0)
+    os.mkfifo(tmp / "fifo")
+    (tmp / "dir").mkdir()
+    os.symlink(files["text"], tmp / "link.txt")
+    names = {k: str(v) for k, v in files.items()}
+    names.update(fifo=str(tmp / "fifo"), dir=str(tmp / "dir"), link=str(tmp / "link.txt"))
+    cases = _sweep_cases()
+    argvs = [["--preset", "tiny", "--num_iterations", "2"] + QUIET + [a.format(**names) for a in argv]
+             for _, argv, _ in cases]
+    before = {p: pathlib.Path(p).read_bytes() for p in map(str, files.values())}
+    listing = sorted(os.listdir(tmp))
+    io_dir = tmp_path_factory.mktemp("sweep_io")
+    (io_dir / "cases.json").write_text(json.dumps(argvs))
+    p = subprocess.run([sys.executable, "-c", SWEEP_DRIVER, str(io_dir / "cases.json"), str(io_dir / "out.json")],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads((io_dir / "out.json").read_text())
+    after = {p: pathlib.Path(p).read_bytes() for p in before}
+    return {name: (r, msg.format(**names)) for (name, _, msg), r in zip(cases, results)}, before == after, \
+        sorted(os.listdir(tmp)) == listing and os.listdir(tmp / "dir") == []
+
+
+@pytest.mark.parametrize("name", [c[0] for c in _sweep_cases()])
+def test_bad_path_flag_exits_2_with_one_line(name, sweep):
+    """Each path flag, empty, a FIFO, a directory, /dev/zero or /dev/null, or an output naming an input:
+    exit 2, one line naming the flag, no traceback, no hang."""
+    results, _, _ = sweep
+    r, msg = results[name]
+    assert r["rc"] == 2, (name, r)
+    line = _one_line(r["err"])
+    assert line.startswith("train.py: error: ") and msg in line, (name, line)
+
+
+def test_bad_path_flags_write_nothing_and_destroy_nothing(sweep):
+    _, unchanged, same_listing = sweep
+    assert unchanged, "an input file changed"
+    assert same_listing, "a refused run wrote something"
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--data", "{shard}", "--vocab_size", "256", "--log_jsonl", "{shard}"], "is the same file as --data"),
+    (["--data", "{text}", "--deepspeed_config", "{fifo}"], "it is a FIFO (named pipe), not a regular file"),
+])
+def test_bad_path_flag_in_a_real_process(flags, match, tmp_path, text_file):
+    """In a real train.py process: the log named the shard it memory-mapped (truncated, then SIGBUS);
+    a FIFO as --deepspeed_config hung."""
+    from models.llmc_io import write_tokens
+
+    shard = tmp_path / "shard.bin"
+    write_tokens(str(shard), np.arange(5000, dtype=np.uint16) % 256)
+    os.mkfifo(tmp_path / "fifo")
+    before = shard.read_bytes()
+    argv = [a.format(shard=shard, text=text_file, fifo=tmp_path / "fifo") for a in flags]
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *TINY, *argv], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and match in _one_line(p.stderr), p.stderr[-3000:]
+    assert shard.read_bytes() == before

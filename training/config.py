@@ -39,6 +39,18 @@ DEFAULT_PROMPT_TOKENS = 32  # the default sample prompt: this many tokens from t
 SEED_MAX = 2**31 - 1  # the seed enters the jitted init as an int32
 
 
+# Every flag that names a path, and the fix for an empty one.
+PATH_FLAGS = {
+    "data": "pass a file or glob pattern, or drop --data for the default corpus",
+    "val_data": "pass a file or glob pattern, or drop --val_data to hold out the end of --data",
+    "init_from": "pass an llm.c .bin model file or a checkpoint directory, or drop --init_from for a fresh init",
+    "deepspeed_config": "pass a DeepSpeed JSON config file, or drop --deepspeed_config",
+    "tokenizer": "pass llm.c's gpt2_tokenizer.bin, or drop --tokenizer",
+    "checkpoint_dir": "pass a directory to save into, or drop --checkpoint_dir to save nothing",
+    "log_jsonl": "pass a file path, or drop --log_jsonl to write no log",
+}
+
+
 class UsageError(ValueError):
     """A bad flag value or bad input file: `train.py` prints its one-line message and exits 2."""
 
@@ -186,6 +198,7 @@ class TrainConfig:
             object.__setattr__(self, "val_data", (self.val_data,))
         object.__setattr__(self, "data", tuple(self.data))
         object.__setattr__(self, "val_data", tuple(self.val_data))
+        self._check_paths()
         if self.model not in MODELS:
             raise UsageError(f"--model {self.model!r} is not valid; use one of {', '.join(MODELS)}")
         presets = model_presets(self.model)
@@ -242,7 +255,25 @@ class TrainConfig:
                 parse_steps(self.profile_steps, self.num_iterations)
             except ValueError as e:
                 raise UsageError(str(e)) from None
+        if self.deepspeed_config is not None:  # read by recompute_configs: a FIFO would block, /dev/zero never end
+            from training.checks import check_input_file
+            check_input_file(self.deepspeed_config, "--deepspeed_config", "pass a DeepSpeed JSON config file")
         self.recompute_configs()  # validates the recompute flags
+
+    def _check_paths(self) -> None:
+        """UsageError for an empty path flag (it read as "unset": nothing saved, no log, a fresh
+        init) and a --prompt that is not UTF-8 text."""
+        for name, fix in PATH_FLAGS.items():
+            v = getattr(self, name)
+            for p in (v if isinstance(v, tuple) else () if v is None else (v,)):
+                if not str(p).strip():
+                    raise UsageError(f"--{name} {p!r} is an empty path; {fix}")
+        if self.prompt is not None:
+            try:
+                self.prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # bytes of argv that are not UTF-8 arrive as lone surrogates
+                raise UsageError(f"--prompt holds bytes that are not UTF-8 (at character {e.start}); pass UTF-8 "
+                                 f"text") from None
 
     # -- derived settings
 

@@ -90,6 +90,11 @@ def format_line(step: int, total: int, m: dict) -> str:
     return line
 
 
+class LogWriteError(OSError):
+    """Writing `--log_jsonl` failed mid-run (a full disk, an I/O error): `train.py` prints its one line
+    and exits 1."""
+
+
 class JsonlWriter:
     """Appends one JSON object per step to a file (flushed per line, so a killed run keeps its log).
 
@@ -112,11 +117,23 @@ class JsonlWriter:
         self.fh = open(self.path, "a" if self.append else "w")
 
     def write(self, record: dict) -> None:
-        if self.path and self.fh is None:
-            self._open()
-        if self.fh:
-            self.fh.write(json.dumps(record) + "\n")
-            self.fh.flush()
+        """Append `record`; LogWriteError (one line, naming the fix) when the file cannot take it."""
+        try:
+            if self.path and self.fh is None:
+                self._open()
+            if self.fh:
+                self.fh.write(json.dumps(record) + "\n")
+                self.fh.flush()
+        except OSError as e:
+            path, self.path = self.path, None  # no more writes, and close() must not flush the failed line again
+            if self.fh is not None:
+                try:
+                    self.fh.close()
+                except OSError:
+                    pass
+                self.fh = None
+            raise LogWriteError(e.errno, f"writing --log_jsonl {path} failed at step {record.get('step')}: "
+                                         f"{e.strerror or e}; free space there or pass --log_jsonl on another disk") from None
 
     def close(self) -> None:
         if self.fh:

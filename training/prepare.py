@@ -32,6 +32,7 @@ from training.compile import optimizer
 from training.config import TrainConfig, UsageError, parse_mesh
 from training.model import Family, config_dict, family
 from training.optim import optimizer_settings
+from training.profile import profile_dir
 from training.resume import choose_resume_step
 from training.samples import make_sampler
 from training.step import init_state
@@ -75,15 +76,24 @@ class Setup:
         return self.mcfgs[0][1]
 
 
-def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, block_size: int):
-    over = dict(vocab_size=vocab_size, block_size=block_size, dtype=cfg.dtype, dropout=cfg.dropout,
-                scan_layers=cfg.scan_layers, recompute=recompute, loss_chunk=cfg.loss_chunk,
+def flag_fields(cfg: TrainConfig) -> dict:
+    """The model-config fields the run's flags set whatever the model's shape (from a preset or from an
+    --init_from file's header): every one must reach the model either way."""
+    return dict(dtype=cfg.dtype, dropout=cfg.dropout, scan_layers=cfg.scan_layers, loss_chunk=cfg.loss_chunk,
                 attention=cfg.attention, attention_tile=cfg.attention_tile)
-    for k in ("n_layer", "n_head", "n_embd"):
-        if getattr(cfg, k) is not None:
-            over[k] = getattr(cfg, k)
+
+
+def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, block_size: int, shaped=None):
+    """The model config of the run: `fam.config(preset)` with the shape flags, or `shaped` (the config an
+    llm.c header fixes), with `flag_fields(cfg)` and `recompute` set; the attention core checked."""
+    over = dict(flag_fields(cfg), recompute=recompute)
+    if shaped is None:
+        over.update(vocab_size=vocab_size, block_size=block_size)
+        for k in ("n_layer", "n_head", "n_embd"):
+            if getattr(cfg, k) is not None:
+                over[k] = getattr(cfg, k)
     try:
-        mcfg = fam.config(cfg.preset, **over)
+        mcfg = fam.config(cfg.preset, **over) if shaped is None else dataclasses.replace(shaped, **over)
         # cudnn where it cannot run is a usage error now, not a trace-time failure later
         attention.resolve(mcfg.attention, mcfg.compute_dtype, mcfg.n_embd // mcfg.n_head, mcfg.dropout > 0)
         return mcfg
@@ -135,7 +145,21 @@ def _load_llmc(cfg: TrainConfig, fam: Family):
     if bad:
         raise UsageError(f"--init_from {path}: the model shape comes from the file's header: {'; '.join(bad)}; "
                          f"drop those flags (or pass a file written with that shape)")
-    return dataclasses.replace(mcfg, dropout=cfg.dropout), params
+    return mcfg, params
+
+
+def _check_outputs_apart(cfg: TrainConfig, data_files, val_files) -> None:
+    """UsageError when an output path (log, checkpoints, profile) is, or is inside, an input
+    (training.checks.check_outputs_apart); also checks the profile directory is usable."""
+    outputs = [(f"--{k}", getattr(cfg, k)) for k in ("log_jsonl", "checkpoint_dir") if getattr(cfg, k)]
+    if cfg.profile_steps:
+        trace = profile_dir(cfg.checkpoint_dir, cfg.log_jsonl)
+        checks.check_output_dir(trace, "--profile_steps (its trace directory)")
+        outputs.append(("--profile_steps", trace))
+    inputs = [("--data", p) for p in (data_files or data_lib.default_corpus())]
+    inputs += [("--val_data", p) for p in val_files]
+    inputs += [(f"--{k}", getattr(cfg, k)) for k in ("init_from", "deepspeed_config", "tokenizer") if getattr(cfg, k)]
+    checks.check_outputs_apart(outputs, inputs, cfg.checkpoint_dir, profiling=bool(cfg.profile_steps))
 
 
 def prepare(cfg: TrainConfig) -> Setup:
@@ -146,6 +170,11 @@ def prepare(cfg: TrainConfig) -> Setup:
     distributed.initialize()  # jax.distributed, when the environment asks for several processes
     fam = family(cfg.model)
     recomputes = cfg.recompute_configs()
+    data_files = checks.check_data_files(cfg.data, "--data")  # special, unreadable or too large: before reading
+    val_files = checks.check_data_files(cfg.val_data, "--val_data")
+    if cfg.init_from:
+        checks.check_input_file(cfg.init_from, "--init_from", "pass an llm.c .bin model file or a train.py "
+                                "checkpoint directory", allow_dir=True)
     train_ds = _load_data(cfg.data, "--data")
 
     base = fam.config(cfg.preset)
@@ -169,10 +198,7 @@ def prepare(cfg: TrainConfig) -> Setup:
         block = base.block_size
     else:
         block = max(base.block_size, cfg.sequence_length)
-    if file_mcfg is not None:
-        build = lambda rc: dataclasses.replace(file_mcfg, recompute=rc)
-    else:
-        build = lambda rc: _model_config(cfg, fam, rc, vocab, block)
+    build = lambda rc: _model_config(cfg, fam, rc, vocab, block, shaped=file_mcfg)
     model = build(RecomputeConfig())  # recompute off: what does not depend on the recompute setting
     auto = recomputes[0][1] if isinstance(recomputes[0][1], AutoRecompute) else None
     mcfgs = () if auto else tuple((label, build(rc)) for label, rc in recomputes)
@@ -194,6 +220,7 @@ def prepare(cfg: TrainConfig) -> Setup:
     elif cfg.val_every > 0:
         train_ds, val_ds = train_ds.split_tail(VAL_FRACTION, cfg.sequence_length + 1)
 
+    checks.check_batch_size(cfg, model)
     sampler = make_sampler(cfg, model, train_ds, val_ds)  # validates --tokenizer and --prompt
     mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
     checks.check_model_size(fam.num_params(model), parse_mesh(cfg.mesh)["fsdp"], list(mesh.devices.flat))
@@ -210,6 +237,7 @@ def prepare(cfg: TrainConfig) -> Setup:
         checks.check_output_dir(cfg.checkpoint_dir, "--checkpoint_dir")
     if cfg.log_jsonl:
         checks.check_output_file(cfg.log_jsonl, "--log_jsonl")
+    _check_outputs_apart(cfg, data_files, val_files)
     mcfg_dict = config_dict(model)
     if cfg.checkpoint_dir:
         info = saving.inspect_dir(cfg.checkpoint_dir, "--resume" if cfg.resume else "--checkpoint_dir")
