@@ -53,7 +53,7 @@ from models.layers import embed, gelu_tanh, layer_norm, rms_norm, rope_frequenci
 from models.tokenizer import ByteTokenizer
 from models.tokenizer import load as load_tokenizer
 from remat import RecomputeConfig
-from remat.argtypes import Parser, integer, real
+from remat.argtypes import Parser, integer, parse_int, real
 
 F32 = jnp.float32
 
@@ -364,7 +364,7 @@ def decoder_for(vocab_size: int, tokenizer: str | None, what: str = "--tokenizer
 def parse_token_ids(spec: str, vocab_size: int, what: str = "--prompt_tokens") -> list[int]:
     """'50256,464' → [50256, 464], each in 0..vocab_size-1 (ValueError otherwise)."""
     try:
-        ids = [int(s) for s in spec.split(",") if s.strip()]
+        ids = [parse_int(s.strip()) for s in spec.split(",") if s.strip()]  # ASCII digits only
     except ValueError:
         raise ValueError(f"{what} {spec!r}: expected comma-separated integers, e.g. 50256,464") from None
     if not ids:

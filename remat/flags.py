@@ -97,6 +97,7 @@ FIELD_FLAGS = {**{f.field: f"--{f.name}" for f in FLAGS if f.field},
 
 # Text flags that hold numbers: ASCII digits only (int() would misread or reject '²'), named in the error.
 _ARG_TYPES = {"recompute_segments": argtypes.ascii_digits("0-3,3-5")}
+_INT = argtypes.integer()  # one object, so every parser's recompute flags have the same type
 
 
 def argparse_kwargs(flag: Flag) -> dict:
@@ -110,7 +111,7 @@ def argparse_kwargs(flag: Flag) -> dict:
     if flag.type is bool:
         kw["action"] = argparse.BooleanOptionalAction
     else:
-        kw["type"] = _ARG_TYPES.get(flag.name) or {int: argtypes.integer()}.get(flag.type, flag.type)
+        kw["type"] = _ARG_TYPES.get(flag.name) or {int: _INT}.get(flag.type, flag.type)
         if flag.choices is not None:
             kw["choices"] = flag.choices
         kw["metavar"] = flag.metavar or (None if flag.choices else {int: "N", str: "STR"}[flag.type])

@@ -104,6 +104,14 @@ def test_the_guard_lets_good_values_through(parse_only, capsys):
         importlib.import_module("bench.planner").main(["--fractions", "0,0.5,1", "--steps", "1"])
 
 
+def test_prompt_token_ids_are_ascii_integers():
+    from models.sample import parse_token_ids
+    assert parse_token_ids("3, 5", 10) == [3, 5]
+    for spec in ("٣", "²", "3,x"):
+        with pytest.raises(ValueError, match="--prompt_tokens"):
+            parse_token_ids(spec, 10)
+
+
 def test_unknown_model_is_one_line(capsys):
     rc, lines = _main("bench.policies", ["--model", "gpt3"], capsys)
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("python -m bench.policies: error: argument --model")
