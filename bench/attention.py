@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="layers under lax.scan")
     for k, v in SHAPE.items():
         p.add_argument(f"--{k}", type=integer(1), default=v)
-    p.add_argument("--tile_sweep", type=int_list(1, example="64,128,256"), default=None, help="instead: one attention layer at these tiles, e.g. 64,128,256")
+    p.add_argument("--tile_sweep", type=int_list(1, example="64,128,256"), default=None,
+                   help="instead: one attention layer at these tiles, e.g. 64,128,256")
     p.add_argument("--shapes", type=_shapes, default="8x256,1x1024,1x4096", help="with --tile_sweep: BxT shapes")
     p.add_argument("--cores", default=",".join(CORES), help=f"comma-separated, from {', '.join(CORES)} (xla needed)")
     p.add_argument("--kernels", default="online,prefix", help="with --tile_sweep: the tiled kernels to time")

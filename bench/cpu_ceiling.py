@@ -174,7 +174,8 @@ def main(argv=None) -> int:
         _worker(argv[1:])
         return 0
     p = Parser(prog="python -m bench.cpu_ceiling", description=__doc__.split("\n")[0])
-    p.add_argument("--matmul", type=int_list(1, example="2048,256,1024"), default="2048,256,1024", help="M,K,N of the matmul (default 2048,256,1024)")
+    p.add_argument("--matmul", type=int_list(1, example="2048,256,1024"), default="2048,256,1024",
+                   help="M,K,N of the matmul (default 2048,256,1024)")
     p.add_argument("--seconds", type=real(above=0), default=3.0, help="seconds each matmul worker runs (default 3)")
     p.add_argument("--steps", type=integer(1), default=5, help="timed reference steps per device count (default 5)")
     p.add_argument("--no-step", dest="step", action="store_false", help="matmul rows only")

@@ -512,10 +512,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--steps", type=integer(1), default=8, help="timed steps (median reported)")
     p.add_argument("--max_batch", type=integer(1), default=4096, help="cap of the batch search")
-    p.add_argument("--bisect", type=integer(0), default=2, help="bisection steps after the first failing batch, for the "
-                                                        "rows of the batch target (none, full)")
-    p.add_argument("--bisect_other", type=integer(0), default=0, help="bisection steps for the other rows (their largest "
-                                                              "batch is then bracketed within 25%%)")
+    p.add_argument("--bisect", type=integer(0), default=2,
+                   help="bisection steps after the first failing batch, for the rows of the batch target "
+                        "(none, full)")
+    p.add_argument("--bisect_other", type=integer(0), default=0,
+                   help="bisection steps for the other rows (their largest batch is then bracketed "
+                        "within 25%%)")
     p.add_argument("--loss_chunk", type=integer(0), default=128, help="the chunked LM head and loss (0: off)")
     p.add_argument("--peak_tflops", type=real(above=0), default=H200_BF16_TFLOPS, help="device peak for MFU")
     p.add_argument("--budget_s", type=real(above=0), default=400.0, help="seconds for all settings together")

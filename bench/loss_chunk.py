@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="d12")
     p.add_argument("--seq", type=integer(1), default=1024)
     p.add_argument("--batch", type=integer(1), default=4)
-    p.add_argument("--chunks", type=int_list(1), default="128,256", help="comma list of loss_chunk sizes; the first is the target's")
+    p.add_argument("--chunks", type=int_list(1), default="128,256",
+                   help="comma list of loss_chunk sizes; the first is the target's")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)

@@ -57,7 +57,8 @@ def hand_settings(L: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python -m bench.planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m bench.planner", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=integer(1), default=7, help="timed rounds (median reported)")
     ap.add_argument("--fractions", type=real_list(0, 1, example="0.15,0.45,0.75"), default="0.15,0.45,0.75",
                     help="budgets as fractions of the way from the full-remat to the no-remat peak")

@@ -235,7 +235,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="ref", help="ref (the reference shape) or a model preset (d12, tiny, 1b, ...)")
     for k in ("n_layer", "n_embd", "n_head", "seq", "batch", "vocab"):
         p.add_argument(f"--{k}", type=integer(1), default=None, help=f"override {k}")
-    p.add_argument("--steps", type=integer(1), default=5, help="timed interleaved rounds (median reported; >= 5 for a report)")
+    p.add_argument("--steps", type=integer(1), default=5,
+                   help="timed interleaved rounds (median reported; >= 5 for a report)")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
     return p
 

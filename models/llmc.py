@@ -159,7 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("model", help="llm.c model file (.bin)")
     v.add_argument("state", help="llm.c debug state file (.bin)")
     recompute_flags.add_arguments(v, train=False)  # the same recompute flags as train.py's
-    v.add_argument("--loss_chunk", type=integer(0), default=0, help="compute the loss over chunks of N positions (0: off)")
+    v.add_argument("--loss_chunk", type=integer(0), default=0,
+                   help="compute the loss over chunks of N positions (0: off)")
     for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
         v.add_argument(f"--{f}", type=real(above=0), default=None, help="LLaMA-3 header override")
     return p

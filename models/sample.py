@@ -396,7 +396,8 @@ def _args(argv):
     p.add_argument("--temperature", type=real(0), default=0.0, metavar="X",
                    help="0: greedy; > 0: sample (default: %(default)s)")
     p.add_argument("--top_k", type=integer(1), default=None, metavar="K", help="sample among the k most likely tokens")
-    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="N", help="sampling seed (default: %(default)s)")
+    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="N",
+                   help="sampling seed, 0..4294967295 (default: %(default)s)")
     p.add_argument("--num_samples", type=integer(1), default=1, metavar="N",
                    help="independent samples, run as one batch (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, metavar="FILE", help="llm.c tokenizer file (gpt2_tokenizer.bin)")
