@@ -100,5 +100,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def _exit_on_early_signals() -> None:
+    """SIGINT / SIGTERM before `training.signals` takes over (while Python imports JAX and parses the
+    flags, about a second): exit 130 / 143 with one line. Python's defaults would print a
+    KeyboardInterrupt traceback through the import machinery, or die on SIGTERM without a word."""
+    import signal
+
+    def leave(signum, frame):
+        word = "interrupted (SIGINT)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+        os.write(2, f"{PROG}: {word} while starting; nothing was written\n".encode())
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, leave)
+    signal.signal(signal.SIGTERM, leave)
+
+
 if __name__ == "__main__":
+    _exit_on_early_signals()  # first, before main() imports jax (training.signals replaces it later)
     sys.exit(main())

@@ -30,6 +30,7 @@ from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_tab
 from models.attention import DEFAULT_TILE
 from remat import RecomputeConfig
 from remat.memory import compiled_stats
+from remat.argtypes import Parser, int_list, integer
 
 _REF = common.REFERENCE["gpt2"]
 SHAPE = dict(n_layer=_REF["n_layer"], n_embd=_REF["n_embd"], n_head=_REF["n_head"], vocab=_REF["vocab_size"])
@@ -167,45 +168,47 @@ def report(res: dict) -> str:
     return "\n".join([head, "", table, "", "Targets:", targets_markdown([Target(**t) for t in res["targets"]])])
 
 
+def _shapes(text: str) -> tuple:
+    """`--shapes 8x256,1x1024` → ((8, 256), (1, 1024)): positive BxT pairs."""
+    pair = int_list(1, sep="x", example="8x256")
+    try:
+        shapes = tuple(pair(s) for s in str(text).split(","))
+    except argparse.ArgumentTypeError:
+        shapes = ()
+    if not shapes or any(len(s) != 2 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected positive BxT shapes separated by ',', e.g. 8x256,1x1024; "
+                                         f"got {text!r}")
+    return shapes
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqs", default=",".join(map(str, SEQS)), help="comma-separated sequence lengths")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3, help="timed interleaved rounds (median reported)")
-    p.add_argument("--tile", type=int, default=DEFAULT_TILE, help="the tiled core's query tile")
+    p = Parser(prog="python -m bench.attention", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", type=int_list(1, example="1024,2048"), default=",".join(map(str, SEQS)),
+                   help="comma-separated sequence lengths")
+    p.add_argument("--batch", type=integer(1), default=1)
+    p.add_argument("--steps", type=integer(1), default=3, help="timed interleaved rounds (median reported)")
+    p.add_argument("--tile", type=integer(1), default=DEFAULT_TILE, help="the tiled core's query tile")
     p.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True, help="layers under lax.scan")
     for k, v in SHAPE.items():
-        p.add_argument(f"--{k}", type=int, default=v)
-    p.add_argument("--tile_sweep", default=None, help="instead: one attention layer at these tiles, e.g. 64,128,256")
-    p.add_argument("--shapes", default="8x256,1x1024,1x4096", help="with --tile_sweep: BxT shapes")
+        p.add_argument(f"--{k}", type=integer(1), default=v)
+    p.add_argument("--tile_sweep", type=int_list(1, example="64,128,256"), default=None,
+                   help="instead: one attention layer at these tiles, e.g. 64,128,256")
+    p.add_argument("--shapes", type=_shapes, default="8x256,1x1024,1x4096", help="with --tile_sweep: BxT shapes")
     p.add_argument("--cores", default=",".join(CORES), help=f"comma-separated, from {', '.join(CORES)} (xla needed)")
     p.add_argument("--kernels", default="online,prefix", help="with --tile_sweep: the tiled kernels to time")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
     a = p.parse_args(argv)
     if a.tile_sweep:
-        try:
-            tiles = [int(t) for t in a.tile_sweep.split(",")]
-            shapes = [tuple(int(n) for n in s.split("x")) for s in a.shapes.split(",")]
-            assert tiles and shapes and min(tiles) > 0 and all(len(s) == 2 and min(s) > 0 for s in shapes)
-        except (ValueError, AssertionError):
-            raise SystemExit(f"--tile_sweep {a.tile_sweep!r} --shapes {a.shapes!r}: give e.g. --tile_sweep 64,128 "
-                             f"--shapes 8x256,1x1024") from None
+        tiles, shapes = list(a.tile_sweep), list(a.shapes)
         kernels = tuple(k for k in a.kernels.split(",") if k)
         if not kernels or any(k not in ("online", "prefix") for k in kernels):
             raise SystemExit(f"--kernels {a.kernels!r}: give online and/or prefix, e.g. --kernels online,prefix")
         return common.publish(tile_sweep(shapes, tiles, steps=a.steps, kernels=kernels), sweep_report,
                               "bench.attention", argv, a.json)
-    try:
-        seqs = tuple(int(x) for x in a.seqs.split(",") if x.strip())
-    except ValueError:
-        seqs = ()
     cores = tuple(c for c in a.cores.split(",") if c)
     if "xla" not in cores or any(c not in CORES for c in cores):
         raise SystemExit(f"--cores {a.cores!r}: give xla and any of prefix, tiled, e.g. --cores xla,tiled")
-    if not seqs or min(seqs) < 1 or a.steps < 1 or a.tile < 1:
-        raise SystemExit(f"--seqs {a.seqs!r}, --steps {a.steps}, --tile {a.tile}: give positive integers, "
-                         f"e.g. --seqs 1024,2048 --steps 3")
-    res = run(seqs, batch=a.batch, steps=a.steps, tile=a.tile, scan=a.scan, n_layer=a.n_layer, n_embd=a.n_embd,
+    res = run(a.seqs, batch=a.batch, steps=a.steps, tile=a.tile, scan=a.scan, n_layer=a.n_layer, n_embd=a.n_embd,
               n_head=a.n_head, vocab=a.vocab, cores=cores)
     return common.publish(res, report, "bench.attention", argv, a.json)
 

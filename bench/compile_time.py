@@ -7,7 +7,6 @@ and compiled once in this process (`jax.jit(...).lower(...).compile()`); nothing
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import json
 import time
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 from bench.common import REFERENCE_BATCH, reference_config, cli
 from models import gpt2
 from remat import RecomputeConfig
+from remat.argtypes import Parser, integer
 
 SETTINGS = {"none": RecomputeConfig(), "full": RecomputeConfig(granularity="full")}
 
@@ -36,8 +36,8 @@ def measure(n_layer: int, scan: bool, recompute: RecomputeConfig) -> tuple[float
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, nargs="+", default=[12, 48])
+    p = Parser(prog="python -m bench.compile_time", description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=integer(1), nargs="+", default=[12, 48], help="depths to compile (default: 12 48)")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
     rows = []

@@ -26,6 +26,7 @@ import sys
 import time
 
 from bench.common import machine, median, publish
+from remat.argtypes import Parser, int_list, integer, real
 
 WORKER = "bench.cpu_ceiling"
 
@@ -172,17 +173,18 @@ def main(argv=None) -> int:
     if argv[:1] == ["--worker"]:
         _worker(argv[1:])
         return 0
-    p = argparse.ArgumentParser(prog="python -m bench.cpu_ceiling", description=__doc__.split("\n")[0])
-    p.add_argument("--matmul", default="2048,256,1024", help="M,K,N of the matmul (default 2048,256,1024)")
-    p.add_argument("--seconds", type=float, default=3.0, help="seconds each matmul worker runs (default 3)")
-    p.add_argument("--steps", type=int, default=5, help="timed reference steps per device count (default 5)")
+    p = Parser(prog="python -m bench.cpu_ceiling", description=__doc__.split("\n")[0])
+    p.add_argument("--matmul", type=int_list(1, example="2048,256,1024"), default="2048,256,1024",
+                   help="M,K,N of the matmul (default 2048,256,1024)")
+    p.add_argument("--seconds", type=real(above=0), default=3.0, help="seconds each matmul worker runs (default 3)")
+    p.add_argument("--steps", type=integer(1), default=5, help="timed reference steps per device count (default 5)")
     p.add_argument("--no-step", dest="step", action="store_false", help="matmul rows only")
     p.add_argument("--json", default=None, help="also write the rows and metadata here")
     a = p.parse_args(argv)
-    try:
-        m, k, n = (int(x) for x in a.matmul.split(","))
-    except ValueError:
-        p.error(f"--matmul={a.matmul!r}: give M,K,N as three integers, e.g. 2048,256,1024")
+    if len(a.matmul) != 3:
+        p.error(f"argument --matmul: expected M,K,N (three integers), e.g. 2048,256,1024; "
+                f"got {','.join(map(str, a.matmul))!r}")
+    m, k, n = a.matmul
     return publish(run(m, k, n, a.seconds, a.steps, a.step), report, WORKER, argv, a.json)
 
 

@@ -61,6 +61,7 @@ import time
 
 from bench.common import GiB, Target, fmt, markdown_table, targets_markdown, cli
 from remat.memory import compiled_stats, is_oom
+from remat.argtypes import Parser, integer, real
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak (NVIDIA H200 SXM datasheet)
 
@@ -498,30 +499,32 @@ def parent(a) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true",
                    help="tiny shape for a CPU test: preset tiny, T=32, B=2, 2 steps, batch search up to 4")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else out/gpu_check)")
     p.add_argument("--preset", default="d12")
-    p.add_argument("--n_layer", type=int, default=None)
-    p.add_argument("--n_embd", type=int, default=None)
-    p.add_argument("--n_head", type=int, default=None)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32, help="batch for timing; the search starts here")
+    p.add_argument("--n_layer", type=integer(1), default=None)
+    p.add_argument("--n_embd", type=integer(1), default=None)
+    p.add_argument("--n_head", type=integer(1), default=None)
+    p.add_argument("--seq", type=integer(1), default=1024)
+    p.add_argument("--batch", type=integer(1), default=32, help="batch for timing; the search starts here")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--steps", type=int, default=8, help="timed steps (median reported)")
-    p.add_argument("--max_batch", type=int, default=4096, help="cap of the batch search")
-    p.add_argument("--bisect", type=int, default=2, help="bisection steps after the first failing batch, for the "
-                                                        "rows of the batch target (none, full)")
-    p.add_argument("--bisect_other", type=int, default=0, help="bisection steps for the other rows (their largest "
-                                                              "batch is then bracketed within 25%%)")
-    p.add_argument("--loss_chunk", type=int, default=128, help="the chunked LM head and loss (0: off)")
-    p.add_argument("--peak_tflops", type=float, default=H200_BF16_TFLOPS, help="device peak for MFU")
-    p.add_argument("--budget_s", type=float, default=400.0, help="seconds for all settings together")
-    p.add_argument("--grace_s", type=float, default=30.0, help="extra seconds before a worker is killed")
+    p.add_argument("--steps", type=integer(1), default=8, help="timed steps (median reported)")
+    p.add_argument("--max_batch", type=integer(1), default=4096, help="cap of the batch search")
+    p.add_argument("--bisect", type=integer(0), default=2,
+                   help="bisection steps after the first failing batch, for the rows of the batch target "
+                        "(none, full)")
+    p.add_argument("--bisect_other", type=integer(0), default=0,
+                   help="bisection steps for the other rows (their largest batch is then bracketed "
+                        "within 25%%)")
+    p.add_argument("--loss_chunk", type=integer(0), default=128, help="the chunked LM head and loss (0: off)")
+    p.add_argument("--peak_tflops", type=real(above=0), default=H200_BF16_TFLOPS, help="device peak for MFU")
+    p.add_argument("--budget_s", type=real(above=0), default=400.0, help="seconds for all settings together")
+    p.add_argument("--grace_s", type=real(0), default=30.0, help="extra seconds before a worker is killed")
     p.add_argument("--settings", default=None, help="comma-separated subset of the settings")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=real(0), default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p
 

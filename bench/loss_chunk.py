@@ -15,7 +15,6 @@ chunking, at the first chunk size of `--chunks`.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -26,6 +25,7 @@ from bench.common import MiB, Target, fmt, machine, markdown_table, publish, tar
 from models import gpt2, memory_model
 from remat import RecomputeConfig
 from remat.memory import compiled_memory, predict_saved
+from remat.argtypes import Parser, int_list, integer
 
 SETTINGS = {"none": RecomputeConfig(), "full": RecomputeConfig(granularity="full")}
 TARGET = 0.5
@@ -86,18 +86,16 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.loss_chunk", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.loss_chunk", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="d12")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--chunks", default="128,256", help="comma list of loss_chunk sizes; the first is the target's")
+    p.add_argument("--seq", type=integer(1), default=1024)
+    p.add_argument("--batch", type=integer(1), default=4)
+    p.add_argument("--chunks", type=int_list(1), default="128,256",
+                   help="comma list of loss_chunk sizes; the first is the target's")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
-    chunks = tuple(int(c) for c in a.chunks.split(","))
-    if not chunks or min(chunks) < 1:
-        p.error(f"--chunks {a.chunks!r}: give positive sizes, e.g. 128,256")
-    res = run(a.preset, a.seq, a.batch, chunks, a.dtype, log=lambda s: print(s, flush=True))
+    res = run(a.preset, a.seq, a.batch, a.chunks, a.dtype, log=lambda s: print(s, flush=True))
     return publish(res, report, "bench.loss_chunk", argv, a.json)
 
 

@@ -38,6 +38,7 @@ from models import gpt2
 from models.memory_model import activation_bytes
 from remat import RecomputeConfig
 from remat.planner import compiled_stats, plan_for_budget, recompute_config
+from remat.argtypes import Parser, integer, real_list
 
 TOLERANCE = 0.03
 MODULE_PRESETS = ["+".join(c) for r in (1, 2, 3) for c in itertools.combinations(("core_attn", "mlp", "norm"), r)]
@@ -56,16 +57,17 @@ def hand_settings(L: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=7, help="timed rounds (median reported)")
-    ap.add_argument("--fractions", default="0.15,0.45,0.75",
+    ap = Parser(prog="python -m bench.planner", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=integer(1), default=7, help="timed rounds (median reported)")
+    ap.add_argument("--fractions", type=real_list(0, 1, example="0.15,0.45,0.75"), default="0.15,0.45,0.75",
                     help="budgets as fractions of the way from the full-remat to the no-remat peak")
-    ap.add_argument("--final_steps", type=int, default=15,
+    ap.add_argument("--final_steps", type=integer(1), default=15,
                     help="timed rounds of the head-to-head run (plan vs the screen's fastest fitting hand setting)")
     ap.add_argument("--json", help="write all numbers to this file")
     ap.add_argument("--markdown", help="write the markdown section to this file")
     args = ap.parse_args(argv)
-    fracs = [float(f) for f in args.fractions.split(",")]
+    fracs = list(args.fractions)
     load = os.getloadavg()[0]
 
     cfg0 = reference_config("gpt2")

@@ -33,6 +33,7 @@ from bench.common import (REFERENCE, REFERENCE_BATCH, MiB, Target, fmt, interlea
 from models import family
 from remat import RecomputeConfig
 from remat.memory import compiled_stats, saved_residuals
+from remat.argtypes import Parser, integer
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -229,20 +230,19 @@ def report(res: dict) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.policies", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.policies", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=family.NAMES, default="gpt2")
     p.add_argument("--preset", default="ref", help="ref (the reference shape) or a model preset (d12, tiny, 1b, ...)")
     for k in ("n_layer", "n_embd", "n_head", "seq", "batch", "vocab"):
-        p.add_argument(f"--{k}", type=int, default=None, help=f"override {k}")
-    p.add_argument("--steps", type=int, default=5, help="timed interleaved rounds (median reported; >= 5 for a report)")
+        p.add_argument(f"--{k}", type=integer(1), default=None, help=f"override {k}")
+    p.add_argument("--steps", type=integer(1), default=5,
+                   help="timed interleaved rounds (median reported; >= 5 for a report)")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
     return p
 
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
-    if a.steps < 1:
-        raise SystemExit("--steps must be >= 1")
     res = run(a.model, a.preset, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq=a.seq,
               batch=a.batch, vocab=a.vocab, steps=a.steps)
     return common.publish(res, report, "bench.policies", argv, a.json)

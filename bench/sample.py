@@ -11,7 +11,6 @@ generation's first call in this process, compilation included.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -22,6 +21,7 @@ import numpy as np
 from bench.common import interleaved_ms, median, cli
 from models import family
 from models.sample import generate
+from remat.argtypes import Parser, integer
 
 ROWS = {"gpt2 tiny": ("gpt2", "tiny", {}), "llama3 tiny": ("llama3", "tiny", {}),
         "gpt2 tiny, block 512": ("gpt2", "tiny", dict(block_size=512))}
@@ -45,9 +45,9 @@ def _no_cache(model, params, cfg, prompt, n):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=300)
-    p.add_argument("--rounds", type=int, default=3)
+    p = Parser(prog="python -m bench.sample", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=integer(1), default=300, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--rounds", type=integer(1), default=3, help="timed interleaved rounds (default: %(default)s)")
     a = p.parse_args(argv)
     prompt = list(range(1, 9))
     print(f"greedy generation of {a.tokens} tokens after an {len(prompt)}-token prompt, batch 1, "

@@ -40,6 +40,7 @@ import numpy as np
 from bench.common import MiB, fmt, interleaved_ms, machine, markdown_table, median, publish, cli
 from models import gpt2
 from remat import RecomputeConfig
+from remat.argtypes import Parser, integer
 from training import sharding as sh
 
 TENSOR = (1, 2, 4, 8)
@@ -150,11 +151,11 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m bench.scaling", description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help=f"peaks of {SMALL_SHAPE} instead of d12 T=1024 B=8")
     ap.add_argument("--no-time", dest="timed", action="store_false", help="compile-only: skip the timed steps")
     ap.add_argument("--time-only", action="store_true", help="only the timed steps (no peaks)")
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per setting")
+    ap.add_argument("--rounds", type=integer(1), default=5, help="timed rounds per setting")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if len(jax.devices()) < 8:

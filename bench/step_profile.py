@@ -31,6 +31,7 @@ import time
 
 from bench import policies
 from bench.common import REFERENCE_BATCH, machine, markdown_table, median, publish, cli
+from remat.argtypes import Parser, integer
 
 WORKER = "bench.step_profile"
 STEP = "remat_step"  # the TraceAnnotation around each traced step
@@ -182,17 +183,15 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m bench.step_profile", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt2", choices=["gpt2", "llama3"])
     p.add_argument("--setting", default="none", help="a bench.policies setting name (default none)")
     for k in ("n_layer", "n_embd", "n_head", "seq", "batch", "vocab"):
-        p.add_argument(f"--{k}", type=int, default=None, help=f"override the reference shape's {k}")
-    p.add_argument("--steps", type=int, default=3, help="timed and traced steps (default 3)")
-    p.add_argument("--top", type=int, default=12, help="operations listed (default 12)")
+        p.add_argument(f"--{k}", type=integer(1), default=None, help=f"override the reference shape's {k}")
+    p.add_argument("--steps", type=integer(1), default=3, help="timed and traced steps (default 3)")
+    p.add_argument("--top", type=integer(1), default=12, help="operations listed (default 12)")
     p.add_argument("--json", default=None, help="also write the rows and metadata here")
     a = p.parse_args(argv)
-    if a.steps < 1:
-        p.error(f"--steps {a.steps}: give at least 1")
     res = run(a.model, a.setting, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq=a.seq,
               batch=a.batch, vocab=a.vocab, steps=a.steps, top=a.top)
     return publish(res, report, WORKER, argv, a.json)

@@ -30,6 +30,7 @@ from bench import policies
 from bench import common
 from bench.common import MiB, Target, fmt, interleaved_ms, machine, markdown_table, median, targets_markdown, cli
 from models import gpt2
+from remat.argtypes import Parser, int_list, integer
 
 INSTALL_HINT = "bench.torch_peer needs PyTorch (the `peer` extra): pip install -e '.[peer]'"
 
@@ -234,11 +235,11 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.torch_peer", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench.torch_peer", description=__doc__.split("\n\n")[0])
     for k in ("n_layer", "n_embd", "n_head", "seq", "batch", "vocab"):
-        p.add_argument(f"--{k}", type=int, default=None, help=f"override {k} of the reference shape")
-    p.add_argument("--steps", type=int, default=5, help="timed interleaved rounds (median reported)")
-    p.add_argument("--torch_threads", default=None,
+        p.add_argument(f"--{k}", type=integer(1), default=None, help=f"override {k} of the reference shape")
+    p.add_argument("--steps", type=integer(1), default=5, help="timed interleaved rounds (median reported)")
+    p.add_argument("--torch_threads", type=int_list(1, example="1,2"), default=None,
                    help="comma-separated PyTorch thread counts to time, e.g. 2 (default: 1 and PyTorch's own)")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
     a = p.parse_args(argv)
@@ -247,8 +248,6 @@ def main(argv=None) -> int:
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
-    if a.steps < 1:
-        raise SystemExit("--steps must be >= 1")
     res = run(n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq=a.seq, batch=a.batch, vocab=a.vocab,
               steps=a.steps, torch_threads=a.torch_threads)
     return common.publish(res, report, "bench.torch_peer", argv, a.json)

@@ -24,6 +24,7 @@ from models import family
 from models.llmc_io import LlmcFormatError, read_model, read_state, write_model
 from remat import RecomputeConfig
 from remat import flags as recompute_flags
+from remat.argtypes import Parser, integer, real, usage_error
 
 # NOTE: tolerance. A float32 JAX port against a float32 (or float64-derived) reference differs by
 # rounding only: ~1e-6 for loss and gradients of the small models checked here. 1e-4 absolute
@@ -140,30 +141,28 @@ def verify(config, params, state) -> list[Row]:
 
 def _recompute_from(a) -> RecomputeConfig:
     """The RecomputeConfig of the parsed recompute flags (remat.flags, the same as train.py's)."""
-    configs = recompute_flags.from_flags(vars(a))
-    label, rc = configs[0]
-    if len(configs) > 1 or label == "auto":
-        raise ValueError(f"--recompute_method {a.recompute_method}: verify runs one setting, and auto plans against "
-                         f"train.py's compiled train step; pass one of none, uniform, block")
+    # NOTE: checked before from_flags, whose `auto` errors name train.py's --memory_budget, which
+    # verify does not take.
+    methods = [m.strip() for m in str(a.recompute_method).split(",")]
+    if len(methods) > 1 or "auto" in methods:
+        raise ValueError(f"--recompute_method {a.recompute_method}: verify runs one setting (auto plans against "
+                         f"train.py's compiled train step); pass one of none, uniform, block, or --recompute_segments "
+                         f"/ --recompute_every")
+    (label, rc), = recompute_flags.from_flags(vars(a))
     return rc
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m models.llmc", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m models.llmc", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="compare the model with an llm.c debug state file")
-    v.error = lambda message: p.exit(2, f"{p.prog} verify: error: {message}\n")
     v.add_argument("model", help="llm.c model file (.bin)")
     v.add_argument("state", help="llm.c debug state file (.bin)")
     recompute_flags.add_arguments(v, train=False)  # the same recompute flags as train.py's
-    v.add_argument("--loss_chunk", type=int, default=0, help="compute the loss over chunks of N positions (0: off)")
+    v.add_argument("--loss_chunk", type=integer(0), default=0,
+                   help="compute the loss over chunks of N positions (0: off)")
     for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
-        v.add_argument(f"--{f}", type=float, default=None, help="LLaMA-3 header override")
+        v.add_argument(f"--{f}", type=real(above=0), default=None, help="LLaMA-3 header override")
     return p
 
 
@@ -177,8 +176,7 @@ def main(argv=None) -> int:
         recompute.validate_for(config.n_layer)
         state = load_state(a.state, config)
     except (LlmcFormatError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error("python -m models.llmc verify", e)
     rows = verify(config, params, state)
     print(f"{'tensor':<16} {'max |Δ|':>12} {'max |ref|':>12}  within {ATOL:g}")
     for r in rows:

@@ -53,6 +53,7 @@ from models.layers import embed, gelu_tanh, layer_norm, rms_norm, rope_frequenci
 from models.tokenizer import ByteTokenizer
 from models.tokenizer import load as load_tokenizer
 from remat import RecomputeConfig
+from remat.argtypes import Parser, integer, parse_int, real
 
 F32 = jnp.float32
 
@@ -363,7 +364,7 @@ def decoder_for(vocab_size: int, tokenizer: str | None, what: str = "--tokenizer
 def parse_token_ids(spec: str, vocab_size: int, what: str = "--prompt_tokens") -> list[int]:
     """'50256,464' → [50256, 464], each in 0..vocab_size-1 (ValueError otherwise)."""
     try:
-        ids = [int(s) for s in spec.split(",") if s.strip()]
+        ids = [parse_int(s.strip()) for s in spec.split(",") if s.strip()]  # ASCII digits only
     except ValueError:
         raise ValueError(f"{what} {spec!r}: expected comma-separated integers, e.g. 50256,464") from None
     if not ids:
@@ -379,31 +380,30 @@ def render(ids, decoder) -> str:
     return decoder.decode(ids) if decoder is not None else ",".join(str(int(i)) for i in np.asarray(ids))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
+SEED_MAX = 2**32 - 1  # jax.random.PRNGKey keeps 32 bits of a seed: larger ones repeat smaller ones
 
 
 def _args(argv):
-    p = _Parser(prog="python -m models.sample", description="\n\n".join(__doc__.split("\n\n")[:2]),
+    p = Parser(prog="python -m models.sample", description="\n\n".join(__doc__.split("\n\n")[:2]),
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a train.py --checkpoint_dir directory or an llm.c model .bin")
     p.add_argument("--prompt", default=None, metavar="TEXT",
                    help="prompt text (encoded as bytes, or with --tokenizer by greedy longest match)")
     p.add_argument("--prompt_tokens", default=None, metavar="IDS", help="prompt as comma-separated token ids")
-    p.add_argument("--sample_length", type=int, default=200, metavar="N",
+    p.add_argument("--sample_length", type=integer(1), default=200, metavar="N",
                    help="tokens to generate (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="X",
+    p.add_argument("--temperature", type=real(0), default=0.0, metavar="X",
                    help="0: greedy; > 0: sample (default: %(default)s)")
-    p.add_argument("--top_k", type=int, default=None, metavar="K", help="sample among the k most likely tokens")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (default: %(default)s)")
-    p.add_argument("--num_samples", type=int, default=1, metavar="N",
+    p.add_argument("--top_k", type=integer(1), default=None, metavar="K", help="sample among the k most likely tokens")
+    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="N",
+                   help="sampling seed, 0..4294967295 (default: %(default)s)")
+    p.add_argument("--num_samples", type=integer(1), default=1, metavar="N",
                    help="independent samples, run as one batch (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, metavar="FILE", help="llm.c tokenizer file (gpt2_tokenizer.bin)")
-    p.add_argument("--step", type=int, default=None, metavar="N", help="checkpoint step (default: the latest)")
+    p.add_argument("--step", type=integer(0), default=None, metavar="N", help="checkpoint step (default: the latest)")
     for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
-        p.add_argument(f"--{f}", type=float, default=None, metavar="X", help="LLaMA-3 llm.c header override")
+        p.add_argument(f"--{f}", type=real(above=0), default=None, metavar="X", help="LLaMA-3 llm.c header override")
     return p.parse_args(argv)
 
 
@@ -418,8 +418,6 @@ def main(argv=None) -> int:
         print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr)
         return 2
 
-    if a.sample_length < 1 or a.num_samples < 1:
-        return fail(f"--sample_length {a.sample_length} and --num_samples {a.num_samples} must be >= 1")
     if a.prompt is not None and a.prompt_tokens is not None:
         return fail("pass --prompt TEXT or --prompt_tokens IDS, not both")
     try:

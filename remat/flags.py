@@ -22,6 +22,7 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
+from remat import argtypes
 from remat import names as _names
 from remat import policies
 from remat.config import GRANULARITIES, METHODS, AutoRecompute, RecomputeConfig, RecomputeConfigError
@@ -94,18 +95,23 @@ FIELD_FLAGS = {**{f.field: f"--{f.name}" for f in FLAGS if f.field},
                "shard_saved_axis": "--deepspeed_config partition_activations"}
 
 
+# Text flags that hold numbers: ASCII digits only (int() would misread or reject '²'), named in the error.
+_ARG_TYPES = {"recompute_segments": argtypes.ascii_digits("0-3,3-5")}
+_INT = argtypes.integer()  # one object, so every parser's recompute flags have the same type
+
+
 def argparse_kwargs(flag: Flag) -> dict:
     """`parser.add_argument(f"--{flag.name}", **argparse_kwargs(flag))`: the one way a flag is parsed.
 
     Example:
-      >>> argparse_kwargs(BY_NAME["recompute_every"])["type"]
-      <class 'int'>
+      >>> argparse_kwargs(BY_NAME["recompute_every"])["type"]("2")
+      2
     """
     kw: dict = {"help": flag.help, "default": flag.default}
     if flag.type is bool:
         kw["action"] = argparse.BooleanOptionalAction
     else:
-        kw["type"] = flag.type
+        kw["type"] = _ARG_TYPES.get(flag.name) or {int: _INT}.get(flag.type, flag.type)
         if flag.choices is not None:
             kw["choices"] = flag.choices
         kw["metavar"] = flag.metavar or (None if flag.choices else {int: "N", str: "STR"}[flag.type])

@@ -353,7 +353,7 @@ def test_step_profile_splits_the_traced_wall_time():
         step_profile.run(n_layer=2, n_embd=32, seq=32, batch=2, steps=1, setting="no such setting")
 
 
-@pytest.mark.parametrize("argv", [["bench.attention", "--seqs", "abc"], ["bench.step_profile", "--setting", "nope"]])
+@pytest.mark.parametrize("argv", [["bench.attention", "--cores", "tiled"], ["bench.step_profile", "--setting", "nope"]])
 def test_bench_bad_input_exits_2_with_one_line(argv):
     """Bad input found after argument parsing is a usage error (2), like argparse's own, not rc 1."""
     p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,

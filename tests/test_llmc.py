@@ -112,7 +112,7 @@ def test_state_that_does_not_fit_the_model(files, tmp_path, capsys):
     write_state(tmp_path / "foreign.bin", okind, other, x, y, lg.astype(np.float32), np.float32(ls),
                 {k: v.astype(np.float32) for k, v in gr.items()})
     assert llmc.main(["verify", str(d / "model.bin"), str(tmp_path / "foreign.bin")]) == 2
-    assert capsys.readouterr().err.startswith("error: ")
+    assert capsys.readouterr().err.startswith("python -m models.llmc verify: error: ")
 
 
 def test_truncated_llama_header_accepts_overrides(tmp_path):

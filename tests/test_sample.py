@@ -193,8 +193,8 @@ def _bad_tokenizer(tmp_path):
     (["{model}", "--prompt_tokens", "1,250"], "token id 250 is outside"),
     (["{model}"], "pass --prompt"),
     (["{model}", "--prompt", "a", "--step", "3"], "--step 3 selects a step of a checkpoint directory"),
-    (["{model}", "--prompt", "a", "--num_samples", "0"], "must be >= 1"),
-    (["{model}", "--prompt", "a", "--sample_length", "x"], "invalid int value"),
+    (["{model}", "--prompt", "a", "--num_samples", "0"], "argument --num_samples: expected an integer >= 1, got '0'"),
+    (["{model}", "--prompt", "a", "--sample_length", "x"], "argument --sample_length: expected an integer >= 1"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(args, match, tmp_path, model_bin, big_vocab_bin, capsys):
     os.mkfifo(tmp_path / "fifo")

@@ -140,7 +140,7 @@ def test_every_preset_is_a_valid_choice(model):
     (["--remat_policy", "nothing_at_all", "--activation_recompute"], "unknown policy"),
     (["--recompute_modules", "attention", "--recompute_granularity", "selective"], "valid modules"),
     (["--batch_size", "0"], "--batch_size 0 must be"),
-    (["--batch_size", "four"], "invalid int value"),
+    (["--batch_size", "four"], "argument --batch_size: expected an integer, got 'four'"),
     (["--learning_rate", "nan"], "--learning_rate"),
     (["--no_such_flag"], "unrecognized arguments"),
     (["--mesh", "data=2;fsdp=4"], "--mesh"),

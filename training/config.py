@@ -25,6 +25,7 @@ from typing import Sequence
 from models.attention import ATTENTION, DEFAULT_TILE
 from models.family import NAMES as model_family_names
 from remat import RecomputeConfig
+from remat import argtypes
 from remat import deepspeed as remat_deepspeed
 from remat import flags as recompute_flags
 from remat.config import AutoRecompute
@@ -84,7 +85,8 @@ def parse_mesh(spec: str) -> dict[str, int]:
     for part in (p.strip() for p in spec.split(",")):
         name, eq, value = part.partition("=")
         name = name.strip()
-        if not eq or name not in MESH_AXES or name in seen or not value.strip().isdigit() or int(value) < 1:
+        value = value.strip()
+        if not eq or name not in MESH_AXES or name in seen or not _ascii_int(value) or int(value) < 1:
             raise ValueError(f"--mesh {spec!r}: expected AXIS=N[,AXIS=N] with axes {', '.join(MESH_AXES)} "
                              f"and N >= 1, e.g. --mesh data=2,fsdp=4")
         seen.add(name)
@@ -382,6 +384,14 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def _ascii_int(text: str) -> bool:
+    try:
+        argtypes.parse_int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -408,7 +418,7 @@ def _flag_spec(f: dataclasses.Field, tp) -> dict:
     elif typing.get_origin(base) is tuple:
         kw.update(nargs="+", type=str, metavar="PATH")
     else:
-        kw["type"] = base
+        kw["type"] = {int: argtypes.integer(), float: argtypes.real()}.get(base, base)  # ASCII digits only
     kw["default"] = f.default
     if kw.get("action") is None and "metavar" not in kw and "choices" not in kw:
         kw["metavar"] = {int: "N", float: "X", str: "STR"}.get(base, None)

@@ -31,7 +31,7 @@ def parse_steps(spec: str, num_iterations: int) -> tuple[int, int]:
       (10, 12)
     """
     a, sep, b = str(spec).partition(":")
-    ok = sep and a.strip().isdigit() and b.strip().isdigit()
+    ok = sep and a.strip().isascii() and b.strip().isascii() and a.strip().isdigit() and b.strip().isdigit()
     if ok:
         a, b = int(a), int(b)
         ok = a < b <= num_iterations
