@@ -50,12 +50,17 @@ def lower_train_step(mcfg, platform: str, *, batch: int = 2, seq: int | None = N
     model's sharding constraints), as `training.compile` does.
     """
     from models import family
-    from training import sharding as sh
     from training.optim import make_optimizer
-    from training.step import make_train_step
     fam = family.of(mcfg)
     seq = seq or mcfg.block_size
     tx, schedule = make_optimizer(1e-3, 1, 10, 0.1, 0.1, 1.0)
+    with building_for(platform):  # the parameter shapes too: a core that runs only there is traced
+        return _lower_train_step(fam, mcfg, tx, schedule, platform, batch, seq, tensor)
+
+
+def _lower_train_step(fam, mcfg, tx, schedule, platform, batch, seq, tensor):
+    from training import sharding as sh
+    from training.step import make_train_step
     if tensor <= 1:
         state, xb = _state_and_batch(fam, mcfg, tx, batch, seq)
         return lowered_for(make_train_step(fam, mcfg, tx, schedule, 0.0), platform, state, xb, xb)
@@ -78,7 +83,8 @@ def lower_seeded_grad(mcfg, platform: str, *, batch: int = 2, seq: int | None = 
     from models import family
     fam = family.of(mcfg)
     seq = seq or mcfg.block_size
-    params = jax.eval_shape(lambda: fam.init_params(mcfg, jax.random.key(0)))
+    with building_for(platform):
+        params = jax.eval_shape(lambda: fam.init_params(mcfg, jax.random.key(0)))
     x = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     grad = jax.grad(lambda c, p, x, y: c * fam.loss_fn(p, mcfg, x, y, None), argnums=1)
     return lowered_for(grad, platform, jax.ShapeDtypeStruct((), jnp.float32), params, x, x)
@@ -202,8 +208,7 @@ def main(argv=None) -> int:
         (_, rc), *_ = remat_flags.from_flags(vars(a))
         mcfg = model_config(a.model, preset=a.preset, recompute=rc, dtype=a.dtype, attention=a.attention,
                             scan_layers=a.scan_layers, loss_chunk=a.loss_chunk)
-        with building_for(a.platform):
-            res = report(mcfg, a.platform, tensor=a.tensor)
+        res = report(mcfg, a.platform, tensor=a.tensor)
     except ValueError as e:
         p.error(str(e))
     for k, v in res.items():

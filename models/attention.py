@@ -605,6 +605,11 @@ def _pallas_problem_for(dropout: bool, seq_len: int | None, platform: str) -> st
         return f"it needs a TPU and the program is built for {platform}"
     if dropout:
         return "splash attention has no dropout and attention dropout is on"
+    # NOTE: XLA cannot partition a Mosaic (Pallas TPU) call: under a mesh of several devices it
+    # would need a shard_map over the batch and head axes, which this wrapper does not have yet.
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        return f"the Pallas kernel is not partitioned and a mesh of {mesh.size} devices is set"
     return _pallas_problem(seq_len) if seq_len else None
 
 
