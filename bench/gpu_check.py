@@ -76,13 +76,19 @@ def settings(n_layer: int) -> dict:
             f"block {b}": dict(granularity="full", method="block", num_layers=b),
             "selective core_attn": dict(granularity="selective", modules=("core_attn",)),
             "offload mlp": dict(granularity="full", policy="custom:qkv=device,attn_context=device,"
-                                                          "mlp_up=offload,mlp_act=offload")}
+                                                          "mlp_up=offload,mlp_act=offload"),
+            # issue 24: region inputs in pinned host memory, copied back only once the backward
+            # reaches them (remat/checkpoint.py `_load`): device peak below full's
+            "cpu_checkpointing": dict(granularity="full", offload_inputs=True)}
 
 
 def attention_settings() -> dict:
-    """{name: (attention core, RecomputeConfig kwargs)}: tiled vs cudnn, none and full remat."""
-    return {f"attn {core} {rc}": (core, {} if rc == "none" else dict(granularity="full"))
+    """{name: (attention core, RecomputeConfig kwargs)}: tiled vs cudnn, none and full remat, and
+    (issue 24) the tiled core at the tile `auto` gives it on a GPU ("tiled@512": core@tile)."""
+    from models.attention import GPU_TILE
+    rows = {f"attn {core} {rc}": (core, {} if rc == "none" else dict(granularity="full"))
             for core in ("tiled", "cudnn") for rc in ("none", "full")}
+    return {**rows, f"attn tiled@{GPU_TILE} full": (f"tiled@{GPU_TILE}", dict(granularity="full"))}
 
 
 def _all_settings(n_layer: int) -> dict:
@@ -258,7 +264,10 @@ def worker(a) -> dict:
     n_layer = a.n_layer or gpt2.PRESETS[a.preset]["n_layer"]
     core, recompute = _all_settings(n_layer)[a.worker]
     attention_row = a.worker in attention_settings()
+    core, _, tile = core.partition("@")
     cfg = dataclasses.replace(_model_config(a, recompute), attention=core)
+    if tile:
+        cfg = dataclasses.replace(cfg, attention_tile=int(tile))
     dev = jax.local_devices()[0]
     T = a.seq
     # parameters do not depend on the attention core: initialize with one that runs everywhere
