@@ -547,30 +547,38 @@ def _pallas_problem(T: int) -> str | None:
     return None
 
 
-def pallas_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, interpret: bool = False):
+def pallas_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, interpret: bool = False, spec=None):
     """Causal GQA attention by Pallas TPU splash attention on (B, T, H·D) inputs; residuals tagged attn_probs.
 
     One MQA kernel (G = H/K query heads over one k, v) per kv group, mapped over batch and groups,
     so k and v are never repeated. `interpret=True` runs the kernel in Pallas' interpreter on any
     backend (tests compare its gradients with the other cores on CPU); otherwise it needs a TPU
-    target (it lowers to `tpu_custom_call` from any host).
+    target (it lowers to `tpu_custom_call` from any host). Under a mesh of several devices it runs
+    per shard (`_pallas_sharded`; `spec`: the layout of q, k, v and the result).
     # NOTE: the kernel's own VJP keeps q, k, v, the output and the log-sum-exp; `named_residuals`
     # tags them `attn_probs`, as for cudnn, so `core_attn` recomputes the kernel's forward in the
-    # backward and `save_names:` / `offload_names:` name them. The kernel does not scale q: the
-    # 1/sqrt(D) is applied to q first.
+    # backward and `save_names:` / `offload_names:` name them. The tags are put outside the
+    # shard_map, on the global residuals (names inside a shard_map do not reach the policy's view).
+    # The kernel does not scale q: the 1/sqrt(D) is applied to q first.
     Example:
       >>> q128 = jnp.ones((1, 128, 4 * 8))  # (B, T, H·D): T a multiple of PALLAS_BLOCK
       >>> pallas_causal_attention(q128, q128[..., :16], q128[..., :16], 4, 2, interpret=True).shape
       (1, 128, 32)
     """
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-    B, T, _ = q.shape
-    G, D = n_head // n_kv_head, q.shape[-1] // n_head
-    problem = _pallas_problem(T)
+    problem = _pallas_problem(q.shape[1])
     if problem:
         raise ValueError(f"attention='pallas' cannot run this shape: {problem}; use attention='tiled' "
                          f"(--attention tiled), which runs on every backend")
+    run = functools.partial(_pallas_sharded, n_head=n_head, n_kv_head=n_kv_head, spec=spec, interpret=interpret)
+    return named_residuals(run, names.ATTN_PROBS)(q, k, v)
+
+
+def _pallas_kernel(q, k, v, n_head, n_kv_head, interpret):
+    """The splash kernel on one device's (B, T, H·D) q and (B, T, K·D) k, v."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    T = q.shape[1]
+    G, D = n_head // n_kv_head, q.shape[-1] // n_head
     b = PALLAS_BLOCK
     blocks = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                            block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
@@ -578,8 +586,35 @@ def pallas_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, interpret: 
     kernel = sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
     run = jax.vmap(jax.vmap(kernel))  # over B, then K: (B, K, G, T, D), (B, K, T, D) ×2
     q5, kh, vh, G, scale = _heads(q * jnp.asarray(1.0 / math.sqrt(D), q.dtype), k, v, n_head, n_kv_head)
-    y5 = named_residuals(run, names.ATTN_PROBS)(q5, kh, vh)  # (B, K, G, T, D)
-    return _merge(y5.astype(v.dtype))  # (B, T, H·D)
+    return _merge(run(q5, kh, vh).astype(v.dtype))  # (B, T, H·D)
+
+
+def _pallas_sharded(q, k, v, n_head, n_kv_head, spec, interpret=False):
+    """`_pallas_kernel` under a mesh of several devices: one kernel per device's shard.
+
+    # NOTE: XLA cannot partition a Mosaic (Pallas TPU) call ("Mosaic kernels cannot be
+    # automatically partitioned"), so under a multi-device mesh the kernel runs in a `shard_map`
+    # over every mesh axis: q, k, v as `spec` lays them out, (B, T, heads·D) with batch and heads
+    # split and T whole (the model's `parallel.split` layout), else the batch over every axis
+    # larger than 1. Heads are split in contiguous blocks, so a device's kv heads serve exactly its
+    # query heads (training.sharding.check_tensor: heads and kv heads divisible by tensor).
+    """
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return _pallas_kernel(q, k, v, n_head, n_kv_head, interpret)
+    if spec is None:
+        spec = P(tuple(a for a in mesh.axis_names if mesh.shape[a] > 1), None, None)
+    spec = tuple(spec) + (None,) * (3 - len(tuple(spec)))
+    size = lambda axes: math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    heads = size(spec[2])
+    if spec[1] is not None or q.shape[0] % size(spec[0]) or n_head % heads or n_kv_head % heads:
+        raise ValueError(f"attention='pallas' cannot run this layout: {P(*spec)} over mesh {dict(mesh.shape)} "
+                         f"(T must be whole, batch and heads divisible); use attention='tiled' (--attention tiled)")
+    run = functools.partial(_pallas_kernel, n_head=n_head // heads, n_kv_head=n_kv_head // heads, interpret=interpret)
+    # check_vma=False: the kernel's pallas_call declares its outputs without varying-axis types
+    return jax.shard_map(lambda q, k, v: run(q, k, v), in_specs=(P(*spec),) * 3, out_specs=P(*spec),
+                         check_vma=False)(q, k, v)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -605,11 +640,6 @@ def _pallas_problem_for(dropout: bool, seq_len: int | None, platform: str) -> st
         return f"it needs a TPU and the program is built for {platform}"
     if dropout:
         return "splash attention has no dropout and attention dropout is on"
-    # NOTE: XLA cannot partition a Mosaic (Pallas TPU) call: under a mesh of several devices it
-    # would need a shard_map over the batch and head axes, which this wrapper does not have yet.
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
-        return f"the Pallas kernel is not partitioned and a mesh of {mesh.size} devices is set"
     return _pallas_problem(seq_len) if seq_len else None
 
 
@@ -642,7 +672,7 @@ def resolve(attention: str, dtype, head_dim: int, dropout: bool = False, *, seq_
 
 
 def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, attention: str = "auto",
-                     tile: int = DEFAULT_TILE, dropout_rate: float = 0.0, key=None):
+                     tile: int = DEFAULT_TILE, dropout_rate: float = 0.0, key=None, spec=None):
     """Causal GQA attention by the core `attention` names (`resolve`); (B, T, H·D) in and out.
 
     Args:
@@ -651,6 +681,8 @@ def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, attention: str = "
       attention: auto | tiled | xla | cudnn | pallas; tile: the tiled core's query tile (`auto` on
         a GPU raises it to GPU_TILE).
       dropout_rate, key: dropout on the probabilities; off when `key` is None or the rate is 0.
+      spec: the PartitionSpec of q, k, v and the result under a mesh (the model's
+        `parallel.split`), for the Pallas kernel's `shard_map` (XLA cannot partition it).
     Example:
       >>> causal_attention(q, k, v, 4, 2, attention="xla").shape
       (2, 8, 32)
@@ -669,7 +701,7 @@ def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, attention: str = "
         return layers.causal_attention(q, k, v, n_head, n_kv_head, dropout_rate=dropout_rate, key=key)
     try:
         if impl == "pallas":
-            return pallas_causal_attention(q, k, v, n_head, n_kv_head)
+            return pallas_causal_attention(q, k, v, n_head, n_kv_head, spec=spec)
         return cudnn_causal_attention(q, k, v, n_head, n_kv_head)
     except ValueError:
         if attention != "auto":

@@ -595,7 +595,8 @@ class CausalSelfAttention(nn.Module):
         rate = 0.0 if deterministic else self.dropout
         key = self.make_rng("dropout") if rate > 0 else None
         y = attention_lib.causal_attention(q, k, v, H, K, attention=self.attention, tile=self.attention_tile,
-                                           dropout_rate=rate, key=key)  # (B, T, C)
+                                           dropout_rate=rate, key=key,
+                                           spec=None if self.sharding is None else self.sharding.split)  # (B, T, C)
         y = checkpoint_name(parallel.split(y, self.sharding), names.ATTN_CONTEXT)
         y = Linear(C, self.use_bias, self.dtype, self.proj_std, name="c_proj")(y)
         y = checkpoint_name(parallel.residual(y, self.sharding), names.ATTN_OUT)

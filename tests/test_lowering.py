@@ -53,9 +53,9 @@ def test_train_step_lowers_for_gpu_and_tpu(model, setting):
     mcfg = _mcfg(model, setting)
     for platform in PLATFORMS:
         text = L.lower_train_step(mcfg, platform, tensor=SETTINGS[setting][2]).as_text()
-        # auto: cuDNN on cuda only in bf16 (float32 gets the tiled core), Pallas on tpu in both but
-        # not under a tensor-parallel mesh (a Mosaic call is not partitioned: tiled there)
-        wants_kernel = (platform == "tpu" and setting != "tensor2") or (platform == "cuda" and mcfg.dtype == "bfloat16")
+        # auto: cuDNN on cuda only in bf16 (float32 gets the tiled core), Pallas on tpu in both
+        # (under the tensor=2 mesh in a shard_map: XLA cannot partition a Mosaic call)
+        wants_kernel = platform == "tpu" or mcfg.dtype == "bfloat16"
         assert (_kernel_calls(text, platform) > 0) == wants_kernel, (platform, L.custom_calls(text))
         hosts = L.placements(text).get("pinned_host", 0)
         assert (hosts > 0) == (setting in OFFLOADS), (platform, L.placements(text))
@@ -156,3 +156,16 @@ def test_pallas_residuals_are_tagged_attn_probs():
     with building_for("tpu"):
         res = saved_residuals(lambda q: attention.pallas_causal_attention(q, q, q, 4, 4).sum(), q)
     assert "attn_probs" in res.by_name(), res.by_name()
+
+
+def test_pallas_runs_per_shard_under_a_data_parallel_mesh():
+    # XLA cannot partition a Mosaic call: under a mesh the kernel runs in a shard_map (batch over
+    # the mesh's axes when the model gives no layout), and its residuals keep their name
+    from remat.memory import saved_residuals
+    from training.sharding import make_mesh
+    q = jnp.ones((2, 128, 32))
+    f = lambda q: attention.causal_attention(q, q, q, 4, 4, attention="pallas").sum()
+    with jax.set_mesh(make_mesh({"data": 2})):
+        assert lowered_for(jax.grad(f), "tpu", q).as_text().count(L.PALLAS_TPU) > 0
+        with building_for("tpu"):
+            assert "attn_probs" in saved_residuals(f, q).by_name()
