@@ -199,18 +199,18 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--attention", default="auto")
-    p.add_argument("--scan_layers", action="store_true")
     p.add_argument("--loss_chunk", type=int, default=0)
+    p.add_argument("--seq", type=int, default=128, help="sequence length T (the Pallas kernel needs a multiple of 128)")
     p.add_argument("--tensor", type=int, default=1, help="tensor-parallel mesh axis (host devices)")
     remat_flags.add_arguments(p, train=False)
     a = p.parse_args(argv)
     try:
         (_, rc), *_ = remat_flags.from_flags(vars(a))
         mcfg = model_config(a.model, preset=a.preset, recompute=rc, dtype=a.dtype, attention=a.attention,
-                            scan_layers=a.scan_layers, loss_chunk=a.loss_chunk)
+                            scan_layers=bool(a.scan_layers), loss_chunk=a.loss_chunk, block_size=a.seq)
         res = report(mcfg, a.platform, tensor=a.tensor)
-    except ValueError as e:
-        p.error(str(e))
+    except ValueError as e:  # a setting that cannot be built (also training's UsageError)
+        raise SystemExit(str(e)) from None
     for k, v in res.items():
         print(f"{k:20s} {v}")
     return 0

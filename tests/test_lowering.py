@@ -169,3 +169,26 @@ def test_pallas_runs_per_shard_under_a_data_parallel_mesh():
         assert lowered_for(jax.grad(f), "tpu", q).as_text().count(L.PALLAS_TPU) > 0
         with building_for("tpu"):
             assert "attn_probs" in saved_residuals(f, q).by_name()
+
+
+def test_auto_on_a_gpu_in_float32_takes_the_gpu_tile():
+    # cuDNN takes only bf16/fp16: float32 gets the tiled core with GPU_TILE-row tiles (fewer serial
+    # tile steps: n(n+1)/2 per pass, n = T/tile), an explicit `tiled` keeps its own tile
+    q = jax.ShapeDtypeStruct((1, 1024, 2 * 64), jnp.float32)
+    lower = lambda platform, **kw: lowered_for(
+        jax.grad(lambda q: attention.causal_attention(q, q, q, 2, 2, **kw).sum()), platform, q).as_text()
+    gpu, cpu = lower("cuda"), lower("cpu")
+    assert f"{attention.GPU_TILE}x64xf32>" in gpu and f"{attention.GPU_TILE}x64xf32>" not in cpu
+    assert "128x64xf32>" in cpu and "128x64xf32>" in lower("cuda", attention="tiled")
+
+
+def test_bench_lower_cli(capsys):
+    from bench.common import cli
+    assert L.main(["--platform", "tpu", "--model", "llama3", "--cpu_checkpointing",
+                   "--recompute_granularity", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "tpu_custom_call" in out and "'pinned_host': 2" in out and "copy_backs_waiting   2/2" in out
+    assert cli(lambda: L.main(["--platform", "cuda", "--attention", "pallas"]), "lower") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m bench.lower: error: attention='pallas' cannot run: it needs a TPU and the program is "
+                   "built for cuda; use attention='tiled' (--attention tiled), which runs on every backend"]
