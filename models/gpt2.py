@@ -72,7 +72,7 @@ class GPT2Config:
       recompute: the activation-recompute settings (remat.RecomputeConfig).
       loss_chunk: 0, or N > 0 to compute the LM head and loss over chunks of N positions, each
         rematerialized, so the (B, T, Vp) logits never exist (`models.layers.lm_head`).
-      attention: the attention core, auto | tiled | xla | cudnn (models/attention.py);
+      attention: the attention core, auto | tiled | xla | cudnn | pallas (models/attention.py);
         attention_tile: the tiled core's query tile.
       sharding: a `models.parallel.ShardingConfig` for tensor/sequence parallelism, or None (no
         constraints; the model runs without a mesh). Set by the train step, not stored in checkpoints.

@@ -14,7 +14,8 @@ whose backward re-traces the function under `jax.vjp`, checked against the forwa
 # default scheduler does: with plain `jax.checkpoint` on a loop of layers the compiled temp
 # memory does not fall at all, and optimization barriers are stripped before scheduling). So in
 # the backward each region's residuals are made to depend on the arrival of its output cotangent
-# (`_tie`: `x + 0·s`, s a finite-guarded reduction of the cotangent: exact, NaN-safe) before the
+# (`_tie`: on CPU `x + 0·s`, s a finite-guarded reduction of the cotangent, exact and NaN-safe;
+# built for a GPU or TPU one optimization barrier with the cotangent) before the
 # pullback runs. Both paths do it (non-reentrant: `_tied`, a custom_vjp around `jax.vjp` of
 # `jax.checkpoint`, so the policy still decides what is saved). Measured in docs/BENCHMARKS.md.
 """
