@@ -187,3 +187,12 @@ def test_bench_lower_cli(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["python -m bench.lower: error: attention='pallas' cannot run: it needs a TPU and the program is "
                    "built for cuda; use attention='tiled' (--attention tiled), which runs on every backend"]
+
+
+def test_cudnn_under_a_tensor_parallel_mesh_goes_through_jax_s_partitioner():
+    # JAX wraps its cuDNN call in custom_partitioning under a mesh: XLA's SPMD pass expands
+    # CustomSPMDPartitioning into the per-device cuDNN call when compiling for the GPU
+    calls = {core: L.custom_calls(L.lower_train_step(_mcfg("gpt2", "full", dtype="bfloat16", attention=core),
+                                                     "cuda", tensor=2).as_text())
+             for core in ("cudnn", "tiled")}
+    assert calls["cudnn"].get("CustomSPMDPartitioning", 0) > 0 and "CustomSPMDPartitioning" not in calls["tiled"]
