@@ -45,7 +45,10 @@ Targets, restated from what the analytic model says is possible (`targets_from_m
 Attention rows (`attention_settings`): the tiled core against cuDNN flash attention, none and
 full remat, timed and MFU only (no batch search: a compile and 12 steps each), run first so that
 the time they leave unused goes to the searches. Where cuDNN cannot run (CPU, float32) its rows
-say so ("unavailable") instead of failing the run.
+say so ("unavailable") instead of failing the run. Issue 24 adds `attn tiled@512 full` (the tile
+`auto` gives the tiled core on a GPU) and `cpu_checkpointing` (timed only as well: its peak bytes in
+use at --batch against `full`'s shows whether the offloaded region inputs stay on the host until
+the backward reaches them).
 """
 from __future__ import annotations
 
@@ -81,14 +84,25 @@ def settings(n_layer: int) -> dict:
 
 
 def attention_settings() -> dict:
-    """{name: (attention core, RecomputeConfig kwargs)}: tiled vs cudnn, none and full remat."""
-    return {f"attn {core} {rc}": (core, {} if rc == "none" else dict(granularity="full"))
+    """{name: (attention core, RecomputeConfig kwargs)}: tiled vs cudnn, none and full remat, and
+    (issue 24) the tiled core at the tile `auto` gives it on a GPU ("tiled@512": core@tile)."""
+    from models.attention import GPU_TILE
+    rows = {f"attn {core} {rc}": (core, {} if rc == "none" else dict(granularity="full"))
             for core in ("tiled", "cudnn") for rc in ("none", "full")}
+    return {**rows, f"attn tiled@{GPU_TILE} full": (f"tiled@{GPU_TILE}", dict(granularity="full"))}
+
+
+def timed_settings() -> dict:
+    """{name: (attention core, RecomputeConfig kwargs)} of the rows timed at --batch without a batch
+    search: the attention rows, and (issue 24) `cpu_checkpointing`, full remat with the region
+    inputs in pinned host memory, copied back only once the backward reaches them
+    (remat/checkpoint.py `_load`): its peak bytes in use should fall below `full`'s."""
+    return {**attention_settings(), "cpu_checkpointing": ("auto", dict(granularity="full", offload_inputs=True))}
 
 
 def _all_settings(n_layer: int) -> dict:
-    """{name: (attention core, RecomputeConfig kwargs)} of every row, the attention rows first."""
-    return {**attention_settings(), **{k: ("auto", v) for k, v in settings(n_layer).items()}}
+    """{name: (attention core, RecomputeConfig kwargs)} of every row, the timed-only rows first."""
+    return {**timed_settings(), **{k: ("auto", v) for k, v in settings(n_layer).items()}}
 
 
 def largest_batch(fits, start: int, cap: int, *, bisect: int = 3, deadline: float | None = None,
@@ -218,7 +232,7 @@ def bisections(a, name: str) -> int:
 def predicted_cost(a, name: str, model: dict, limit: float) -> float:
     """Seconds one worker needs: its compilations (timing + seeded search) and its steps."""
     step = lambda b: b * a.seq * model["flops_per_token"] / (ASSUMED_MFU * a.peak_tflops * 1e12)
-    if name in attention_settings():  # timed only, no batch search
+    if name in timed_settings():  # timed only, no batch search
         # NOTE: two compilations' worth: the tiled core unrolls T/tile query blocks per layer in
         # the forward and the backward, so its compile is the slowest of any row.
         return 2 * COMPILE_S + (2 + a.steps) * step(a.batch)
@@ -259,7 +273,11 @@ def worker(a) -> dict:
     n_layer = a.n_layer or gpt2.PRESETS[a.preset]["n_layer"]
     core, recompute = _all_settings(n_layer)[a.worker]
     attention_row = a.worker in attention_settings()
+    timed_row = a.worker in timed_settings()
+    core, _, tile = core.partition("@")
     cfg = dataclasses.replace(_model_config(a, recompute), attention=core)
+    if tile:
+        cfg = dataclasses.replace(cfg, attention_tile=int(tile))
     dev = jax.local_devices()[0]
     T = a.seq
     # parameters do not depend on the attention core: initialize with one that runs everywhere
@@ -328,7 +346,7 @@ def worker(a) -> dict:
         return ok
 
     clock = lambda: time.monotonic() + max(trial_s)
-    if attention_row:  # timed only: no batch search
+    if timed_row:  # timed only: no batch search
         row.update(search=None, max_batch=None, wall_s=time.monotonic() - t_start)
         return row
     row["search"] = largest_batch(timed_fits, a.batch, a.max_batch, bisect=bisections(a, a.worker), deadline=deadline,

@@ -72,7 +72,7 @@ class GPT2Config:
       recompute: the activation-recompute settings (remat.RecomputeConfig).
       loss_chunk: 0, or N > 0 to compute the LM head and loss over chunks of N positions, each
         rematerialized, so the (B, T, Vp) logits never exist (`models.layers.lm_head`).
-      attention: the attention core, auto | tiled | xla | cudnn (models/attention.py);
+      attention: the attention core, auto | tiled | xla | cudnn | pallas (models/attention.py);
         attention_tile: the tiled core's query tile.
       sharding: a `models.parallel.ShardingConfig` for tensor/sequence parallelism, or None (no
         constraints; the model runs without a mesh). Set by the train step, not stored in checkpoints.
@@ -198,7 +198,8 @@ def init_params(config: GPT2Config, key, batch_shape=(1, 1)):
       (['blocks', 'ln_f', 'wpe', 'wte'], (256, 32))
     """
     idx = jnp.zeros(batch_shape, jnp.int32)
-    return GPT2(config).init({"params": key}, idx)["params"]
+    # the parameters do not depend on the attention core; the xla core takes any T (Pallas: multiples of 128)
+    return GPT2(dataclasses.replace(config, attention="xla")).init({"params": key}, idx)["params"]
 
 
 def loss_fn(params, config: GPT2Config, idx, targets, dropout_key=None):

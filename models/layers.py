@@ -6,8 +6,8 @@ in models/ is written as a trailing comment on the line that makes the value: `y
 
 Activations are tagged with `checkpoint_name(x, remat.names.X)` at the points that
 remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here tag the rest.
-`attn_probs` tags only cuDNN's residuals (models/attention.py): the tiled and xla cores never keep
-their probabilities.
+`attn_probs` tags only the cuDNN and Pallas kernels' residuals (models/attention.py): the tiled and
+xla cores never keep their probabilities.
 
 # NOTE: lean residuals. A plain JAX formulation keeps what autodiff finds convenient: GELU's and
 # LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs; ~800 MiB for the
@@ -556,7 +556,7 @@ class CausalSelfAttention(nn.Module):
 
     Attributes:
       attention, attention_tile: the core (`models.attention.causal_attention`: auto, tiled, xla,
-        cudnn) and the tiled core's query tile.
+        cudnn, pallas) and the tiled core's query tile.
       n_head, n_kv_head: query and key/value heads (n_kv_head == n_head: plain multi-head).
       rope_theta: apply RoPE to q and k when set (`use_scaled_rope`: LLaMA-3.1 scaling).
       proj_std: init std of c_proj (GPT-2 scales it by 1/sqrt(2·n_layer)).
@@ -595,7 +595,8 @@ class CausalSelfAttention(nn.Module):
         rate = 0.0 if deterministic else self.dropout
         key = self.make_rng("dropout") if rate > 0 else None
         y = attention_lib.causal_attention(q, k, v, H, K, attention=self.attention, tile=self.attention_tile,
-                                           dropout_rate=rate, key=key)  # (B, T, C)
+                                           dropout_rate=rate, key=key,
+                                           spec=None if self.sharding is None else self.sharding.split)  # (B, T, C)
         y = checkpoint_name(parallel.split(y, self.sharding), names.ATTN_CONTEXT)
         y = Linear(C, self.use_bias, self.dtype, self.proj_std, name="c_proj")(y)
         y = checkpoint_name(parallel.residual(y, self.sharding), names.ATTN_OUT)

@@ -216,7 +216,8 @@ def init_params(config: Llama3Config, key, batch_shape=(1, 1)):
       >>> sorted(params)
       ['blocks', 'lm_head', 'ln_f', 'wte']
     """
-    return Llama3(config).init({"params": key}, jnp.zeros(batch_shape, jnp.int32))["params"]
+    # the parameters do not depend on the attention core; the xla core takes any T (Pallas: multiples of 128)
+    return Llama3(dataclasses.replace(config, attention="xla")).init({"params": key}, jnp.zeros(batch_shape, jnp.int32))["params"]
 
 
 def loss_fn(params, config: Llama3Config, idx, targets, dropout_key=None):

@@ -14,7 +14,8 @@ whose backward re-traces the function under `jax.vjp`, checked against the forwa
 # default scheduler does: with plain `jax.checkpoint` on a loop of layers the compiled temp
 # memory does not fall at all, and optimization barriers are stripped before scheduling). So in
 # the backward each region's residuals are made to depend on the arrival of its output cotangent
-# (`_tie`: `x + 0·s`, s a finite-guarded reduction of the cotangent: exact, NaN-safe) before the
+# (`_tie`: on CPU `x + 0·s`, s a finite-guarded reduction of the cotangent, exact and NaN-safe;
+# built for a GPU or TPU one optimization barrier with the cotangent) before the
 # pullback runs. Both paths do it (non-reentrant: `_tied`, a custom_vjp around `jax.vjp` of
 # `jax.checkpoint`, so the policy still decides what is saved). Measured in docs/BENCHMARKS.md.
 """
@@ -30,6 +31,7 @@ import numpy as np
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: early stop
 
 from remat import check as _check
+from remat import memory as _memory
 from remat import policies as _policies
 from remat.config import check_region
 
@@ -91,17 +93,46 @@ def _on_device(x) -> bool:
     return space is None or "host" not in str(space).lower()
 
 
-def _tie(dyn, g):
-    """Make every inexact device leaf of `dyn` depend on the cotangent `g`, exactly and NaN-safely.
+def _cotangents(g):
+    return [x for x in jax.tree.leaves(g) if _is_inexact(x) and jnp.size(x) > 0]
 
-    Host-offloaded residuals are left alone: they must stay where the policy put them.
+
+def _barrier(xs, gl):
+    """`xs` through one optimization barrier with the cotangent leaves `gl`: available only once
+    `gl` is. No arithmetic, and it passes host-memory arrays as they are."""
+    return list(jax.lax.optimization_barrier((tuple(xs), tuple(gl)))[0])
+
+
+def _tie(dyn, g):
+    """Make every inexact leaf of `dyn` depend on the cotangent `g`, exactly and NaN-safely.
+
+    # NOTE: two forms, by the platform the program is built for (`remat.memory.target_platform`).
+    # On accelerators (cuda, rocm, tpu) XLA keeps optimization barriers through scheduling, so one
+    # barrier over the leaves and `g` orders them for free. XLA:CPU strips barriers before
+    # scheduling, so there device leaves get `x + 0·s`, s a finite-guarded full reduction of one
+    # cotangent leaf (indexing one element is ambiguous under explicit sharding): one pass over
+    # `g` per region. Host-memory leaves (offloaded inputs) take the barrier on every platform:
+    # arithmetic would pull them to the device, and the barrier is what makes the copy back
+    # (`_load`) wait for `g`.
     """
-    gl = [x for x in jax.tree.leaves(g) if _is_inexact(x) and jnp.size(x) > 0]
-    if not gl:
+    gl = _cotangents(g)
+    idx = [i for i, x in enumerate(dyn) if _is_inexact(x)]
+    if not gl or not idx:
         return dyn
-    s = jnp.sum(gl[0])  # a full reduction: indexing one element is ambiguous under explicit sharding
-    zero = jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s)) * 0
-    return [x + zero.astype(x.dtype) if _is_inexact(x) and _on_device(x) else x for x in dyn]
+    out = list(dyn)
+    if _memory.target_platform() in _memory.ACCELERATORS:
+        barred = idx
+    else:
+        barred = [i for i in idx if not _on_device(dyn[i])]
+        s = jnp.sum(gl[0])
+        zero = jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s)) * 0
+        for i in idx:
+            if i not in barred:
+                out[i] = dyn[i] + zero.astype(dyn[i].dtype)
+    if barred:
+        for i, x in zip(barred, _barrier([dyn[i] for i in barred], gl)):
+            out[i] = x
+    return out
 
 
 def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
@@ -217,9 +248,16 @@ def _store(res, dyn, storage):
 
 
 def _load(res, restore, g):
-    """Move stored residuals back for the recomputation, each only once the cotangent `g` exists
-    (`_tie` first: otherwise XLA may gather a sharded input right after the forward)."""
-    return [restore[j](_tie([r], g)[0]) if j in restore else r for j, r in enumerate(res)]
+    """Move stored residuals back for the recomputation, each only once the cotangent `g` exists:
+    `_tie` first, so that the move's own input depends on `g`. Otherwise XLA may gather a sharded
+    input, or copy an offloaded one back from host memory, right after the forward, and the
+    saving is gone (tests/test_lowering.py checks every copy back on cuda and tpu)."""
+    idx = sorted(restore)
+    tied = _tie([res[j] for j in idx], g)
+    out = list(res)
+    for j, r in zip(idx, tied):
+        out[j] = restore[j](r)
+    return out
 
 
 def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):

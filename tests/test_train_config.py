@@ -144,6 +144,8 @@ def test_every_preset_is_a_valid_choice(model):
     (["--learning_rate", "nan"], "--learning_rate"),
     (["--no_such_flag"], "unrecognized arguments"),
     (["--mesh", "data=2;fsdp=4"], "--mesh"),
+    (["--attention", "pallas", "--sequence_length", "128"],
+     "--attention pallas cannot run: it needs a TPU and the program is built for cpu; use --attention tiled"),
 ])
 def test_unknown_flag_values(argv, match, capsys, tmp_path, text_file):
     assert match in _exit2(argv + ["--data", text_file], capsys, tmp_path)

@@ -134,7 +134,9 @@ class TrainConfig:
                             "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)")
     attention: str = _f("auto", "attention core: tiled (query tiles, masked tiles skipped; any backend) | xla "
                                 "(the whole T x T scores) | cudnn (cuDNN flash attention: NVIDIA GPU, bfloat16, "
-                                "no dropout) | auto (cudnn where it runs, else tiled)", choices=ATTENTION)
+                                "no dropout) | pallas (Pallas TPU splash attention: TPU, T a multiple of 128, no dropout) | auto "
+                                "(for the platform built for: cudnn on an NVIDIA GPU, pallas on TPU, where they apply, "
+                                "else tiled)", choices=ATTENTION)
     attention_tile: int = _f(DEFAULT_TILE, "query tile of --attention tiled")
     # -- optimization
     batch_size: int = _f(16, "micro-batch size (sequences per forward/backward)")

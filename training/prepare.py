@@ -95,12 +95,13 @@ def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, blo
     try:
         mcfg = fam.config(cfg.preset, **over) if shaped is None else dataclasses.replace(shaped, **over)
         # cudnn where it cannot run is a usage error now, not a trace-time failure later
-        attention.resolve(mcfg.attention, mcfg.compute_dtype, mcfg.n_embd // mcfg.n_head, mcfg.dropout > 0)
+        attention.resolve(mcfg.attention, mcfg.compute_dtype, mcfg.n_embd // mcfg.n_head, mcfg.dropout > 0,
+                          seq_len=cfg.sequence_length)
         return mcfg
     except RecomputeConfigError as e:  # e.g. --recompute_num_layers larger than the model's layers
         raise UsageError(flag_error(e)) from None
     except ValueError as e:
-        raise UsageError(str(e).replace("attention='cudnn'", "--attention cudnn").replace("attention='tiled' (--attention tiled)", "--attention tiled")) from None
+        raise UsageError(str(e).replace("attention='cudnn'", "--attention cudnn").replace("attention='pallas'", "--attention pallas").replace("attention='tiled' (--attention tiled)", "--attention tiled")) from None
 
 
 def _load_data(paths, what):
