@@ -75,7 +75,8 @@ def _wide_float(prim, avals, params) -> bool:
 
 # Ops that only move or replicate their input: recomputing one costs no FLOPs and needs only its
 # input, which is either kept anyway or itself recomputed, so saving their outputs is never worth it.
-_MOVES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p"})
+_MOVES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p",
+                    "slice", "dynamic_slice", "pad"})
 
 
 def _out_dtypes(prim, avals, params):
