@@ -171,7 +171,9 @@ def trace(fn, *args):
     program once a fresh trace was found equal to it, so the gradient is always the gradient of the
     forward that ran.
     """
-    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    # NOTE: a fresh wrapper per call: make_jaxpr caches traces per function object, and a cached trace
+    # would compare the forward's program with itself (it did, under lax.scan, before this wrapper).
+    closed, shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
     tree = jax.tree.structure(shape)
 
     def run(*a):
@@ -182,8 +184,8 @@ def trace(fn, *args):
 
 def jaxpr_fingerprint(fn, *args) -> tuple:
     """`fingerprint` of a fresh trace of `fn(*args)`."""
-    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    return fingerprint(closed, jax.tree.structure(shape))
+    closed, tree, _ = trace(fn, *args)
+    return fingerprint(closed, tree)
 
 
 def compare_structure(region: str, fwd: tuple, rec: tuple) -> None:
