@@ -124,9 +124,9 @@ class RecomputeConfig:
                                        f"method={m!r} (the number of layers per region for uniform, of checkpointed "
                                        "layers for block)")
         if g == "none" and m != "none":
-            raise RecomputeConfigError(("method", "granularity"), f"recompute method={m!r} was given but granularity='none' turns "
-                                       "recompute off; set granularity='full' (--activation_recompute "
-                                       "--recompute_granularity full) or drop the method")
+            raise RecomputeConfigError(("method", "granularity"), f"recompute method={m!r} was given but "
+                                       "granularity='none' turns recompute off; set granularity='full' "
+                                       "(--activation_recompute --recompute_granularity full) or drop the method")
         if g == "selective" and m != "none":
             raise RecomputeConfigError("method", f"recompute method={m!r} applies to granularity='full' only; "
                                        "selective recompute acts inside every layer: use method='none'")
@@ -171,7 +171,8 @@ class RecomputeConfig:
                         raise RecomputeConfigError("layer_policies", f"layer_policies[{i}]: {e}") from None
         self._check_manual()
         if self.offload_inputs and (g == "none" or self.shard_saved_axis is not None):
-            raise RecomputeConfigError(("offload_inputs", "granularity") if g == "none" else "offload_inputs", "offload_inputs=True (cpu_checkpointing) needs recompute "
+            raise RecomputeConfigError(("offload_inputs", "granularity") if g == "none" else "offload_inputs",
+                                       "offload_inputs=True (cpu_checkpointing) needs recompute "
                                        "on (granularity full or selective) and no shard_saved_axis (a region input "
                                        "is either offloaded or sharded)")
         if self.shard_saved_axis is not None and (not isinstance(self.shard_saved_axis, str) or g == "none"):

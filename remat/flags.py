@@ -64,8 +64,8 @@ FLAGS = (
     Flag("memory_budget", str, None, "with --recompute_method auto: the compiled peak per device to fit "
          "(arguments + outputs + temp - aliased of the train step), e.g. 12GiB, 512MiB or a number of bytes",
          "budget", metavar="SIZE", train_only=True),
-    Flag("recompute_num_layers", int, 1, "the N of --recompute_method uniform/block (1..n_layer); no other method takes it",
-         "num_layers"),
+    Flag("recompute_num_layers", int, 1, "the N of --recompute_method uniform/block (1..n_layer); no other method "
+         "takes it", "num_layers"),
     Flag("recompute_modules", str, None, "selective granularity: comma list of sub-modules to recompute, from "
          f"{','.join(_names.MODULES)} (default core_attn); not with --remat_policy, which replaces them", "modules"),
     Flag("remat_policy", str, None, "what a recompute region saves, a remat.policies name: "

@@ -113,8 +113,9 @@ class DtypePreserving:
       saved slice would be saved once per iteration).
     So the wrapper never marks a value its base does not, and what it keeps of a bf16 model is bf16
     (tests/test_bf16_policy.py checks saved bytes `bf16:p` <= `p` for every registry policy on both
-    models, with one and with two attention tiles). Values the model tagged by name are kept as `base` decides, in the dtype the forward
-    computed them in. (In a float32 model this keeps only named values.)
+    models, with one and with two attention tiles). Values the model tagged by name are kept as
+    `base` decides, in the dtype the forward computed them in. (In a float32 model this keeps only
+    named values.)
     """
     base: Callable
 
@@ -179,7 +180,8 @@ REGISTRY: dict[str, Entry] = {
        for m in N.MODULES},
     "bf16": Entry(lambda: DtypePreserving(selective(("core_attn",))),
                   "dtype-preserving selective (core_attn): of what its policy saves, keeps tagged activations "
-                  "and low-precision floats only (no float32 copy of a bf16 value, no mask, no reshaped or sliced copy), "
+                  "and low-precision floats only (no float32 copy of a bf16 value, no mask, no reshaped or sliced "
+                  "copy), "
                   "so never more bytes than the policy; `bf16:<policy>` wraps any policy",
                   template="bf16:<policy>", example="bf16:everything"),
     "save_names": Entry(lambda arg: SaveNames(_names_arg(arg, "save_names")),
