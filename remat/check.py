@@ -5,16 +5,28 @@
 # dtype into the backward, where the recomputation's avals are compared at trace time; the arrays
 # themselves are never read, so XLA removes them (the optimized HLO is the same with the check on
 # and off: tests/test_checkpoint.py). Shardings (explicit-axes meshes) are compared from the
-# avals' `.sharding` the same way. `"structure"` also fingerprints the traced jaxpr of both traces
-# (primitives and avals, in order), which catches a change that keeps output avals identical. The
-# fingerprinted traces are the ones that run (`trace`): the forward evaluates its own jaxpr (the
-# same equations, so the same compiled program) and the backward differentiates its own.
+# avals' `.sharding` the same way.
+#
+# NOTE: `"structure"` also compares the traced programs of both traces (`fingerprint`): every
+# operation in order with its parameters, the wiring between them, every shape and dtype, every
+# literal value (`x * 2.0`) and every closed-over constant array's value (by digest). So a changed
+# op, shape, dtype, constant or wiring raises, even when the outputs' avals stay the same. What it
+# cannot see: the value of a closed-over tracer of an enclosing trace (e.g. an array computed inside
+# an outer `jax.jit` and closed over; only its shape and dtype), and what a nested custom_vjp's
+# Python backward or a callback does when run (functions are compared by name). The traces are the
+# ones that run (`trace`): the forward evaluates the program it fingerprinted (the same equations,
+# so the same compiled program), and the backward differentiates that same saved program, after a
+# fresh trace was found equal to it. So with "structure" the gradient is the gradient of the forward
+# that ran, or CheckpointError is raised; never a gradient of some other program.
 """
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import jax.numpy as jnp
-from jax.extend.core import jaxprs_in_params as _jaxprs_in_params
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
+import numpy as np
 
 
 class CheckpointError(RuntimeError):
@@ -66,50 +78,129 @@ def compare_outputs(region: str, out_tree, marks, specs, recomputed) -> None:
                 f"or flags that change between the forward and the backward).")
 
 
-def fingerprint(closed) -> tuple:
-    """Primitive names and output avals of a traced program (a ClosedJaxpr), in order (names ignored)."""
+def fingerprint(closed, out_tree=None) -> tuple:
+    """A traced program (a ClosedJaxpr) as a tuple of lines that are equal exactly when the programs
+    are, variable names aside.
 
-    def walk(jaxpr):
-        out = []
-        for eqn in jaxpr.eqns:
-            out.append((eqn.primitive.name, tuple(str(v.aval) for v in eqn.outvars)))
-            for sub in _jaxprs_in_params(eqn.params):
-                out.extend(walk(sub))
-        return out
+    A line per closed-over constant (shape, dtype and value: small ones written out, larger ones by
+    a digest of their bytes; a constant that is itself a tracer of an enclosing trace by shape and
+    dtype only), then per equation, in order: the primitive, its parameters (sub-programs are
+    expanded below their equation, the same way; functions by name), its inputs (variables numbered
+    by first appearance, so the wiring counts; literals with their values) and its outputs'
+    shapes and dtypes (with shardings where the aval has them); then the returned variables and,
+    when given, the output pytree `out_tree`.
+    """
+    lines = [] if out_tree is None else [f"outputs {out_tree}"]
+    _walk(closed.jaxpr, closed.consts, lines, "")
+    return tuple(lines)
 
-    return tuple(walk(closed.jaxpr))
+
+def _walk(jaxpr, consts, lines: list, indent: str) -> None:
+    ids: dict = {}
+
+    def var(v) -> str:
+        if isinstance(v, Literal):
+            return _value(v.val)
+        if isinstance(v, DropVar):
+            return "_"
+        return ids.setdefault(v, f"%{len(ids)}")
+
+    consts = list(consts) + [None] * (len(jaxpr.constvars) - len(consts))
+    for v, c in zip(jaxpr.constvars, consts):
+        lines.append(f"{indent}const {var(v)}:{_aval(v)} = {'?' if c is None else _value(c)}")
+    lines.append(f"{indent}in {' '.join(f'{var(v)}:{_aval(v)}' for v in jaxpr.invars)}")
+    for eqn in jaxpr.eqns:
+        params = ", ".join(f"{k}={_param(p)}" for k, p in sorted(eqn.params.items()))
+        ins = " ".join(var(v) for v in eqn.invars)
+        outs = " ".join(f"{var(v)}:{_aval(v)}" for v in eqn.outvars)
+        lines.append(f"{indent}{eqn.primitive.name}[{params}] {ins} -> {outs}")
+        for sub, sub_consts in _subprograms(eqn.params):
+            _walk(sub, sub_consts, lines, indent + "  ")
+    lines.append(f"{indent}return {' '.join(var(v) for v in jaxpr.outvars)}")
+
+
+def _aval(v) -> str:
+    return str(v.aval)
+
+
+def _value(x) -> str:
+    """A literal or constant: its aval, and its value (written out when small, else a digest)."""
+    if isinstance(x, jax.core.Tracer):  # a value of an enclosing trace: not known yet
+        return f"traced {x.aval}"
+    try:
+        a = np.asarray(jax.random.key_data(x) if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key) else x)
+    except Exception:  # not an array (a token, an opaque object): its type is all we can compare
+        return f"<{type(x).__name__}>"
+    if a.size <= 8:
+        return f"{a.dtype.name}{list(a.shape)}{a.tolist()!r}"
+    return f"{a.dtype.name}{list(a.shape)}#{hashlib.sha256(a.tobytes()).hexdigest()[:16]}"
+
+
+def _param(p) -> str:
+    """A parameter of an equation as text that does not depend on the trace (no object ids)."""
+    if isinstance(p, (Jaxpr, ClosedJaxpr)):
+        return "{program}"  # expanded below the equation
+    if isinstance(p, (tuple, list)):
+        return "(" + ", ".join(_param(q) for q in p) + ")"
+    if isinstance(p, (np.ndarray, np.generic, jax.Array)):
+        return _value(p)
+    if isinstance(p, (bool, int, float, complex, str, type(None), np.dtype)):
+        return repr(p)
+    text = repr(p)
+    if " at 0x" in text or "object at" in text:  # a function or an object without a value repr
+        return f"<{getattr(p, '__qualname__', type(p).__qualname__)}>"
+    return text
+
+
+def _subprograms(params):
+    """(Jaxpr, consts) of every sub-program among an equation's parameters (cond branches, a scan or
+    while body, a pjit, a custom_vjp's primal), in parameter order."""
+    for k in sorted(params):
+        for p in params[k] if isinstance(params[k], (tuple, list)) else (params[k],):
+            if isinstance(p, ClosedJaxpr):
+                yield p.jaxpr, p.consts
+            elif isinstance(p, Jaxpr):
+                yield p, ()
 
 
 def trace(fn, *args):
-    """Trace `fn(*args)` once: (its ClosedJaxpr, a function evaluating exactly that program).
+    """Trace `fn(*args)` once: (its ClosedJaxpr, its output pytree, a function evaluating exactly
+    that program).
 
-    The check compares fingerprints of the programs that really ran: the forward evaluates the
-    jaxpr it fingerprinted, and the recomputation differentiates the jaxpr it fingerprinted, so a
-    function that traces differently each time cannot slip a third, unchecked trace in between.
+    The forward evaluates the program it fingerprinted, and the backward differentiates that same
+    program once a fresh trace was found equal to it, so the gradient is always the gradient of the
+    forward that ran.
     """
-    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    # NOTE: a fresh wrapper per call: make_jaxpr caches traces per function object, and a cached trace
+    # would compare the forward's program with itself (it did, under lax.scan, before this wrapper).
+    closed, shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
     tree = jax.tree.structure(shape)
 
     def run(*a):
         return jax.tree.unflatten(tree, jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(a)))
 
-    return closed, run
+    return closed, tree, run
 
 
 def jaxpr_fingerprint(fn, *args) -> tuple:
     """`fingerprint` of a fresh trace of `fn(*args)`."""
-    return fingerprint(jax.make_jaxpr(fn)(*args))
+    closed, tree, _ = trace(fn, *args)
+    return fingerprint(closed, tree)
 
 
 def compare_structure(region: str, fwd: tuple, rec: tuple) -> None:
+    """Raise CheckpointError naming the first line where two `fingerprint`s differ."""
     if fwd == rec:
         return
     i = next((i for i, (a, b) in enumerate(zip(fwd, rec)) if a != b), min(len(fwd), len(rec)))
-    a = fwd[i] if i < len(fwd) else "<end>"
-    b = rec[i] if i < len(rec) else "<end>"
+    short = lambda t: t.strip() if len(t.strip()) <= 300 else t.strip()[:297] + "..."
+    a = short(fwd[i]) if i < len(fwd) else "<end>"
+    b = short(rec[i]) if i < len(rec) else "<end>"
     raise CheckpointError(f"checkpoint region {region!r}: the recomputation traced to a different program "
-                          f"than the forward ({len(fwd)} vs {len(rec)} equations; first difference at "
-                          f"equation {i}: forward {a}, recompute {b}). Gradients would be wrong.")
+                          f"than the forward ({len(fwd)} vs {len(rec)} lines; first difference at line {i}: "
+                          f"forward `{a}`, recompute `{b}`). The function must trace identically every time it "
+                          f"is called (no Python-side state, counters or flags that change between the forward "
+                          f"and the backward); its gradient would be another program's.")
 
 
 def compare_values(region: str, forward, recomputed, *, tolerance: float) -> None:

@@ -144,9 +144,9 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
 
     def fwd(*dyn):
         if determinism_check == "structure":  # fingerprint the very program that computes `out`
-            closed, run = _check.trace(flat_fn, *dyn)
-            state["jaxpr"] = _check.fingerprint(closed)
-            out = run(*dyn)
+            closed, tree, state["run"] = _check.trace(flat_fn, *dyn)
+            state["jaxpr"] = _check.fingerprint(closed, tree)
+            out = state["run"](*dyn)
         else:
             out = flat_fn(*dyn)
         marks = ()
@@ -162,9 +162,12 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
         dyn = _tie(_load(list(dyn), state["restore"], g), g)
         mask = [_is_inexact(x) for x in dyn]
         recompute = flat_fn
-        if determinism_check == "structure":  # differentiate the very program that was fingerprinted
-            closed, recompute = _check.trace(flat_fn, *dyn)
-            _check.compare_structure(name, state["jaxpr"], _check.fingerprint(closed))
+        if determinism_check == "structure":
+            # A fresh trace must equal the forward's program; then the forward's own program (saved,
+            # the one that ran) is what gets differentiated, so nothing unchecked slips in between.
+            closed, tree, _ = _check.trace(flat_fn, *dyn)
+            _check.compare_structure(name, state["jaxpr"], _check.fingerprint(closed, tree))
+            recompute = state["run"]
 
         def f_diff(*diff):
             it = iter(diff)
@@ -303,9 +306,12 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
       policy: a `remat.policies` name or a JAX policy callable (non-reentrant only); default saves
         nothing inside the region.
       determinism_check: (reentrant) compare the recomputation's output shapes, dtypes and
-        shardings with the forward's at trace time; `"structure"` also compares the traced programs;
+        shardings with the forward's at trace time; `"structure"` also compares the traced programs
+        (operations and their parameters, wiring, shapes, dtypes, literal values and closed-over
+        constant values: `remat.check.fingerprint`) and differentiates the forward's own program;
         `"values"` (debugging, costs memory) also keeps the forward's outputs and compares the
-        recomputed values at run time, raising CheckpointError above VALUES_RTOL.
+        recomputed values at run time, raising CheckpointError above VALUES_RTOL. On the
+        non-reentrant path (one trace, nothing can differ) only True (the default) or False.
       static_argnums: positions of arguments passed through untraced.
       prevent_cse: passed to `jax.checkpoint`.
       name: region name used in error messages (default `fn.__name__`).

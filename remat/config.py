@@ -24,17 +24,24 @@ class RecomputeConfigError(ValueError):
 def check_region(use_reentrant: bool, policy, determinism_check, enabled: bool = True) -> None:
     """The rules for one recompute region's options, shared by `RecomputeConfig` and
     `remat.checkpoint` (one copy of the rules). Raises RecomputeConfigError."""
+    if not isinstance(use_reentrant, bool):
+        raise RecomputeConfigError("use_reentrant", f"use_reentrant={use_reentrant!r} must be True or False")
     if use_reentrant and policy is not None:
         raise RecomputeConfigError(("use_reentrant", "policy"),
                                    f"use_reentrant=True saves only the inputs, so policy={policy!r} has no effect; "
                                    f"drop the policy or use_reentrant")
-    if determinism_check not in DETERMINISM_CHECKS:
+    if not (isinstance(determinism_check, bool) or determinism_check in ("structure", "values")):
         raise RecomputeConfigError("determinism_check", f"determinism_check={determinism_check!r} is not valid; use "
                                    f"True, False, 'structure' or 'values'")
-    if determinism_check == "values" and enabled and not use_reentrant:
-        raise RecomputeConfigError("determinism_check", "determinism_check='values' needs use_reentrant=True "
-                                   "(jax.checkpoint traces once, so only the reentrant path can recompute "
-                                   "different values)")
+    # NOTE: jax.checkpoint (the non-reentrant path) traces the function once and recomputes that very
+    # program, so there is no second trace whose program or values could differ: "structure" and
+    # "values" cannot apply there and are refused rather than ignored. True (the default) is accepted
+    # everywhere: it checks what can differ, which there is nothing.
+    if isinstance(determinism_check, str) and enabled and not use_reentrant:
+        raise RecomputeConfigError(("determinism_check", "use_reentrant"),
+                                   f"determinism_check={determinism_check!r} needs use_reentrant=True (jax.checkpoint "
+                                   "traces once and recomputes that same program, so only the reentrant path, which "
+                                   "traces again, can differ); add use_reentrant=True or drop the check")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +54,14 @@ class RecomputeConfig:
       method: for `full` only. `none`: each layer is a region; `uniform`: each run of
         `num_layers` consecutive layers is one region; `block`: the first `num_layers` layers are
         regions, the rest are not rematerialized.
-      num_layers: the N of `uniform`/`block`.
+      num_layers: the N of `uniform`/`block` (any other method takes only the default, 1).
       policy: a `remat.policies` name for what a region saves; default `full` (nothing) for
-        granularity `full` and the `modules` preset for `selective`.
-      modules: selective sub-modules to recompute (`core_attn`, `mlp`, `norm`).
-      use_reentrant: recompute through a `jax.custom_vjp` that saves only region inputs, instead of
-        `jax.checkpoint`.
+        granularity `full` and the `modules` preset for `selective`. Not with `modules` (a policy
+        replaces the preset), `use_reentrant` or granularity `none`.
+      modules: selective sub-modules to recompute (`core_attn`, `mlp`, `norm`; a tuple or the string
+        `"core_attn,mlp"`); granularity `selective` only, default `("core_attn",)`.
+      use_reentrant: (a bool) recompute through a `jax.custom_vjp` that saves only region inputs,
+        instead of `jax.checkpoint`. Granularity `full` only.
       layer_policies: one policy name (or None: not rematerialized) per layer, for granularity
         `full` with method `none`: what `remat.plan_for_budget` chooses. Overrides `policy`.
       segments: explicit recompute regions, the tutorial's `ManualCheckpoint`: half-open layer ranges
@@ -71,8 +80,13 @@ class RecomputeConfig:
         that axis between forward and backward and all-gathers it before recomputing (Megatron's
         distribute_saved_activations). Needs a mesh context (`jax.set_mesh`).
       determinism_check: compare the recomputation's output shapes/dtypes/shardings with the
-        forward's at trace time (`True`), also its traced program (`"structure"`), also its values at
-        run time (`"values"`, reentrant only, for debugging), or not (`False`).
+        forward's at trace time (`True`), also its traced program (`"structure"`: operations, shapes,
+        dtypes, literal and constant values; see `remat.check.fingerprint`), also its values at run
+        time (`"values"`, for debugging), or not (`False`). `"structure"` and `"values"` need
+        `use_reentrant=True`: `jax.checkpoint` traces once, so nothing else can differ.
+    Every setting that would be ignored is refused (RecomputeConfigError naming both fields): a
+    policy, modules, use_reentrant or a determinism check with granularity `none`, modules outside
+    `selective` or beside a policy, num_layers without `uniform`/`block`.
     Example:
       >>> RecomputeConfig(granularity="full", method="uniform", num_layers=2)
       RecomputeConfig(granularity='full', method='uniform', num_layers=2, ...)
@@ -81,7 +95,7 @@ class RecomputeConfig:
     method: Literal["none", "uniform", "block"] = "none"
     num_layers: int = 1
     policy: str | None = None
-    modules: tuple[str, ...] = ("core_attn",)
+    modules: tuple[str, ...] | None = None
     use_reentrant: bool = False
     determinism_check: Union[bool, str] = True
     layer_policies: tuple | None = None
@@ -94,7 +108,7 @@ class RecomputeConfig:
     def __post_init__(self):
         if isinstance(self.modules, str):  # accept "core_attn,mlp" from a CLI or a user
             object.__setattr__(self, "modules", tuple(m.strip() for m in self.modules.split(",") if m.strip()))
-        else:
+        elif self.modules is not None:
             object.__setattr__(self, "modules", tuple(self.modules))
         g, m = self.granularity, self.method
         if g not in GRANULARITIES:
@@ -105,25 +119,33 @@ class RecomputeConfig:
                                        f"{', '.join(METHODS)}")
         if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool):
             raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers!r} must be an int")
-        if self.num_layers < 0:
-            raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers} must be >= 0 (>= 1 with "
-                                       f"method uniform or block)")
         if m in ("uniform", "block") and self.num_layers < 1:
             raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers} must be >= 1 with "
                                        f"method={m!r} (the number of layers per region for uniform, of checkpointed "
                                        "layers for block)")
         if g == "none" and m != "none":
-            raise RecomputeConfigError("method", f"recompute method={m!r} was given but granularity='none' turns "
-                                       "recompute off; set granularity='full' (--activation_recompute "
-                                       "--recompute_granularity full) or drop the method")
+            raise RecomputeConfigError(("method", "granularity"), f"recompute method={m!r} was given but "
+                                       "granularity='none' turns recompute off; set granularity='full' "
+                                       "(--activation_recompute --recompute_granularity full) or drop the method")
         if g == "selective" and m != "none":
             raise RecomputeConfigError("method", f"recompute method={m!r} applies to granularity='full' only; "
                                        "selective recompute acts inside every layer: use method='none'")
-        unknown = [x for x in self.modules if x not in _names.MODULES]
-        if unknown or (g == "selective" and not self.modules):
-            raise RecomputeConfigError("modules", f"recompute modules={self.modules!r}: unknown "
-                                       f"{unknown or 'empty list'}; "
-                                       f"valid modules: {', '.join(_names.MODULES)}")
+        if m not in ("uniform", "block") and self.num_layers != 1:
+            raise RecomputeConfigError(("num_layers", "method"), f"recompute num_layers={self.num_layers} is the N of "
+                                       f"method='uniform' or method='block', and method={m!r} would ignore it; "
+                                       "choose one of those methods, or leave num_layers=1 (the default)")
+        for flag in ("use_reentrant", "offload_inputs"):
+            if not isinstance(getattr(self, flag), bool):
+                raise RecomputeConfigError(flag, f"recompute {flag}={getattr(self, flag)!r} must be True or False")
+        if self.modules is not None:
+            unknown = [x for x in self.modules if x not in _names.MODULES]
+            if unknown or not self.modules:
+                raise RecomputeConfigError("modules", f"recompute modules={self.modules!r}: unknown "
+                                           f"{unknown or 'empty list'}; "
+                                           f"valid modules: {', '.join(_names.MODULES)}")
+        self._check_ignored()
+        if g == "selective" and self.modules is None:
+            object.__setattr__(self, "modules", ("core_attn",))
         if self.policy is not None:
             try:
                 _policies.validate(self.policy)
@@ -149,12 +171,37 @@ class RecomputeConfig:
                         raise RecomputeConfigError("layer_policies", f"layer_policies[{i}]: {e}") from None
         self._check_manual()
         if self.offload_inputs and (g == "none" or self.shard_saved_axis is not None):
-            raise RecomputeConfigError("offload_inputs", "offload_inputs=True (cpu_checkpointing) needs recompute "
+            raise RecomputeConfigError(("offload_inputs", "granularity") if g == "none" else "offload_inputs",
+                                       "offload_inputs=True (cpu_checkpointing) needs recompute "
                                        "on (granularity full or selective) and no shard_saved_axis (a region input "
                                        "is either offloaded or sharded)")
         if self.shard_saved_axis is not None and (not isinstance(self.shard_saved_axis, str) or g == "none"):
             raise RecomputeConfigError("shard_saved_axis", f"shard_saved_axis={self.shard_saved_axis!r} must be a "
                                        "mesh axis name and needs recompute on (granularity full or selective)")
+
+    def _check_ignored(self):
+        """Refuse a setting that the granularity (or another setting) would ignore, naming both."""
+        g = self.granularity
+        shown_modules = None if self.modules is None else ",".join(self.modules)
+        if g == "none":
+            dc = self.determinism_check
+            given = [(f, v) for f, v in (("policy", self.policy), ("modules", shown_modules),
+                                         ("use_reentrant", True if self.use_reentrant else None),
+                                         ("determinism_check", dc if dc in ("structure", "values") else None))
+                     if v is not None]
+            if given:
+                field, value = given[0]
+                raise RecomputeConfigError((field, "granularity"), f"recompute {field}={value!r} has no effect with "
+                                           "granularity='none' (recompute is off); set granularity='full' (or "
+                                           f"'selective'), or drop {field}")
+        if g == "full" and self.modules is not None:
+            raise RecomputeConfigError(("modules", "granularity"), f"recompute modules={shown_modules!r} applies to "
+                                       "granularity='selective' only; granularity='full' recomputes whole layers: "
+                                       "choose what a region saves with a policy, or use granularity='selective'")
+        if g == "selective" and self.modules is not None and self.policy is not None:
+            raise RecomputeConfigError(("modules", "policy"), f"recompute policy={self.policy!r} replaces the "
+                                       f"selective preset, so modules={shown_modules!r} would be ignored; pass one "
+                                       f"of them (e.g. policy='{'+'.join(self.modules)}' is that preset)")
 
     def _check_manual(self):
         """Validate (and normalize) `segments` and `every`."""

@@ -5,9 +5,11 @@ One table, `FLAGS`, defines the vocabulary: each flag's name, type, default, hel
 both generate their argparse flags from it (`argparse_kwargs`, `add_arguments`), so names, help
 and parsing are the same everywhere. `from_flags` turns flag values into `RecomputeConfig`s (or an
 `AutoRecompute` request for `--recompute_method auto`). The settings are validated once, by
-`RecomputeConfig`; this module only checks what a config cannot see (a flag that would be ignored,
-`--activation_recompute` against `--recompute_granularity`) and rewords a `RecomputeConfigError`
-so that it names the flags of its fields (`flag_error`).
+`RecomputeConfig` (which also refuses every setting that another would make it ignore); this module
+only checks what a config cannot see (`--activation_recompute` against `--recompute_granularity`,
+`--deepspeed_config` against a granularity) and rewords a `RecomputeConfigError` so that it names
+the flags of its fields (`flag_error`; a setting refused because recompute is off reads "needs
+recompute turned on; add --activation_recompute").
 
 Example:
     >>> recompute_configs(activation_recompute=True, methods=("uniform",), num_layers=2)
@@ -39,7 +41,6 @@ class Flag:
       help: the help text.
       field: the `RecomputeConfig` field it sets (None: it sets none directly).
       choices, metavar: as argparse's.
-      needs_recompute: giving it while recompute is off is an error (it would be ignored).
       train_only: only `train.py` has it (it needs the train step).
     """
     name: str
@@ -49,7 +50,6 @@ class Flag:
     field: str | None = None
     choices: tuple | None = None
     metavar: str | None = None
-    needs_recompute: bool = False
     train_only: bool = False
 
 
@@ -61,28 +61,27 @@ FLAGS = (
     Flag("recompute_method", str, "none", "for granularity full: none (each layer a region) | uniform (runs of "
          "--recompute_num_layers layers) | block (first --recompute_num_layers layers) | auto (train.py: a setting "
          "per layer, planned to fit --memory_budget); with --memory_report a comma list gives one row per method",
-         "method", metavar="{" + ",".join(METHODS + ("auto",)) + "}", needs_recompute=True),
+         "method", metavar="{" + ",".join(METHODS + ("auto",)) + "}"),
     Flag("memory_budget", str, None, "with --recompute_method auto: the compiled peak per device to fit "
          "(arguments + outputs + temp - aliased of the train step), e.g. 12GiB, 512MiB or a number of bytes",
          "budget", metavar="SIZE", train_only=True),
-    Flag("recompute_num_layers", int, 1, "the N of --recompute_method uniform/block (1..n_layer)", "num_layers"),
+    Flag("recompute_num_layers", int, 1, "the N of --recompute_method uniform/block (1..n_layer); no other method "
+         "takes it", "num_layers"),
     Flag("recompute_modules", str, None, "selective granularity: comma list of sub-modules to recompute, from "
-         f"{','.join(_names.MODULES)} (default core_attn)", "modules", needs_recompute=True),
+         f"{','.join(_names.MODULES)} (default core_attn); not with --remat_policy, which replaces them", "modules"),
     Flag("remat_policy", str, None, "what a recompute region saves, a remat.policies name: "
-         + ", ".join(policies.names()) + " (selective modules combine with '+', e.g. core_attn+mlp)", "policy",
-         needs_recompute=True),
+         + ", ".join(policies.names()) + " (selective modules combine with '+', e.g. core_attn+mlp)", "policy"),
     Flag("use_reentrant", bool, False, "recompute through a custom_vjp that saves only region inputs (full "
-         "granularity only)", "use_reentrant", needs_recompute=True),
+         "granularity only)", "use_reentrant"),
     Flag("scan_layers", bool, False, "run the layers under lax.scan (constant compile time in depth)"),
     Flag("recompute_segments", str, None, "explicit recompute regions as half-open layer ranges, e.g. 0-3,3-5 "
          "(layers 0-2 one region, 3-4 another); layers in no range are not rematerialized; replaces "
-         "--recompute_method", "segments", metavar="A-B,C-D", needs_recompute=True),
+         "--recompute_method; turns recompute on (granularity full)", "segments", metavar="A-B,C-D"),
     Flag("recompute_every", int, None, "checkpoint every k-th layer: layers 0, k, 2k, ... are each a region, the "
-         "layers between them are not rematerialized; replaces --recompute_method", "every", metavar="K",
-         needs_recompute=True),
+         "layers between them are not rematerialized; replaces --recompute_method; turns recompute on (granularity "
+         "full)", "every", metavar="K"),
     Flag("cpu_checkpointing", bool, False, "keep each recompute region's input in pinned host memory between the "
-         "forward and the backward (DeepSpeed's cpu_checkpointing; on CPU nothing moves)", "offload_inputs",
-         needs_recompute=True),
+         "forward and the backward (DeepSpeed's cpu_checkpointing; on CPU nothing moves)", "offload_inputs"),
     Flag("deepspeed_config", str, None, "a DeepSpeed JSON config whose activation_checkpointing block sets the "
          "recompute settings (number_checkpoints, cpu_checkpointing, partition_activations, ...); turns recompute "
          "on (granularity full)", metavar="FILE.json"),
@@ -132,10 +131,11 @@ def defaults() -> dict:
     return {f.name: f.default for f in FLAGS}
 
 
-def granularity(activation_recompute: bool, recompute_granularity: str | None) -> str:
-    """`--activation_recompute` alone means granularity full."""
+def granularity(activation_recompute: bool, recompute_granularity: str | None, *, regions: bool = False) -> str:
+    """`--activation_recompute` alone means granularity full; so does a flag that chooses the regions
+    (`regions`: `--recompute_segments`, `--recompute_every` or `--deepspeed_config` given)."""
     if recompute_granularity is None:
-        return "full" if activation_recompute else "none"
+        return "full" if activation_recompute or regions else "none"
     return recompute_granularity
 
 
@@ -175,36 +175,30 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
     tensor-parallel axis, if any, for its `partition_activations`.
     """
     method_flag = ",".join(methods)
-    g = granularity(activation_recompute or deepspeed is not None, recompute_granularity)
-    # What a RecomputeConfig cannot see: flag words, and flags it would ignore.
+    g = granularity(activation_recompute, recompute_granularity,
+                    regions=deepspeed is not None or segments is not None or every is not None)
+    # What a RecomputeConfig cannot see: flag words. Every other rule is RecomputeConfig's.
     if activation_recompute and g == "none":
         raise ValueError("--activation_recompute contradicts --recompute_granularity none; drop one of them")
     if deepspeed is not None and g != "full":
         raise ValueError(f"--deepspeed_config checkpoints whole layers (granularity full) but --recompute_granularity "
                          f"is {g}; drop --recompute_granularity")
-    if g == "none":
-        given = dict(recompute_method=None if all(m == "none" for m in methods) else method_flag,
-                     recompute_modules=modules, remat_policy=policy, use_reentrant=use_reentrant or None,
-                     recompute_segments=segments, recompute_every=every, cpu_checkpointing=cpu_checkpointing or None)
-        for f in (f for f in FLAGS if f.needs_recompute and given.get(f.name) is not None):
-            shown = f"--{f.name}" + ("" if f.type is bool else f" {given[f.name]}")
-            hint = " --recompute_granularity selective" if f.name == "recompute_modules" else ""
-            raise ValueError(f"{shown} needs recompute turned on; add --activation_recompute{hint}, or drop --{f.name}")
-    if g == "full" and modules is not None:
-        raise ValueError("--recompute_modules applies to --recompute_granularity selective; for full "
-                         "granularity choose what a region saves with --remat_policy")
+    # The flag words of each field's value, for a setting refused because recompute is off.
+    given = {"method": method_flag, "num_layers": num_layers, "modules": modules, "policy": policy,
+             "use_reentrant": None, "segments": segments, "every": every, "offload_inputs": None}
+    takes_n = [m for m in methods if m in ("uniform", "block")]
     out = []
     for m in methods:
-        kw = dict(granularity=g, method=m, num_layers=num_layers, policy=policy, use_reentrant=use_reentrant,
-                  segments=segments, every=every, offload_inputs=bool(cpu_checkpointing))
+        # a comma list (--memory_report) compares methods: --recompute_num_layers is the N of those that take one
+        n = 1 if takes_n and m not in takes_n else num_layers
+        kw = dict(granularity=g, method=m, num_layers=n, policy=policy, use_reentrant=use_reentrant,
+                  segments=segments, every=every, offload_inputs=bool(cpu_checkpointing), modules=modules)
         if deepspeed is not None:
             kw.update(deepspeed.recompute_kwargs(tensor_axis))
-        if modules is not None:
-            kw["modules"] = modules
         try:
             rc = RecomputeConfig(**kw)
         except RecomputeConfigError as e:
-            raise ValueError(flag_error(e)) from None
+            raise ValueError(_off_error(e, given, recompute_granularity) if g == "none" else flag_error(e)) from None
         label = g if g != "full" else f"full/{m}" + (f"/{num_layers}" if m != "none" else "")
         if segments is not None:
             label = f"full/segments/{segments}"
@@ -215,6 +209,20 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
         label += "+offload" if rc.offload_inputs else ""
         out.append((label, rc))
     return out
+
+
+def _off_error(e: RecomputeConfigError, given: dict, recompute_granularity: str | None) -> str:
+    """A setting RecomputeConfig refused because granularity is none, in flag words: the flag that
+    would be ignored and how to turn recompute on."""
+    field = next((f for f in e.fields if f != "granularity"), None)
+    if "granularity" not in e.fields or field not in given:
+        return flag_error(e)
+    flag = FIELD_FLAGS[field]
+    shown = flag if given[field] is None else f"{flag} {given[field]}"
+    on = "--activation_recompute" + (" --recompute_granularity selective" if field == "modules" else "")
+    if recompute_granularity is not None:  # the user said none
+        on = f"--recompute_granularity {'selective' if field == 'modules' else 'full'} (not none)"
+    return f"{shown} needs recompute turned on; add {on}, or drop {flag}"
 
 
 def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None) -> list:
@@ -259,7 +267,7 @@ def _auto_request(v: dict, methods: tuple) -> AutoRecompute:
         budget = parse_size(v["memory_budget"])
     except ValueError as e:
         raise ValueError(f"--memory_budget: {e}") from None
-    fixed = ("activation_recompute", "recompute_method", "memory_budget", "recompute_num_layers")
+    fixed = ("activation_recompute", "recompute_method", "memory_budget")
     for f in FLAGS:
         value = v[f.name]
         if f.name in fixed or value == f.default or (f.name == "recompute_granularity" and value == "full"):

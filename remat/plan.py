@@ -29,7 +29,7 @@ def plan(n_layers: int, cfg: RecomputeConfig) -> tuple[Segment, ...]:
       >>> [tuple(s) for s in plan(5, RecomputeConfig(granularity="full", every=2))]
       [(0, 1, True), (1, 2, False), (2, 3, True), (3, 4, False), (4, 5, True)]
     """
-    if not isinstance(n_layers, int) or n_layers < 1:
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
         raise ValueError(f"n_layers={n_layers!r} must be a positive int")
     cfg.validate_for(n_layers)
     if cfg.granularity == "none":

@@ -73,9 +73,17 @@ def _wide_float(prim, avals, params) -> bool:
     return dt is not None and jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize >= 4
 
 
-# Ops that only move or replicate their input: recomputing one costs no FLOPs and needs only its
-# input, which is either kept anyway or itself recomputed, so saving their outputs is never worth it.
-_MOVES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p"})
+# Ops that only move, replicate, cut out or pad their input: recomputing one costs no FLOPs and needs
+# only its input, which is either kept anyway or itself recomputed, so saving their outputs is never
+# worth it.
+# NOTE: slices and pads. Inside a loop, saving a slice saves it once per iteration: the tiled
+# attention core's loops slice a key/value tile out of k and v at every step, and with two or more
+# tiles (T=256, tile 128) `bf16:everything` kept those stacked slices (a copy of k and v, plus the
+# padded q, k, v when T is not a multiple of the tile) once the float32 log-sum-exp was recomputed:
+# 48 KiB more than `everything` on the tiny GPT-2 at T=256 (tests/test_bf16_policy.py). Recomputed,
+# the slices come back from q, k and v, which are kept (tagged `qkv`) or recomputed anyway.
+_MOVES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p",
+                    "slice", "dynamic_slice", "pad"})
 
 
 def _out_dtypes(prim, avals, params):
@@ -101,11 +109,13 @@ class DtypePreserving:
       before its cast to bf16, whose bf16 cast is what gets saved);
     - not a float at all (boolean masks, integer indices): derived from iotas, keys or compared
       floats, cheap to rebuild;
-    - a reshape, transpose or broadcast of another value (no FLOPs; its input is at most as large).
+    - a reshape, transpose, broadcast, slice or pad of another value (no FLOPs; inside a loop a
+      saved slice would be saved once per iteration).
     So the wrapper never marks a value its base does not, and what it keeps of a bf16 model is bf16
     (tests/test_bf16_policy.py checks saved bytes `bf16:p` <= `p` for every registry policy on both
-    models). Values the model tagged by name are kept as `base` decides, in the dtype the forward
-    computed them in. (In a float32 model this keeps only named values.)
+    models, with one and with two attention tiles). Values the model tagged by name are kept as
+    `base` decides, in the dtype the forward computed them in. (In a float32 model this keeps only
+    named values.)
     """
     base: Callable
 
@@ -170,7 +180,8 @@ REGISTRY: dict[str, Entry] = {
        for m in N.MODULES},
     "bf16": Entry(lambda: DtypePreserving(selective(("core_attn",))),
                   "dtype-preserving selective (core_attn): of what its policy saves, keeps tagged activations "
-                  "and low-precision floats only (no float32 copy of a bf16 value, no mask, no reshaped copy), "
+                  "and low-precision floats only (no float32 copy of a bf16 value, no mask, no reshaped or sliced "
+                  "copy), "
                   "so never more bytes than the policy; `bf16:<policy>` wraps any policy",
                   template="bf16:<policy>", example="bf16:everything"),
     "save_names": Entry(lambda arg: SaveNames(_names_arg(arg, "save_names")),

@@ -129,8 +129,9 @@ def test_bad_deepspeed_files_exit_2(text, needle, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--recompute_segments", "0-1"], "--recompute_segments 0-1 needs recompute turned on; add --activation_recompute"),
-    (["--recompute_every", "2"], "--recompute_every 2 needs recompute turned on"),
+    (["--recompute_granularity", "none", "--recompute_segments", "0-1"],
+     "--recompute_segments 0-1 needs recompute turned on; add --recompute_granularity full (not none)"),
+    (["--recompute_granularity", "none", "--recompute_every", "2"], "--recompute_every 2 needs recompute turned on"),
     (["--cpu_checkpointing"], "--cpu_checkpointing needs recompute turned on"),
     (["--activation_recompute", "--recompute_segments", "0-2,1-2"], "--recompute_segments 0-2,1-2: (1, 2) is not valid"),
     (["--activation_recompute", "--recompute_segments", "0-5"], "--recompute_segments 0-5 reaches layer 5 but n_layer=2"),

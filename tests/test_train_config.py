@@ -170,7 +170,7 @@ def test_unknown_flag_values(argv, match, capsys, tmp_path, text_file):
     (["--recompute_granularity", "selective", "--recompute_method", "uniform"], "applies to --recompute_granularity full"),
     (["--remat_policy", "dots"], "needs recompute turned on"),
     (["--use_reentrant"], "needs recompute turned on"),
-    (["--activation_recompute", "--recompute_modules", "mlp"], "--recompute_modules applies to"),
+    (["--activation_recompute", "--recompute_modules", "mlp"], "--recompute_modules mlp applies to"),
     (["--activation_recompute", "--use_reentrant", "--remat_policy", "dots"], "--remat_policy dots has no effect"),
     (["--activation_recompute", "--recompute_method", "uniform,block"], "needs --memory_report"),
 ])

@@ -288,7 +288,10 @@ class TrainConfig:
     @property
     def granularity(self) -> str:
         """The effective granularity (see `--activation_recompute`)."""
-        return recompute_flags.granularity(self.activation_recompute, self.recompute_granularity)
+        return recompute_flags.granularity(self.activation_recompute, self.recompute_granularity,
+                                           regions=any(v is not None for v in (self.recompute_segments,
+                                                                               self.recompute_every,
+                                                                               self.deepspeed_config)))
 
     def recompute_configs(self) -> list:
         """[(label, RecomputeConfig)]: one entry, or one per method of a `--recompute_method` comma list;
