@@ -1,4 +1,4 @@
-"""Flax Linen helpers: a layer stack grouped per `remat.plan`, and `nn.remat` with a config."""
+"""Flax Linen helpers: a layer stack grouped per `remat.plan`, and `remat_module`, a drop-in for `nn.remat`."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from remat.config import RecomputeConfig
-from remat.policies import get as _get_policy
+from remat.checkpoint import checkpoint
 from remat.stack import apply_layers
 
 
@@ -78,28 +78,73 @@ class LayerStack(nn.Module):
 
 def remat_module(module_cls, recompute: RecomputeConfig | str | None = None, *,
                  static_argnums: Sequence[int] = (), prevent_cse: bool = True):
-    """`nn.remat(module_cls)` with a policy from a config or registry name.
+    """`module_cls` whose calls are recompute regions of `remat.checkpoint` (the stacks' machinery).
 
-    `static_argnums` count the call's own arguments from 0 (x is 0); Linen counts `self` as
-    argument 0, so they are shifted by one here.
+    A drop-in for `nn.remat(module_cls, policy=..., static_argnums=...)`: the same class name, so
+    parameter paths (`Block_0/...`) are unchanged. Each call after init runs the module through
+    `remat.checkpoint` with all its variables, RNG keys and arguments as region inputs, so the
+    backward's recomputation waits for its cotangent and the compiled temp falls (plain `nn.remat`
+    may raise it on XLA:CPU; docs/BENCHMARKS.md). Mutable collections (`batch_stats`, `cache`,
+    `intermediates` from `sow`) are returned by the region and written back.
 
+    Args:
+      module_cls: a Linen module class.
+      recompute: a RecomputeConfig (granularity `none` returns `module_cls` unchanged; its policy,
+        use_reentrant and determinism_check apply), a `remat.policies` name or JAX policy callable, or
+        None: no remat, `module_cls` itself.
+      static_argnums: Flax's convention (`nn.remat`): `self` is argument 0, the first call argument 1.
+        (Non-array arguments, e.g. a Python bool, are constants anyway.)
+      prevent_cse: passed to `jax.checkpoint`.
     Example:
       >>> class MyBlock(nn.Module):
       ...     @nn.compact
       ...     def __call__(self, x, deterministic):
       ...         return x + nn.Dropout(0.1, deterministic=deterministic)(nn.Dense(8)(x))
-      >>> Block = remat_module(MyBlock, "core_attn", static_argnums=(1,))  # x, deterministic
+      >>> Block = remat_module(MyBlock, "full", static_argnums=(2,))  # self, x, deterministic
       >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 8)), True)
       >>> Block().apply(variables, jnp.ones((2, 8)), True).shape
       (2, 8)
+      >>> remat_module(MyBlock, RecomputeConfig()) is MyBlock   # granularity none: unchanged
+      True
     """
+    if recompute is None:
+        return module_cls
     if isinstance(recompute, RecomputeConfig):
-        if recompute.use_reentrant:
-            raise ValueError("remat_module wraps nn.remat (non-reentrant); for use_reentrant=True "
-                             "use remat.linen.LayerStack")
-        name = recompute.effective_policy()
+        if not recompute.enabled:
+            return module_cls
+        opts = dict(policy=recompute.effective_policy(), use_reentrant=recompute.use_reentrant,
+                    determinism_check=recompute.determinism_check)
     else:
-        name = recompute
-    policy = None if name is None else _get_policy(name)
-    return nn.remat(module_cls, policy=policy, prevent_cse=prevent_cse,
-                    static_argnums=tuple(i + 1 for i in static_argnums))
+        opts = dict(policy=recompute)
+    bad = [i for i in static_argnums if i < 1]
+    if bad:
+        raise ValueError(f"remat_module: static_argnums {bad}: Flax counts `self` as argument 0, so the first call "
+                         f"argument is 1 (as in nn.remat)")
+    static = tuple(i - 1 for i in static_argnums)
+    base_call = module_cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        if self.is_initializing():  # init is not differentiated: build the variables the usual way
+            return base_call(self, *args, **kwargs)
+        scope = self.scope
+        variables = {c: v for c, v in self.variables.items()}
+        keys = {n: self.make_rng(n) for n in sorted(scope.rngs)}
+        mutable = scope.mutable
+        template = self.clone(parent=None)
+
+        def region(variables, keys, *args, **kwargs):
+            out = nn.Module.apply(template, variables, *args, rngs=keys or None, mutable=mutable,
+                                  method=base_call, **kwargs)
+            return out if mutable is not False else (out, {})
+
+        out, updates = checkpoint(region, variables, keys, *args, static_argnums=tuple(i + 2 for i in static),
+                                  prevent_cse=prevent_cse, name="/".join(scope.path) or module_cls.__name__,
+                                  **opts, **kwargs)
+        for col, tree in updates.items():
+            if self.is_mutable_collection(col):
+                for name, value in tree.items():
+                    scope.put_variable(col, name, value)
+        return out
+
+    return type(module_cls.__name__, (module_cls,), {"__call__": __call__, "__qualname__": module_cls.__qualname__,
+                                                     "__module__": module_cls.__module__})
