@@ -320,6 +320,34 @@ def _call(f, *args, **kwargs):
     return f(*args, **kwargs)
 
 
+def _closes_over_tracers(fn, depth: int = 3) -> bool:
+    """True when `fn` (a function, a functools.partial, a bound method) reaches a JAX tracer
+    through its closure cells, partial arguments, defaults or `__self__` (a few levels deep)."""
+    if depth < 0:
+        return False
+    seen = []
+    if isinstance(fn, functools.partial):
+        seen += [fn.func, fn.args, fn.keywords]
+    seen += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_set(c)]
+    seen += [getattr(fn, "__self__", None), getattr(fn, "__defaults__", None)]
+    for v in seen:
+        if v is None:
+            continue
+        if any(isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(v)):
+            return True
+        if callable(v) and not isinstance(v, type) and _closes_over_tracers(v, depth - 1):
+            return True
+    return False
+
+
+def _cell_set(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
 def _has_arrays(tree) -> bool:
     return any(_is_traced(l) or isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(tree))
 
@@ -333,7 +361,7 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
     # 0 of `_call`, so its weights are region inputs. Keyword arguments ride as one last dict
     # argument. Argument indices the caller gives (static_argnums, shard_saved, offload_saved) keep
     # counting `args` from 0 and are shifted here.
-    shift = 0
+    shift, target = 0, fn
     if not isinstance(fn, type) and _has_arrays(fn):
         args, fn, shift = (fn,) + tuple(args), _call, 1
     if kwargs:
@@ -368,12 +396,16 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
             return _tied(flat_fn, dyn, policy=policy, prevent_cse=prevent_cse, storage=storage)
         return jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)(*dyn)
 
+    # NOTE: closures. `fn` may close over a traced value (a weight of the outer jax.grad, the
+    # PyTorch habit), which a custom_vjp may not capture. Such values are hoisted into region inputs
+    # as JAX's own `closure_convert` does for custom_vjp users: up front when a tracer is found in
+    # the closure, else on the UnexpectedTracerError of an eager call (a tracer reached another way).
+    hoist = lambda: jax.closure_convert(flat_fn, *dyn)  # noqa: E731
+    if (use_reentrant or tie_to_cotangent) and _closes_over_tracers(target if kwargs else fn):
+        conv, hoisted = hoist()
+        return go(conv, list(dyn) + list(hoisted))
     try:
         return go(flat_fn, dyn)
     except jax.errors.UnexpectedTracerError:
-        # NOTE: closures. `fn` closes over a traced value (a weight of the outer jax.grad, the
-        # PyTorch habit): a custom_vjp may not capture it. Hoist such values into region inputs,
-        # as JAX's own closure_convert does for custom_vjp users, and run again; a tracer that
-        # leaked for another reason fails again and raises.
-        conv, hoisted = jax.closure_convert(flat_fn, *dyn)
-        return go(lambda *d: conv(*d), list(dyn) + list(hoisted))
+        conv, hoisted = hoist()
+        return go(conv, list(dyn) + list(hoisted))

@@ -9,15 +9,18 @@ import jax.numpy as jnp
 
 from remat.config import RecomputeConfig
 from remat.checkpoint import checkpoint
-from remat.stack import apply_layers
+from remat.stack import _select, _signature, apply_layers
 
 
 class LayerStack(nn.Module):
     """`n_layers` copies of a Linen layer, run and rematerialized per `recompute`.
 
-    The layer is called as `layer(x, *args) -> x`. Parameters are `h_0 ... h_{L-1}` (loop) or one
-    `h` with a leading layer axis (`scan=True`), whatever the recompute config, so checkpoints
-    load under any setting. Dropout keys come from the `dropout` RNG stream, folded with the
+    The layer is called as `layer(x, *args, **kwargs) -> x` (or `out(layer(...))`, see `out`).
+    Variables are `h_0 ... h_{L-1}` (loop) or one `h` with a leading layer axis (`scan=True`) in every
+    collection the layer has (params, batch_stats, cache), whatever the recompute config, so
+    checkpoints load under any setting. Collections made mutable by `apply(..., mutable=...)` (a
+    decode cache, batch_stats, sow's intermediates) are written back per layer (loop layout; `scan`
+    refuses them). Dropout keys come from the `dropout` RNG stream, folded with the
     layer index, and are identical in the forward and the recomputation.
 
     Attributes:
@@ -26,6 +29,9 @@ class LayerStack(nn.Module):
       n_layers: number of layers.
       recompute: the RecomputeConfig.
       scan: run layers under `lax.scan` with stacked parameters.
+      out: picks x out of what the layer returns, for layers returning more than x (e.g.
+        `lambda y: y[1]` for `(cache, x)`); a layer returning anything but x without it raises,
+        naming the layer and its signature.
     Example:
       >>> import functools
       >>> class Block(nn.Module):
@@ -46,34 +52,71 @@ class LayerStack(nn.Module):
     recompute: RecomputeConfig = RecomputeConfig()
     scan: bool = False
     prevent_cse: bool = True
+    out: Callable | None = None
 
     @nn.compact
-    def __call__(self, x, *args):
+    def __call__(self, x, *args, **kwargs):
         self.recompute.validate_for(self.n_layers)
         template = self.layer(parent=None)
-
-        def init_one(rng):
-            return template.init({"params": rng, "dropout": rng}, x, *args)["params"]
-
-        # One key per layer from the same stream in both layouts, so loop and scan initialize
-        # identical weights (h_i == h[i]).
-        # (Outside init, Flax still traces the init functions to check shapes: any key will do.)
-        keys = jax.random.split(self.make_rng("params"), self.n_layers) if self.is_initializing() else None
-        pick = lambda rng: keys if keys is not None else jax.random.split(rng, self.n_layers)
-        if self.scan:
-            params = self.param("h", lambda rng: jax.vmap(init_one)(pick(rng)))
-        else:
-            params = [self.param(f"h_{i}", lambda rng, i=i: init_one(pick(rng)[i])) for i in range(self.n_layers)]
+        L = self.n_layers
+        names = ["h"] if self.scan else [f"h_{i}" for i in range(L)]
+        if self.is_initializing():
+            # One key per layer from the same stream in both layouts, so loop and scan initialize
+            # identical weights (h_i == h[i]). Every collection the layer makes (params, batch_stats,
+            # cache) is kept under the same name.
+            keys = jax.random.split(self.make_rng("params"), L)
+            init_one = lambda k: dict(template.init({"params": k, "dropout": k}, x, *args, **kwargs))  # noqa: E731
+            made = [jax.vmap(init_one)(keys)] if self.scan else [init_one(k) for k in keys]
+            for name, v in zip(names, made):
+                for col, tree in v.items():
+                    if col == "params":
+                        self.param(name, lambda rng, t=tree: t)
+                    else:
+                        self.variable(col, name, lambda t=tree: t)
+        present = {c: t for c, t in self.variables.items()}
+        layer_vars = [{c: t[n] for c, t in present.items() if n in t} for n in names]
+        mutable = self.scope.mutable if not self.is_initializing() else False
+        if mutable is not False and self.scan:
+            raise ValueError(f"remat.linen.LayerStack(scan=True) cannot write collections back per layer (this call "
+                             f"makes {mutable!r} mutable, e.g. a decode cache, batch_stats or sow's intermediates); "
+                             f"use scan=False, or apply without mutable=")
         keys = None
         if self.has_rng("dropout"):
             base = self.make_rng("dropout")
-            keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(self.n_layers))
+            keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(L))
+        signature = _signature(template)
 
-        def apply_layer(p, h, key, *a):
-            return template.apply({"params": p}, h, *a, rngs=None if key is None else {"dropout": key})
+        def apply_layer(v, h, ik, *a):
+            i, key = ik if isinstance(ik, tuple) else (None, ik)
+            *a, kw = a
+            carried, upd = h if mutable is not False else (h, None)
+            rngs = None if key is None else {"dropout": key}
+            # (While initializing, a layer may write its collections, e.g. a cache, as it would in a
+            # plain init; the variables kept are the ones its own init made.)
+            y = template.apply(v, carried, *a, rngs=rngs, mutable=True if self.is_initializing() else mutable, **kw)
+            if self.is_initializing():
+                y = y[0]
+            elif mutable is not False:
+                y, new = y
+                upd = {**upd, i: dict(new)}
+            y = _select(self.out, y, carried, i, signature)
+            return (y, upd) if mutable is not False else y
 
-        return apply_layers(apply_layer, params, x, self.recompute, keys=keys, args=args,
-                            scan=self.scan, prevent_cse=self.prevent_cse)
+        if self.scan:
+            stacked, ks = layer_vars[0], keys
+        else:  # the layer index rides with its key (a constant), so updates find their layer
+            stacked, ks = layer_vars, [(i, None if keys is None else keys[i]) for i in range(L)]
+        h = (x, {}) if mutable is not False else x
+        out = apply_layers(apply_layer, stacked, h, self.recompute, keys=ks, args=args + (kwargs,),
+                           scan=self.scan, prevent_cse=self.prevent_cse)
+        if mutable is False:
+            return out
+        out, upd = out
+        for i, new in upd.items():
+            for col, tree in new.items():
+                if self.is_mutable_collection(col) and col != "params":
+                    self.put_variable(col, names[i], tree)
+        return out
 
 
 def remat_module(module_cls, recompute: RecomputeConfig | str | None = None, *,

@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 
 from remat.config import RecomputeConfig
-from remat.stack import apply_layers
+from remat.stack import _select, _signature, apply_layers
 
 
 def _reseed(module, key) -> None:
@@ -32,20 +32,47 @@ def _reseed(module, key) -> None:
             node.count[...] = 0 * node.count[...]
 
 
+def _var(module, path):
+    """The Variable object at a flattened-state `path` (for naming its kind in errors)."""
+    keys = [getattr(p, "key", getattr(p, "name", getattr(p, "idx", p))) for p in path[:-1]]
+    node = nnx.state(module)
+    try:
+        for k in keys:
+            node = node[k]
+    except Exception:
+        return node
+    return node
+
+
 def _snapshot(module):
     """[(path, value)] of `module`'s state now, and the paths of its RNG counters."""
     flat = lambda st: jax.tree_util.tree_flatten_with_path(st)[0]
     return flat(nnx.state(module)), {p for p, _ in flat(nnx.state(module, nnx.RngCount))}
 
 
+def _where(path) -> str:
+    return "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path[:-1])
+
+
 def _check_unchanged(i: int, before, module, reseeded: bool) -> None:
     """Raise ValueError when layer `i` changed its state during the call (RNG counters excepted
     when the stack reseeded them)."""
     (old, counters), (new, _) = before, _snapshot(module)
-    for (path, a), (_, b) in zip(old, new):
+    old, new = dict(old), dict(new)
+    added = [p for p in new if p not in old]
+    if added:
+        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(nnx.state(module))
+                        if not isinstance(v, nnx.Param)} or {"?"})
+        raise ValueError(
+            f"remat.nnx.LayerStack: layer {i} added state during the call ({', '.join(_where(p) for p in added)}; "
+            f"e.g. an nnx.Intermediate from sow, kinds here: {', '.join(kinds)}); layers run as pure functions of "
+            f"their state (a recompute region re-runs them), so it would be lost. Return the value from the layer "
+            f"instead (with out=... to pick x), or call the layer outside the stack")
+    for path, a in old.items():
+        b = new.get(path)
         if a is b:
             continue
-        where = "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path[:-1])
+        where = f"{_where(path)}, {type(_var(module, path)).__name__}"
         if path in counters:
             if reseeded:
                 continue
@@ -70,11 +97,15 @@ class LayerStack(nnx.Module):
     between layers and calls and are the same with and without remat.
 
     Args:
-      layers: the layers, each `layer(x, *args) -> x`.
+      layers: the layers, each `layer(x, *args, **kwargs) -> x` (or `out(layer(...))`).
       recompute: the RecomputeConfig.
       prevent_cse: passed to `jax.checkpoint`.
       rngs: the stack's RNG streams (its `dropout` stream, else `default`), or None.
-    Call: `stack(x, *args, key=None)`; `key` (a typed or raw PRNG key) replaces the draw from `rngs`.
+      out: picks x out of what a layer returns, for layers returning more than x (e.g.
+        `lambda y: y[1]` for `(cache, x)`); a layer returning anything but x without it raises,
+        naming the layer and its signature.
+    Call: `stack(x, *args, key=None, **kwargs)`; `key` (a typed or raw PRNG key) replaces the draw
+    from `rngs`; `args` and `kwargs` go to every layer.
     Example:
       >>> class Block(nnx.Module):
       ...     def __init__(self, width, rngs):
@@ -89,14 +120,15 @@ class LayerStack(nnx.Module):
     """
 
     def __init__(self, layers: Sequence[nnx.Module], recompute: RecomputeConfig = RecomputeConfig(),
-                 prevent_cse: bool = True, rngs: nnx.Rngs | None = None):
+                 prevent_cse: bool = True, rngs: nnx.Rngs | None = None, out=None):
         recompute.validate_for(len(layers))
+        self.out = out
         self.layers = nnx.List(list(layers))
         self.recompute = recompute
         self.prevent_cse = prevent_cse
         self.rngs = rngs
 
-    def __call__(self, x, *args, key=None):
+    def __call__(self, x, *args, key=None, **kwargs):
         split = [nnx.split(layer) for layer in self.layers]
         graphdefs = [g for g, _ in split]
         if key is None and self.rngs is not None:
@@ -109,13 +141,14 @@ class LayerStack(nnx.Module):
         # the states and keys are traced.
         def apply_layer(state, h, ik, *a):
             i, k = ik
+            *a, kw = a
             module = nnx.merge(graphdefs[i], state)
             if k is not None:
                 _reseed(module, k)
             before = _snapshot(module)
-            out = module(h, *a)
+            y = module(h, *a, **kw)
             _check_unchanged(i, before, module, k is not None)
-            return out
+            return _select(self.out, y, h, i, _signature(module))
 
         return apply_layers(apply_layer, [s for _, s in split], x, self.recompute,
-                            keys=keys, args=args, prevent_cse=self.prevent_cse)
+                            keys=keys, args=args + (kwargs,), prevent_cse=self.prevent_cse)
