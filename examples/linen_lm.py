@@ -123,7 +123,7 @@ SETTINGS = {"original": None, "nn.remat": "nn.remat",
             "remat_module core_attn": RecomputeConfig(granularity="selective")}
 
 
-def measure(batch=2, seq=33):
+def measure(batch=2, seq=33, labels=None):
     """{setting: (grads, saved bytes, compiled temp bytes)} at a tiny float32 shape."""
     from remat.memory import compiled_memory, saved_residuals
     key = jax.random.key(0)
@@ -131,6 +131,8 @@ def measure(batch=2, seq=33):
     params = init(Config(), key, batch, seq)
     out = {}
     for label, r in SETTINGS.items():
+        if labels is not None and label not in labels:
+            continue
         cfg = Config(remat=r)
         loss = functools.partial(loss_fn, cfg=cfg, tokens=tokens)
         out[label] = (jax.grad(loss)(params), saved_residuals(loss, params).intermediates,
