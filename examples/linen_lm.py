@@ -35,7 +35,11 @@ class Config:
     remat: Any = None  # None | "nn.remat" | a RecomputeConfig / policy name for remat.linen.remat_module
 
 
-def tagged_attention(query, key, value, **kw):  # remat: name q, k, v and the context for the policies
+# remat: name q, k, v and the context for the policies. `functools.wraps` matters: Flax passes an
+# attention_fn only the keyword arguments its signature names, and `**kw` names none (the mask
+# would be dropped).
+@functools.wraps(nn.dot_product_attention)
+def tagged_attention(query, key, value, **kw):
     query, key, value = (checkpoint_name(t, names.QKV) for t in (query, key, value))
     return checkpoint_name(nn.dot_product_attention(query, key, value, **kw), names.ATTN_CONTEXT)
 
@@ -103,7 +107,7 @@ def init(cfg, key, batch=2, seq=33):
 def generate(params, cfg, prompt, steps):
     """Greedy decoding with the KV cache (one token a step)."""
     dcfg = dataclasses.replace(cfg, decode=True)
-    cache = Decoder(dcfg).init(jax.random.key(0), jnp.zeros((prompt.shape[0], 1), jnp.int32))["cache"]
+    cache = Decoder(dcfg).init(jax.random.key(0), jnp.zeros((prompt.shape[0], cfg.max_len), jnp.int32))["cache"]
     model = Decoder(dcfg)
 
     @jax.jit
