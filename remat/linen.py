@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import flax.linen as nn
+from flax.core import meta
 import jax
 import jax.numpy as jnp
 
@@ -29,6 +30,9 @@ class LayerStack(nn.Module):
       n_layers: number of layers.
       recompute: the RecomputeConfig.
       scan: run layers under `lax.scan` with stacked parameters.
+      layer_axis_name: under `scan`, the name of the leading layer axis added to partitioning
+        metadata (`nn.with_logical_partitioning` / `nn.with_partitioning` boxes), as `nn.scan`'s
+        `metadata_params={nn.PARTITION_NAME: ...}` does, so sharding rules see one name per axis.
       out: picks x out of what the layer returns, for layers returning more than x (e.g.
         `lambda y: y[1]` for `(cache, x)`); a layer returning anything but x without it raises,
         naming the layer and its signature.
@@ -53,6 +57,7 @@ class LayerStack(nn.Module):
     scan: bool = False
     prevent_cse: bool = True
     out: Callable | None = None
+    layer_axis_name: str | None = "layers"
 
     @nn.compact
     def __call__(self, x, *args, **kwargs):
@@ -66,7 +71,10 @@ class LayerStack(nn.Module):
             # cache) is kept under the same name.
             keys = jax.random.split(self.make_rng("params"), L)
             init_one = lambda k: dict(template.init({"params": k, "dropout": k}, x, *args, **kwargs))  # noqa: E731
-            made = [jax.vmap(init_one)(keys)] if self.scan else [init_one(k) for k in keys]
+            if self.scan:  # boxed (partitioned) leaves get the layer axis, as nn.scan gives them
+                made = [meta.add_axis(jax.vmap(init_one)(keys), 0, {meta.PARTITION_NAME: self.layer_axis_name})]
+            else:
+                made = [init_one(k) for k in keys]
             for name, v in zip(names, made):
                 for col, tree in v.items():
                     if col == "params":
@@ -191,3 +199,33 @@ def remat_module(module_cls, recompute: RecomputeConfig | str | None = None, *,
 
     return type(module_cls.__name__, (module_cls,), {"__call__": __call__, "__qualname__": module_cls.__qualname__,
                                                      "__module__": module_cls.__module__})
+
+
+def stack_layers(layers: Sequence, scan: bool = False) -> dict:
+    """One collection of separately named layers, as a `LayerStack` keeps it.
+
+    Moves a model's existing variables (e.g. `params["encoderdecoderblock_i"]`) under a stack:
+    `{"h_0": ..., "h_{L-1}": ...}`, or with `scan=True` one `{"h": ...}` whose leaves have a leading
+    layer axis. `unstack_layers` is the inverse.
+
+    Example:
+      >>> old = {f"block_{i}": {"w": jnp.full((2,), i)} for i in range(3)}
+      >>> new = stack_layers([old[f"block_{i}"] for i in range(3)], scan=True)
+      >>> new["h"]["w"].shape
+      (3, 2)
+      >>> [int(l["w"][0]) for l in unstack_layers(new)]
+      [0, 1, 2]
+    """
+    layers = list(layers)
+    if scan:
+        return {"h": jax.tree.map(lambda *t: jnp.stack(t), *layers)}
+    return {f"h_{i}": layer for i, layer in enumerate(layers)}
+
+
+def unstack_layers(stacked) -> list:
+    """The per-layer variables of a `LayerStack` collection (`h_0 ... h_{L-1}` or a stacked `h`),
+    in layer order: the inverse of `stack_layers`."""
+    if "h" in stacked:
+        n = jax.tree.leaves(stacked["h"])[0].shape[0]
+        return [jax.tree.map(lambda t, i=i: t[i], stacked["h"]) for i in range(n)]
+    return [stacked[f"h_{i}"] for i in range(len([k for k in stacked if k.startswith("h_")]))]

@@ -104,6 +104,9 @@ class LayerStack(nnx.Module):
       out: picks x out of what a layer returns, for layers returning more than x (e.g.
         `lambda y: y[1]` for `(cache, x)`); a layer returning anything but x without it raises,
         naming the layer and its signature.
+      scan: run the layers under `lax.scan` (constant compile time in depth): their states are
+        stacked along a new leading axis at each call, so every layer must have the same structure
+        (graphdef). Gradients reach each layer's own parameters.
     Call: `stack(x, *args, key=None, **kwargs)`; `key` (a typed or raw PRNG key) replaces the draw
     from `rngs`; `args` and `kwargs` go to every layer.
     Example:
@@ -120,9 +123,10 @@ class LayerStack(nnx.Module):
     """
 
     def __init__(self, layers: Sequence[nnx.Module], recompute: RecomputeConfig = RecomputeConfig(),
-                 prevent_cse: bool = True, rngs: nnx.Rngs | None = None, out=None):
+                 prevent_cse: bool = True, rngs: nnx.Rngs | None = None, out=None, scan: bool = False):
         recompute.validate_for(len(layers))
         self.out = out
+        self.scan = scan
         self.layers = nnx.List(list(layers))
         self.recompute = recompute
         self.prevent_cse = prevent_cse
@@ -136,6 +140,8 @@ class LayerStack(nnx.Module):
         if key is not None and not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)  # a raw uint32 key, as from jax.random.PRNGKey
         keys = [(i, None if key is None else jax.random.fold_in(key, i)) for i in range(len(split))]
+        if self.scan:
+            return self._scanned(graphdefs, [s for _, s in split], x, key, args, kwargs)
 
         # The layer index rides along with its key (a constant) so each layer finds its graphdef;
         # the states and keys are traced.
@@ -152,3 +158,27 @@ class LayerStack(nnx.Module):
 
         return apply_layers(apply_layer, [s for _, s in split], x, self.recompute,
                             keys=keys, args=args + (kwargs,), prevent_cse=self.prevent_cse)
+
+    def _scanned(self, graphdefs, states, x, key, args, kwargs):
+        """The layers under `lax.scan`: one graphdef, the states stacked along a leading axis."""
+        for i, g in enumerate(graphdefs[1:], 1):
+            if g != graphdefs[0]:
+                raise ValueError(f"remat.nnx.LayerStack(scan=True): layer {i} differs in structure from layer 0 "
+                                 f"({type(self.layers[i]).__name__} vs {type(self.layers[0]).__name__}, or different "
+                                 f"submodules/shapes); scan needs identical layers: use scan=False")
+        stacked = jax.tree.map(lambda *t: jax.numpy.stack(t), *states)
+        n = len(states)
+        keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(jax.numpy.arange(n))
+
+        def apply_layer(state, h, k, *a):
+            *a, kw = a
+            module = nnx.merge(graphdefs[0], state)
+            if k is not None:
+                _reseed(module, k)
+            before = _snapshot(module)
+            y = module(h, *a, **kw)
+            _check_unchanged("(scanned)", before, module, k is not None)
+            return _select(self.out, y, h, None, _signature(module))
+
+        return apply_layers(apply_layer, stacked, x, self.recompute, keys=keys, args=args + (kwargs,),
+                            scan=True, prevent_cse=self.prevent_cse)

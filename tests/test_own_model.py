@@ -303,3 +303,70 @@ def test_user_tag_names_register_and_save():
     saved = saved_residuals(jax.checkpoint(f, policy=policies.get("save_names:my_query")), W, X[0]).by_name()
     assert "my_query" in saved
     assert policies.get("custom:my_query=offload").offload == frozenset({"my_query"})
+
+
+# 6. NNX scan, parameter paths, layer axis -----------------------------------------------------
+
+class NNXBlk(nnx.Module):
+    def __init__(self, rngs):
+        self.a, self.b = nnx.Linear(C, 2 * C, rngs=rngs), nnx.Linear(2 * C, C, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, x, *, scale=1.0):
+        return x + scale * self.drop(self.b(jax.nn.gelu(self.a(x))))
+
+
+@pytest.mark.parametrize("cfg", [RecomputeConfig(), FULL, RecomputeConfig(granularity="full", method="uniform",
+                                                                          num_layers=2)])
+def test_nnx_stack_scan_matches_loop(cfg):
+    make = lambda scan: rnnx.LayerStack([NNXBlk(nnx.Rngs(i)) for i in range(L)], cfg, scan=scan)  # noqa: E731
+    key = jax.random.key(3)
+    loss = lambda m: jnp.mean(m(X, key=key, scale=0.5) ** 2)  # noqa: E731
+    g_loop, g_scan = nnx.grad(loss)(make(False)), nnx.grad(loss)(make(True))
+    assert rel_err(nnx.state(g_scan, nnx.Param), nnx.state(g_loop, nnx.Param)) <= 1e-5
+    ref = nnx.grad(loss)(rnnx.LayerStack([NNXBlk(nnx.Rngs(i)) for i in range(L)], RecomputeConfig()))
+    assert rel_err(nnx.state(g_scan, nnx.Param), nnx.state(ref, nnx.Param)) <= 1e-5
+
+
+class Named(nn.Module):  # the user's own model: blocks named block_i
+    @nn.compact
+    def __call__(self, x):
+        for i in range(L):
+            x = KwLayer(name=f"block_{i}")(x, bias=0.0)
+        return x
+
+
+class Stacked(nn.Module):
+    scan: bool
+
+    @nn.compact
+    def __call__(self, x):
+        return rlinen.LayerStack(KwLayer, L, FULL, scan=self.scan, name="blocks")(x, bias=0.0)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_existing_parameters_map_to_a_stack_and_back(scan):
+    old = Named().init(KEY, X)["params"]
+    new = {"blocks": rlinen.stack_layers([old[f"block_{i}"] for i in range(L)], scan=scan)}
+    assert jax.tree.structure(new) == jax.tree.structure(Stacked(scan).init(KEY, X)["params"])
+    assert rel_err(Stacked(scan).apply({"params": new}, X), Named().apply({"params": old}, X)) <= 1e-6
+    back = rlinen.unstack_layers(new["blocks"])
+    assert rel_err({f"block_{i}": b for i, b in enumerate(back)}, old) == 0.0
+
+
+class Sharded(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")), (C, C))
+        return x + jnp.tanh(x @ w)
+
+
+def test_scan_adds_the_layer_axis_to_partitioning_metadata():
+    v = rlinen.LayerStack(Sharded, L, FULL, scan=True).init(KEY, X)
+    box = v["params"]["h"]["w"]
+    assert box.names == ("layers", "embed", "mlp") and box.value.shape == (L, C, C)
+    assert nn.get_partition_spec(v)["params"]["h"]["w"] == jax.sharding.PartitionSpec("layers", "embed", "mlp")
+    loop = rlinen.LayerStack(Sharded, L, FULL).init(KEY, X)
+    g = jax.grad(lambda p: jnp.sum(rlinen.LayerStack(Sharded, L, FULL, scan=True).apply(p, X)))(v)
+    g0 = jax.grad(lambda p: jnp.sum(rlinen.LayerStack(Sharded, L).apply(p, X)))(loop)
+    assert rel_err(nn.unbox(g)["params"]["h"]["w"][2], nn.unbox(g0)["params"]["h_2"]["w"]) <= 1e-5
