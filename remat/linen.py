@@ -92,7 +92,7 @@ class LayerStack(nn.Module):
         if self.has_rng("dropout"):
             base = self.make_rng("dropout")
             keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(L))
-        signature = _signature(template)
+        signature, out, initializing = _signature(template), self.out, self.is_initializing()
 
         def apply_layer(v, h, ik, *a):
             i, key = ik if isinstance(ik, tuple) else (None, ik)
@@ -101,13 +101,13 @@ class LayerStack(nn.Module):
             rngs = None if key is None else {"dropout": key}
             # (While initializing, a layer may write its collections, e.g. a cache, as it would in a
             # plain init; the variables kept are the ones its own init made.)
-            y = template.apply(v, carried, *a, rngs=rngs, mutable=True if self.is_initializing() else mutable, **kw)
-            if self.is_initializing():
+            y = template.apply(v, carried, *a, rngs=rngs, mutable=True if initializing else mutable, **kw)
+            if initializing:
                 y = y[0]
             elif mutable is not False:
                 y, new = y
                 upd = {**upd, i: dict(new)}
-            y = _select(self.out, y, carried, i, signature)
+            y = _select(out, y, carried, i, signature)
             return (y, upd) if mutable is not False else y
 
         if self.scan:

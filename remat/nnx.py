@@ -144,7 +144,10 @@ class LayerStack(nnx.Module):
             return self._scanned(graphdefs, [s for _, s in split], x, key, args, kwargs)
 
         # The layer index rides along with its key (a constant) so each layer finds its graphdef;
-        # the states and keys are traced.
+        # the states and keys are traced. (The regions close over `out`, not `self`: the stack is a
+        # pytree of the very states passed in, and a closure over traced values costs a hoisting.)
+        out = self.out
+
         def apply_layer(state, h, ik, *a):
             i, k = ik
             *a, kw = a
@@ -154,7 +157,7 @@ class LayerStack(nnx.Module):
             before = _snapshot(module)
             y = module(h, *a, **kw)
             _check_unchanged(i, before, module, k is not None)
-            return _select(self.out, y, h, i, _signature(module))
+            return _select(out, y, h, i, _signature(module))
 
         return apply_layers(apply_layer, [s for _, s in split], x, self.recompute,
                             keys=keys, args=args + (kwargs,), prevent_cse=self.prevent_cse)
@@ -169,6 +172,7 @@ class LayerStack(nnx.Module):
         stacked = jax.tree.map(lambda *t: jax.numpy.stack(t), *states)
         n = len(states)
         keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(jax.numpy.arange(n))
+        out = self.out
 
         def apply_layer(state, h, k, *a):
             *a, kw = a
@@ -178,7 +182,7 @@ class LayerStack(nnx.Module):
             before = _snapshot(module)
             y = module(h, *a, **kw)
             _check_unchanged("(scanned)", before, module, k is not None)
-            return _select(self.out, y, h, None, _signature(module))
+            return _select(out, y, h, None, _signature(module))
 
         return apply_layers(apply_layer, stacked, x, self.recompute, keys=keys, args=args + (kwargs,),
                             scan=True, prevent_cse=self.prevent_cse)
