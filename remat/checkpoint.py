@@ -295,12 +295,16 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
 def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, policy=None,
                determinism_check: bool | str = True, static_argnums: Sequence[int] = (),
                prevent_cse: bool = True, name: str | None = None, tie_to_cotangent: bool = True,
-               shard_saved=None, offload_saved: Sequence[int] = ()):
-    """Run `fn(*args)` keeping less for the backward pass and recomputing the rest.
+               shard_saved=None, offload_saved: Sequence[int] = (), **kwargs):
+    """Run `fn(*args, **kwargs)` keeping less for the backward pass and recomputing the rest.
 
     Args:
-      fn: the function; its arguments and outputs may be pytrees.
+      fn: the function; its arguments and outputs may be pytrees. A callable that is itself a
+        pytree with array leaves (an Equinox module, an NNX module) is an input like the
+        arguments, and a function closing over traced values (weights of an outer `jax.grad`) has
+        them hoisted into inputs (`jax.closure_convert`), so both differentiate as in plain JAX.
       *args: arguments. Non-array leaves and `static_argnums` arguments are constants.
+      **kwargs: keyword arguments for `fn` (array leaves traced, the rest constants, e.g. `train=False`).
       use_reentrant: False (default) uses `jax.checkpoint` with `policy`; True uses a
         `jax.custom_vjp` that saves only the inputs and re-traces `fn` in the backward.
       policy: a `remat.policies` name or a JAX policy callable (non-reentrant only); default saves
@@ -342,23 +346,77 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
                 tie_to_cotangent=tie_to_cotangent, shard_saved=shard_saved, offload_saved=tuple(offload_saved))
     if fn is None:
         return lambda f: checkpoint(f, **opts)
-    if not args:
+    if not args and not kwargs:
         @functools.wraps(fn)
-        def wrapped(*a):
-            return _run(fn, a, **opts)
+        def wrapped(*a, **kw):
+            return _run(fn, a, kw, **opts)
         return wrapped
-    return _run(fn, args, **opts)
+    return _run(fn, args, kwargs, **opts)
 
 
-def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, prevent_cse, name,
+def _call(f, *args, **kwargs):
+    return f(*args, **kwargs)
+
+
+def _closes_over_tracers(fn, depth: int = 3) -> bool:
+    """True when `fn` (a function, a functools.partial, a bound method) reaches a JAX tracer
+    through its closure cells, partial arguments, defaults or `__self__` (a few levels deep)."""
+    if depth < 0:
+        return False
+    seen = []
+    if isinstance(fn, functools.partial):
+        seen += [fn.func, fn.args, fn.keywords]
+    seen += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_set(c)]
+    seen += [getattr(fn, "__self__", None), getattr(fn, "__defaults__", None)]
+    for v in seen:
+        if v is None:
+            continue
+        if any(isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(v)):
+            return True
+        if callable(v) and not isinstance(v, type) and _closes_over_tracers(v, depth - 1):
+            return True
+    return False
+
+
+def _cell_set(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _has_arrays(tree) -> bool:
+    return any(_is_traced(l) or isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(tree))
+
+
+def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_argnums, prevent_cse, name,
          tie_to_cotangent, shard_saved, offload_saved):
     check_region(use_reentrant, policy, determinism_check)  # the rules RecomputeConfig also applies
-    dyn, rebuild, dyn_arg = _flatten(tuple(args), static_argnums)
+    region = name or getattr(fn, "__name__", None) or type(fn).__name__
     n = len(args)
+    # NOTE: a pytree callable (Equinox/NNX module) carries its weights as leaves: it becomes argument
+    # 0 of `_call`, so its weights are region inputs. Keyword arguments ride as one last dict
+    # argument. Argument indices the caller gives (static_argnums, shard_saved, offload_saved) keep
+    # counting `args` from 0 and are shifted here.
+    shift, target = 0, fn
+    if not isinstance(fn, type) and _has_arrays(fn):
+        args, fn, shift = (fn,) + tuple(args), _call, 1
+    if kwargs:
+        target = fn
+        fn = lambda *a: target(*a[:-1], **a[-1])  # noqa: E731
+        args = tuple(args) + (dict(kwargs),)
+    for i in static_argnums:
+        if not -n <= i < n:
+            raise ValueError(f"static_argnums entry {i} is out of range for {n} argument(s)")
+    static_argnums = [i % n + shift for i in static_argnums]
+    if shard_saved:
+        shard_saved = {i % n + shift: v for i, v in shard_saved.items()}
+    dyn, rebuild, dyn_arg = _flatten(tuple(args), static_argnums)
     bad = [i for i in offload_saved if not -n <= i < n]
     if bad:
         raise ValueError(f"offload_saved entry {bad[0]} is out of range for {n} argument(s)")
-    storage = _storage(dyn, dyn_arg, shard_saved, {i % n for i in offload_saved})
+    storage = _storage(dyn, dyn_arg, shard_saved, {i % n + shift for i in offload_saved})
     if storage and not (use_reentrant or tie_to_cotangent):
         raise ValueError("shard_saved and offload_saved need use_reentrant=True or tie_to_cotangent=True "
                          "(the default)")
@@ -366,9 +424,26 @@ def _run(fn, args, *, use_reentrant, policy, determinism_check, static_argnums, 
     def flat_fn(*dyn_vals):
         return fn(*rebuild(dyn_vals))
 
-    if use_reentrant:
-        region = name or getattr(fn, "__name__", "checkpoint")
-        return _reentrant(flat_fn, dyn, name=region, determinism_check=determinism_check, storage=storage)
-    if tie_to_cotangent:
-        return _tied(flat_fn, dyn, policy=_resolve_policy(policy), prevent_cse=prevent_cse, storage=storage)
-    return jax.checkpoint(flat_fn, policy=_resolve_policy(policy), prevent_cse=prevent_cse)(*dyn)
+    policy = _resolve_policy(policy)
+    _policies.warn_untagged(policy, flat_fn, dyn, region)
+
+    def go(flat_fn, dyn):
+        if use_reentrant:
+            return _reentrant(flat_fn, dyn, name=region, determinism_check=determinism_check, storage=storage)
+        if tie_to_cotangent:
+            return _tied(flat_fn, dyn, policy=policy, prevent_cse=prevent_cse, storage=storage)
+        return jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)(*dyn)
+
+    # NOTE: closures. `fn` may close over a traced value (a weight of the outer jax.grad, the
+    # PyTorch habit), which a custom_vjp may not capture. Such values are hoisted into region inputs
+    # as JAX's own `closure_convert` does for custom_vjp users: up front when a tracer is found in
+    # the closure, else on the UnexpectedTracerError of an eager call (a tracer reached another way).
+    hoist = lambda: jax.closure_convert(flat_fn, *dyn)  # noqa: E731
+    if (use_reentrant or tie_to_cotangent) and _closes_over_tracers(target if kwargs else fn):
+        conv, hoisted = hoist()
+        return go(conv, list(dyn) + list(hoisted))
+    try:
+        return go(flat_fn, dyn)
+    except jax.errors.UnexpectedTracerError:
+        conv, hoisted = hoist()
+        return go(conv, list(dyn) + list(hoisted))

@@ -1,7 +1,9 @@
 """Activation names that models tag with `jax.ad_checkpoint.checkpoint_name`.
 
-Every activation a policy may refer to is tagged exactly once, at the point listed here, with one
-of these constants. Policies (`remat.policies`) refer only to these names.
+The library's models tag every activation a policy may refer to exactly once, at the point listed
+here, with one of these constants. Your own model may use these names (then the selective presets
+apply to it) or its own: `register("query", ...)` makes `save_names:query` (and `offload_names:`,
+`custom:`) accept them. docs/tagging.md shows both.
 
 | name            | where it is tagged                                               |
 |-----------------|------------------------------------------------------------------|
@@ -44,3 +46,25 @@ MODULES = {
     "mlp": (MLP_UP, MLP_GATE, MLP_ACT),
     "norm": (LN_1, LN_2),
 }
+
+_USER: set = set()
+
+
+def register(*tags: str) -> None:
+    """Accept `tags` (names your model gives `jax.ad_checkpoint.checkpoint_name`) in the name-based
+    policies (`save_names:`, `offload_names:`, `custom:`), beside the library's names.
+
+    Example:
+      >>> register("query", "scores")
+      >>> "query" in known()
+      True
+    """
+    for t in tags:
+        if not isinstance(t, str) or not t or any(c in t for c in ",=:+ "):
+            raise ValueError(f"tag name {t!r} must be a non-empty string without ',', '=', ':', '+' or spaces")
+    _USER.update(tags)
+
+
+def known() -> tuple[str, ...]:
+    """The library's names, then the registered ones."""
+    return ALL + tuple(sorted(_USER - set(ALL)))

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax._src.interpreters import partial_eval as pe  # Saveable/Recompute/Offloadable markers
@@ -142,10 +144,11 @@ def _nothing(*_, **__):
 
 def _names_arg(arg: str, name: str) -> frozenset:
     got = tuple(a.strip() for a in arg.split(",") if a.strip())
-    bad = [a for a in got if a not in N.ALL]
+    bad = [a for a in got if a not in N.known()]
     if not got or bad:
         raise ValueError(f"policy {name!r}: unknown activation name(s) {bad or [arg]}; "
-                         f"tagged names are {', '.join(N.ALL)}")
+                         f"tagged names are {', '.join(N.known())}; for your own tags call "
+                         f"remat.names.register({', '.join(map(repr, bad or ['name']))}) (docs/tagging.md)")
     return frozenset(got)
 
 
@@ -209,6 +212,55 @@ def _custom(arg: str) -> OffloadNames:
     if not any(choice.values()):
         raise ValueError(f"policy 'custom:{arg}' lists no names; e.g. custom:qkv=device,mlp_up=offload")
     return OffloadNames(offload=frozenset(choice["offload"]), save=frozenset(choice["device"]))
+
+
+def tag_names(policy) -> frozenset | None:
+    """The tag names a name-based policy acts on (save, offload), or None for any other policy."""
+    if isinstance(policy, DtypePreserving):
+        return tag_names(policy.base)
+    if isinstance(policy, SaveNames):
+        return policy.names
+    if isinstance(policy, OffloadNames):
+        return policy.offload | policy.save
+    return None
+
+
+def _tags(jaxpr, out: set) -> set:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            out.add(eqn.params["name"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _tags(sub, out)
+    return out
+
+
+def region_tags(fn, *args) -> set:
+    """The `checkpoint_name` tags that `fn(*args)` computes (sub-programs included)."""
+    return _tags(jax.make_jaxpr(fn)(*args).jaxpr, set())
+
+
+class UntaggedRegionWarning(UserWarning):
+    """A name-based policy on a region that tags none of its names: it is full remat."""
+
+
+def warn_untagged(policy, fn, args, region: str) -> None:
+    """Warn when `policy` saves or offloads by tag and `fn(*args)` tags none of those names.
+
+    # NOTE: a name-based policy saves nothing in a region without its tags, so a selective preset
+    # on a model that does not call `checkpoint_name` silently becomes full remat. The check traces
+    # the region once more (only for name-based policies) and names what is missing.
+    """
+    wanted = tag_names(policy)
+    if not wanted:
+        return
+    found = region_tags(fn, *args)
+    if found & wanted:
+        return
+    have = f"it tags only {sorted(found)}" if found else "it has no tagged activations"
+    warnings.warn(
+        f"remat: region {region!r}: the policy saves or offloads values tagged {sorted(wanted)}, but {have}: "
+        f"it is full remat. Tag activations with jax.ad_checkpoint.checkpoint_name(x, name) (docs/tagging.md) "
+        f"or use policy 'full'", UntaggedRegionWarning, stacklevel=3)
 
 
 def names() -> tuple[str, ...]:

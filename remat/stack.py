@@ -12,6 +12,7 @@ and plain-JAX users all call it.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Callable
 
@@ -138,3 +139,26 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
 
         x, _ = lax.scan(body, x, xs)
     return x
+
+
+def _signature(module) -> str:
+    try:
+        return f"{type(module).__name__}.__call__{inspect.signature(type(module).__call__)}"
+    except (TypeError, ValueError):
+        return type(module).__name__
+
+
+def _select(out, y, x, i, signature):
+    """The carried activation from a layer's output `y` (`out(y)` when an `out` selector is given),
+    checked against the input `x`'s structure and shapes."""
+    if out is not None:
+        y = out(y)
+    same = jax.tree.structure(y) == jax.tree.structure(x) and all(
+        getattr(a, "shape", None) == getattr(b, "shape", None) for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(x)))
+    if not same:
+        shape = lambda t: jax.tree.map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}", t)  # noqa: E731
+        where = "a layer" if i is None else f"layer {i}"
+        raise ValueError(f"LayerStack: {where} ({signature}) returned {shape(y)}, but the stack carries x = {shape(x)} "
+                         f"from layer to layer: a layer must return x, or give the stack out=... to pick x from its "
+                         f"output (e.g. out=lambda y: y[1] for a layer returning (cache, x))")
+    return y
