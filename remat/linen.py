@@ -115,16 +115,18 @@ class LayerStack(nn.Module):
         else:  # the layer index rides with its key (a constant), so updates find their layer
             stacked, ks = layer_vars, [(i, None if keys is None else keys[i]) for i in range(L)]
         h = (x, {}) if mutable is not False else x
-        out = apply_layers(apply_layer, stacked, h, self.recompute, keys=ks, args=args + (kwargs,),
-                           scan=self.scan, prevent_cse=self.prevent_cse)
+        # NOTE: `apply_layer` closes over `out` (the selector); the reentrant backward re-runs it
+        # after this call returns, so the stack's result must not rebind that name.
+        result = apply_layers(apply_layer, stacked, h, self.recompute, keys=ks, args=args + (kwargs,),
+                              scan=self.scan, prevent_cse=self.prevent_cse)
         if mutable is False:
-            return out
-        out, upd = out
+            return result
+        result, upd = result
         for i, new in upd.items():
             for col, tree in new.items():
                 if self.is_mutable_collection(col) and col != "params":
                     self.put_variable(col, names[i], tree)
-        return out
+        return result
 
 
 def remat_module(module_cls, recompute: RecomputeConfig | str | None = None, *,

@@ -240,6 +240,21 @@ def test_linen_stack_layer_output_selector_and_error():
     assert rel_err(good.apply(v, X), ref) <= 1e-6
 
 
+@pytest.mark.parametrize("out", [None, lambda y: y[1]], ids=["plain", "selector"])
+def test_linen_stack_reentrant_backward_after_the_call_returns(out):
+    # The reentrant backward re-runs the layers after the stack's call has returned: a name the
+    # layer closure reads (the `out` selector) must still be the selector then, not the result.
+    layer = CacheOut if out is not None else KwLayer
+    kw = {} if out is not None else {"bias": 1.0, "train": False}
+    reentrant = RecomputeConfig(granularity="full", use_reentrant=True)
+    stack = rlinen.LayerStack(layer, 2, reentrant, out=out)
+    v = stack.init(KEY, X, **kw)
+    g = jax.grad(lambda v: jnp.sum(stack.apply(v, X, **kw) ** 2))(v)
+    plain = rlinen.LayerStack(layer, 2, out=out)
+    ref = jax.grad(lambda v: jnp.sum(plain.apply(v, X, **kw) ** 2))(v)
+    assert rel_err(g, ref) <= 1e-5
+
+
 class NNXKw(nnx.Module):
     def __init__(self, rngs):
         self.lin = nnx.Linear(C, C, rngs=rngs)
