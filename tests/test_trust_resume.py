@@ -173,26 +173,16 @@ def test_meta_digest_covers_every_field():
 
 
 def test_resume_with_more_iterations_keeps_the_saved_schedule(tmp_path, text_file):
-    """A finished 6-step run resumed with --num_iterations 12 (as the "already at step" error advises):
-    steps 7..12 follow the saved schedule (--lr_decay_iters 6: its floor), bit for bit an uninterrupted
-    12-step run with --lr_decay_iters 6. It used to stretch the cosine to 12 steps: the learning
-    rate at step 7 jumped from 7e-4 (step 6) to 2.1e-3."""
+    """A finished 6-step run resumed with --num_iterations 12 (as the "already at step" error advises)
+    in a real train.py process: steps 7..12 follow the saved schedule (--lr_decay_iters 6: its
+    floor), bit for bit an uninterrupted 12-step run with --lr_decay_iters 6. It used to stretch the
+    cosine to 12 steps: the learning rate at step 7 jumped from 7e-4 (step 6) to 2.1e-3."""
     ck, log = str(tmp_path / "ck"), str(tmp_path / "log.jsonl")
     base = ["--preset", "tiny", "--warmup_iters", "2", "--data", text_file, "--checkpoint_dir", ck,
             "--log_jsonl", log] + QUIET
-    p = _train(base + ["--num_iterations", "6"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    with pytest.raises(UsageError) as e:  # the advice that leads here
-        prepare(config_from_args(base + ["--num_iterations", "6", "--resume"]))
-    assert str(e.value) == (f"--resume: {ck} is already at step 6 >= --num_iterations 6; raise --num_iterations to "
-                            f"train on (the learning rate keeps the saved schedule, --lr_decay_iters 6, unless you "
-                            f"pass --lr_decay_iters)")
-    p = _train(base + ["--num_iterations", "12", "--resume"])
+    _run(base + ["--num_iterations", "6"])
+    p = _train(base + ["--num_iterations", "12", "--resume"])  # a real train.py process
     assert p.returncode == 0 and p.stderr == "", p.stderr[-3000:]
-    line = next(l for l in p.stdout.splitlines() if l.startswith("resume"))
-    assert line == (f"resume   from step 6 of {ck} (data position 6); changed: --num_iterations 12 (checkpoint: 6); "
-                    f"the learning-rate schedule stays the saved run's: --lr_decay_iters 6 (it would follow "
-                    f"--num_iterations 12; pass --lr_decay_iters to change it)"), line
     recs = [json.loads(l) for l in open(log)]
     assert [r["step"] for r in recs] == list(range(1, 13))
     straight, _ = _run(["--preset", "tiny", "--warmup_iters", "2", "--data", text_file, "--num_iterations", "12",
@@ -200,6 +190,15 @@ def test_resume_with_more_iterations_keeps_the_saved_schedule(tmp_path, text_fil
     assert [r["lr"] for r in recs] == [h["lr"] for h in straight.history]
     assert [r["loss"] for r in recs] == [h["loss"] for h in straight.history]
     assert recs[6]["lr"] <= recs[5]["lr"]  # step 7 continues the decay (it was x3 up)
+    with pytest.raises(UsageError) as e:  # the advice that leads to the resume above says so
+        prepare(config_from_args(base + ["--num_iterations", "6", "--resume"]))
+    assert str(e.value) == (f"--resume: {ck} is already at step 12 >= --num_iterations 6; raise --num_iterations to "
+                            f"train on (the learning rate keeps the saved schedule, --lr_decay_iters 6, unless you "
+                            f"pass --lr_decay_iters)")
+    line = next(l for l in p.stdout.splitlines() if l.startswith("resume"))
+    assert line == (f"resume   from step 6 of {ck} (data position 6); changed: --num_iterations 12 (checkpoint: 6); "
+                    f"the learning-rate schedule stays the saved run's: --lr_decay_iters 6 (it would follow "
+                    f"--num_iterations 12; pass --lr_decay_iters to change it)"), line
 
 
 def test_lr_decay_iters_on_resume_is_compared_as_the_effective_value(tmp_path, text_file):
@@ -255,8 +254,8 @@ def test_a_second_run_on_a_held_directory_exits_2_naming_the_holder(tmp_path, te
         first.communicate(timeout=60)
     assert first.returncode == -signal.SIGKILL
     assert os.listdir(ck) == [saving.LOCK_FILE]  # the killed run's file is left; its lock is not
-    p = _train(args + ["--num_iterations", "2"])
-    assert p.returncode == 0, p.stderr[-3000:]
+    res, _ = _run(args + ["--num_iterations", "2"])  # a new run takes the directory
+    assert [h["step"] for h in res.history] == [1, 2]
     assert sorted(os.listdir(ck)) == ["2"]  # the lock file goes with the run that held it
 
 
