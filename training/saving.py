@@ -10,6 +10,7 @@ A checkpoint directory holds one sub-directory per saved step with two items:
 
 orbax writes each step into a temporary directory and renames it when complete, so a process
 killed mid-save leaves the earlier steps intact and the partial one invisible to `latest_step`.
+One run at a time holds a directory (`DirLock`: an flock on `train.lock` in it, naming the holder).
 Saves are asynchronous: `save` returns once the arrays are copied off the device, and the files
 are written by a background thread while training continues.
 
