@@ -287,31 +287,42 @@ def _out(path) -> str:
 
 HOLD_SCRIPT = textwrap.dedent("""
     import sys
-    from training import distributed, saving
+    from jax.experimental.multihost_utils import sync_global_devices
+    from training import config_from_args, distributed, prepare, saving
     from training.config import UsageError
     assert distributed.initialize()
+    d, data = sys.argv[1:3]
     try:
-        lock = saving.hold_directory(sys.argv[1])
+        lock = saving.hold_directory(d)
     except UsageError as e:
         print("refused:", e)
         sys.exit(2)
-    print("held:", lock is not None)
+    sync_global_devices("held")  # process 0 holds the directory before any process prepares
+    setup = prepare(config_from_args(["--preset", "tiny", "--data", data, "--checkpoint_dir", d, "--num_iterations",
+                                      "2", "--mesh", "data=2", "--batch_size", "2", "--val_every", "0"]))
+    print("prepared; holds it:", lock is not None)
+    sync_global_devices("prepared")
 """)
 
 
-def test_two_processes_learn_that_process_0_could_not_hold_the_directory(tmp_path):
-    """jax.distributed with 2 processes: process 0 takes the lock; when another run holds it, both
-    processes raise the same error (process 1 learns it from process 0). (A free directory: the 2-process
-    runs of tests/test_multiprocess.py.)"""
+def test_two_processes_hold_the_directory_through_process_0(tmp_path, text_file):
+    """jax.distributed with 2 processes: when another run holds the directory, both processes raise
+    the same error (process 1 learns it from process 0); when it is free, process 0 holds it and
+    neither process takes that for another run's hold while preparing (process 1 used to exit 2 when
+    process 0 had taken it first)."""
     from test_multiprocess import _launch, _read, _wait  # its launcher: N processes on jax.distributed
 
     d = str(tmp_path / "ck")
-    lock = saving.DirLock.acquire(d)
+    other = saving.DirLock.acquire(d)
     try:
-        rcs = _wait(_launch(2, 1, ["-c", HOLD_SCRIPT, d], tmp_path, "held"), timeout=240)
+        rcs = _wait(_launch(2, 1, ["-c", HOLD_SCRIPT, d, text_file], tmp_path, "held"), timeout=240)
     finally:
-        lock.release()
+        other.release()
     outs = [_out(tmp_path / f"held.{i}.out") for i in range(2)]
     assert rcs == [2, 2], [_read(tmp_path / f"held.{i}.err")[-2000:] for i in range(2)]
     assert all(o.startswith(f"refused: --checkpoint_dir {d} is in use by another train.py run (pid {os.getpid()}")
                for o in outs), outs
+    rcs = _wait(_launch(2, 1, ["-c", HOLD_SCRIPT, d, text_file], tmp_path, "free"), timeout=240)
+    outs = [_out(tmp_path / f"free.{i}.out") for i in range(2)]
+    assert rcs == [0, 0], [_read(tmp_path / f"free.{i}.err")[-2000:] for i in range(2)]
+    assert outs == ["prepared; holds it: True\n", "prepared; holds it: False\n"], outs

@@ -205,7 +205,10 @@ def prepare(cfg: TrainConfig) -> Setup:
 
     if cfg.checkpoint_dir:
         checks.check_output_dir(cfg.checkpoint_dir, "--checkpoint_dir")
-        if not cfg.dry_run:  # another run holding the directory is named first (training.run takes it)
+        # another run holding the directory is named first (training.run takes it). Not in a
+        # multi-process run: process 0 of this very run may hold it already; there
+        # `saving.hold_directory` (collective) tells every process.
+        if not cfg.dry_run and jax.process_count() == 1:
             saving.check_free(cfg.checkpoint_dir)
     if cfg.log_jsonl:
         checks.check_output_file(cfg.log_jsonl, "--log_jsonl")
