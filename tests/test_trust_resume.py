@@ -286,43 +286,57 @@ def _out(path) -> str:
 
 
 HOLD_SCRIPT = textwrap.dedent("""
-    import sys
-    from jax.experimental.multihost_utils import sync_global_devices
+    import sys, time
+    import jax
     from training import config_from_args, distributed, prepare, saving
     from training.config import UsageError
     assert distributed.initialize()
     d, data = sys.argv[1:3]
+    if jax.process_index() == 1:
+        time.sleep(3)  # process 1 prepares late: after process 0 could have created the directory
+    # as training.run does: prepare, then hold the directory
+    prepare(config_from_args(["--preset", "tiny", "--data", data, "--checkpoint_dir", d, "--num_iterations", "2",
+                              "--mesh", "data=2", "--batch_size", "2", "--val_every", "0"]))
     try:
         lock = saving.hold_directory(d)
     except UsageError as e:
         print("refused:", e)
         sys.exit(2)
-    sync_global_devices("held")  # process 0 holds the directory before any process prepares
-    setup = prepare(config_from_args(["--preset", "tiny", "--data", data, "--checkpoint_dir", d, "--num_iterations",
-                                      "2", "--mesh", "data=2", "--batch_size", "2", "--val_every", "0"]))
-    print("prepared; holds it:", lock is not None)
-    sync_global_devices("prepared")
+    print("holds it:", lock is not None)
 """)
 
 
+def _launch_hold(tmp_path, d, text_file, tag):
+    from test_multiprocess import _launch, _wait  # its launcher: N processes on jax.distributed
+
+    procs = _launch(2, 1, ["-c", HOLD_SCRIPT, d, text_file], tmp_path, tag)
+    try:
+        rcs = _wait(procs, timeout=180)
+    finally:
+        for p in procs:  # a deadlock would leave them running
+            if p.poll() is None:
+                p.kill()
+    return rcs, [_out(tmp_path / f"{tag}.{i}.out") for i in range(2)]
+
+
 def test_two_processes_hold_the_directory_through_process_0(tmp_path, text_file):
-    """jax.distributed with 2 processes: when another run holds the directory, both processes raise
-    the same error (process 1 learns it from process 0); when it is free, process 0 holds it and
-    neither process takes that for another run's hold while preparing (process 1 used to exit 2 when
-    process 0 had taken it first)."""
-    from test_multiprocess import _launch, _read, _wait  # its launcher: N processes on jax.distributed
+    """jax.distributed with 2 processes, each preparing and then holding as training.run does: when
+    another run holds the directory, both processes raise the same error (process 1 learns it from
+    process 0); when it is free, process 0 holds it. Process 1 used to take process 0's hold for
+    another run's while preparing (exit 2), and then, once that was fixed, to deadlock: the directory
+    process 0 created made process 1's `inspect_dir` start an orbax manager, whose barrier met
+    process 0's broadcast."""
+    from test_multiprocess import _read
 
     d = str(tmp_path / "ck")
     other = saving.DirLock.acquire(d)
     try:
-        rcs = _wait(_launch(2, 1, ["-c", HOLD_SCRIPT, d, text_file], tmp_path, "held"), timeout=240)
+        rcs, outs = _launch_hold(tmp_path, d, text_file, "held")
     finally:
         other.release()
-    outs = [_out(tmp_path / f"held.{i}.out") for i in range(2)]
     assert rcs == [2, 2], [_read(tmp_path / f"held.{i}.err")[-2000:] for i in range(2)]
     assert all(o.startswith(f"refused: --checkpoint_dir {d} is in use by another train.py run (pid {os.getpid()}")
                for o in outs), outs
-    rcs = _wait(_launch(2, 1, ["-c", HOLD_SCRIPT, d, text_file], tmp_path, "free"), timeout=240)
-    outs = [_out(tmp_path / f"free.{i}.out") for i in range(2)]
+    rcs, outs = _launch_hold(tmp_path, d, text_file, "free")
     assert rcs == [0, 0], [_read(tmp_path / f"free.{i}.err")[-2000:] for i in range(2)]
-    assert outs == ["prepared; holds it: True\n", "prepared; holds it: False\n"], outs
+    assert outs == ["holds it: True\n", "holds it: False\n"], outs

@@ -471,6 +471,13 @@ def hold_directory(directory: str, flag: str = "--checkpoint_dir") -> DirLock | 
     """Process 0 holds `directory` (DirLock); in a multi-process run every process learns whether it
     did and raises the same UsageError if not. Returns the lock in process 0, None elsewhere."""
     lock = error = None
+    if jax.process_count() > 1:
+        from jax.experimental.multihost_utils import sync_global_devices
+
+        # NOTE: every process first finishes preparing: a directory process 0 creates here would
+        # make another process's `inspect_dir` open an orbax manager, whose start-up barrier
+        # would then meet process 0's broadcast below (a deadlock, seen in tests/test_multiprocess.py).
+        sync_global_devices("hold_directory")
     if jax.process_index() == 0:
         try:
             lock = DirLock.acquire(directory, flag)
