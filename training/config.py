@@ -147,7 +147,8 @@ class TrainConfig:
     learning_rate: float = _f(3e-3, "peak learning rate (AdamW)")
     warmup_iters: int = _f(30, "linear warmup steps")
     lr_decay: float = _f(0.1, "cosine-decay the learning rate to this fraction of its peak")
-    lr_decay_iters: int | None = _f(None, "steps of the warmup+cosine schedule (default --num_iterations)")
+    lr_decay_iters: int | None = _f(None, "steps of the warmup+cosine schedule (default --num_iterations; on "
+                                          "--resume, the saved run's)")
     weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
     grad_clip: float = _f(1.0, "clip gradients to this global norm (0: no clipping)")
     seed: int = _f(1337, f"seed for initialization, data order and dropout (0..{SEED_MAX})")

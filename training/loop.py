@@ -82,7 +82,8 @@ def train(setup, compiled, out, t_compile: float) -> RunResult:
     start = setup.start_step
     if start:
         print(f"resume   from step {start} of {cfg.checkpoint_dir} (data position {position})"
-              + (f"; changed: {', '.join(setup.resume_changes)}" if setup.resume_changes else ""), file=out)
+              + (f"; changed: {', '.join(setup.resume_changes)}" if setup.resume_changes else "")
+              + (f"; {setup.schedule_note}" if setup.schedule_note else ""), file=out)
 
     eval_fn = None
     if setup.val_ds is not None and cfg.val_every > 0:

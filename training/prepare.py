@@ -62,6 +62,7 @@ class Setup:
     resume_meta: dict | None = None
     resume_older: tuple = ()           # older steps to fall back to if the start step fails to restore
     resume_changes: tuple = ()         # "--flag new (was old)" for allowed changes on --resume
+    schedule_note: str | None = None   # on --resume: the saved run's --lr_decay_iters kept (training.resume)
     damaged_steps: tuple = ()          # steps newer than the start found damaged (set aside before saving)
     init_params: Any = None            # parameters read from --init_from FILE.bin (shape from its header)
     init_dir_step: int | None = None   # step to read params from for --init_from DIR
@@ -236,6 +237,11 @@ def prepare(cfg: TrainConfig) -> Setup:
 
     if cfg.checkpoint_dir:
         checks.check_output_dir(cfg.checkpoint_dir, "--checkpoint_dir")
+        # another run holding the directory is named first (training.run takes it). Not in a
+        # multi-process run: process 0 of this very run may hold it already; there
+        # `saving.hold_directory` (collective) tells every process.
+        if not cfg.dry_run and jax.process_count() == 1:
+            saving.check_free(cfg.checkpoint_dir)
     if cfg.log_jsonl:
         checks.check_output_file(cfg.log_jsonl, "--log_jsonl")
     _check_outputs_apart(cfg, data_files, val_files)

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from training import saving
-from training.compile import abstract_with_sharding, init_config, init_jit
+from training.compile import abstract_with_sharding, init_config, init_jit, optimizer
 from training.config import TrainConfig, UsageError
 from training.model import config_dict
+from training.optim import optimizer_settings
 
 # TrainConfig fields that may differ when resuming: recompute settings, logging and evaluation,
 # checkpoint cadence, the step count to stop at, and where it runs (the mesh). Every other field
@@ -31,6 +32,20 @@ RESUME_MAY_CHANGE = frozenset({
     "preflight", "profile_steps", "sample_every", "sample_length", "prompt", "temperature", "top_k", "tokenizer",
     "sequence_parallel", "distribute_saved_activations",
 })
+# NOTE: the learning-rate schedule on resume. --lr_decay_iters defaults to --num_iterations, so a
+# finished 6-step run resumed with --num_iterations 12 (what the "already at step" error advises)
+# used to stretch its cosine to 12 steps: the learning rate at step 7 jumped from the schedule's
+# floor back up (x7 with --warmup_iters 2), and only "changed: --num_iterations" was printed. A
+# resume keeps the saved run's schedule length (its effective --lr_decay_iters) unless the flag
+# is passed, and says so on the resume line; an explicit --lr_decay_iters that differs is a
+# deliberate change, allowed and listed with the other changes. Compared as effective values, so
+# passing the saved length explicitly is no change.
+SCHEDULE_FLAG = "lr_decay_iters"
+
+
+def _decay_iters(train_config: dict) -> int | None:
+    """The schedule length a run used: its --lr_decay_iters, else its --num_iterations."""
+    return train_config.get(SCHEDULE_FLAG) or train_config.get("num_iterations")
 
 
 def _warn(message: str) -> None:
@@ -54,10 +69,25 @@ def choose_resume_step(setup, info, mcfg_dict: dict):
             continue
         for s_, why in damaged:
             _warn(f"--resume {d}: {why}; falling back to step {step}, the newest intact one")
+        setup = _keep_schedule(setup, meta)
         return dataclasses.replace(setup, start_step=step, resume_meta=meta, resume_changes=tuple(changes),
                                    resume_older=tuple(older[i + 1:]), damaged_steps=tuple(s_ for s_, _ in damaged))
     raise UsageError(f"--resume {d}: no step is intact ({damaged[0][1]}); run without --resume in a new "
                      f"--checkpoint_dir to start fresh")
+
+
+def _keep_schedule(setup, meta: dict):
+    """The setup with the saved run's schedule length when --lr_decay_iters was not passed and the
+    default (--num_iterations) would change it; see the NOTE on SCHEDULE_FLAG."""
+    cfg = setup.cfg
+    saved = _decay_iters(meta.get("train_config") or {})
+    if getattr(cfg, SCHEDULE_FLAG) is not None or saved is None or saved == cfg.num_iterations:
+        return setup
+    cfg = dataclasses.replace(cfg, **{SCHEDULE_FLAG: saved})
+    tx, schedule = optimizer(optimizer_settings(cfg))
+    note = (f"the learning-rate schedule stays the saved run's: --lr_decay_iters {saved} (it would follow "
+            f"--num_iterations {cfg.num_iterations}; pass --lr_decay_iters to change it)")
+    return dataclasses.replace(setup, cfg=cfg, tx=tx, schedule=schedule, schedule_note=note)
 
 
 def _check_resume_step(cfg: TrainConfig, directory: str, step: int, meta: dict, mcfg_dict: dict,
@@ -67,19 +97,25 @@ def _check_resume_step(cfg: TrainConfig, directory: str, step: int, meta: dict, 
     saved_cfg = meta.get("train_config") or {}
     now = cfg.to_dict()
     norm = lambda v: tuple(v) if isinstance(v, list) else v
-    diff = [k for k in now if k in saved_cfg and norm(saved_cfg[k]) != norm(now[k])]
+    diff = [k for k in now if k in saved_cfg and k != SCHEDULE_FLAG and norm(saved_cfg[k]) != norm(now[k])]
     bad = [k for k in diff if k not in RESUME_MAY_CHANGE]
     show = lambda k: f"--{k} {now[k]!r} (checkpoint: {norm(saved_cfg[k])!r})"
     if bad:
         raise UsageError(f"--resume {directory}: step {step} was trained with other settings: "
                          f"{', '.join(show(k) for k in bad)}; resume with the flags it was trained with (only "
-                         f"recompute settings, logging, evaluation, checkpoint cadence, --mesh and --num_iterations "
-                         f"may change)")
+                         f"recompute settings, logging, evaluation, checkpoint cadence, --mesh, --num_iterations "
+                         f"and --lr_decay_iters may change)")
+    changes = [show(k) for k in diff if k not in ("resume", "checkpoint_dir")]
+    saved_decay = _decay_iters(saved_cfg)
+    if now.get(SCHEDULE_FLAG) is not None and saved_decay is not None and now[SCHEDULE_FLAG] != saved_decay:
+        changes.append(f"--{SCHEDULE_FLAG} {now[SCHEDULE_FLAG]!r} (checkpoint: {saved_decay!r})")
     if step >= cfg.num_iterations:
         raise UsageError(f"--resume: {directory} is already at step {step} >= --num_iterations "
-                         f"{cfg.num_iterations}; raise --num_iterations to train on")
+                         f"{cfg.num_iterations}; raise --num_iterations to train on (the learning rate keeps "
+                         f"the saved schedule, --lr_decay_iters {saved_decay or cfg.num_iterations}, unless you "
+                         f"pass --lr_decay_iters)")
     _check_saved_state(directory, step, abstract_state)
-    return [show(k) for k in diff if k not in ("resume", "checkpoint_dir")]
+    return changes
 
 
 def _check_saved_state(directory: str, step: int, abstract_state) -> None:

@@ -17,6 +17,7 @@ import time
 
 import remat
 from training import preflight
+from training import saving
 from training import signals
 from training.compile import compile_train_step, plan_memory
 from training.config import TrainConfig
@@ -46,6 +47,19 @@ def run(cfg: TrainConfig, out=None) -> RunResult:
     if cfg.memory_report:
         print(memory_report(setup), file=out)
         return RunResult([], None, setup, stopped="memory_report")
+    # the run holds --checkpoint_dir from here to its end (saving.DirLock); a dry run writes nothing
+    lock = saving.hold_directory(cfg.checkpoint_dir) if cfg.checkpoint_dir and not cfg.dry_run else None
+    if lock is not None:
+        signals.on_leave(lock.release)
+    try:
+        return _compile_and_train(cfg, setup, out)
+    finally:
+        if lock is not None:
+            signals.forget(lock.release)
+            lock.release()
+
+
+def _compile_and_train(cfg: TrainConfig, setup: Setup, out) -> RunResult:
     signals.set_phase("compiling the train step")
     model = cfg.preset if setup.init_params is None else f"from {cfg.init_from}"
     print(f"compile  the train step ({cfg.model} {model}, micro-batch {cfg.batch_size}x{cfg.sequence_length})",

@@ -4,11 +4,13 @@ activation checkpointing, `remat.checkpoint`.)
 
 A checkpoint directory holds one sub-directory per saved step with two items:
   state  the train state pytree: params, opt_state, step, rng (see training/step.py)
-  meta   JSON: format tag, step, data position, model family and config, the TrainConfig, and a
-         digest of every array of the state (`state_digest`), checked on restore
+  meta   JSON: format tag, step, data position, model family and config, the TrainConfig, a
+         digest of every array of the state (`state_digest`), checked on restore, and a digest of
+         the metadata itself (`meta_digest`), checked whenever it is read
 
 orbax writes each step into a temporary directory and renames it when complete, so a process
 killed mid-save leaves the earlier steps intact and the partial one invisible to `latest_step`.
+One run at a time holds a directory (`DirLock`: an flock on `train.lock` in it, naming the holder).
 Saves are asynchronous: `save` returns once the arrays are copied off the device, and the files
 are written by a background thread while training continues.
 
@@ -21,9 +23,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
+import json
 import logging as _logging
 import os
+import socket
 import sys
+import time
 import warnings
 
 import jax
@@ -123,6 +130,7 @@ def read_meta(mngr, directory: str, step: int, flag: str) -> dict:
         raise UsageError(f"{flag} {directory}: step {step} is not a train.py checkpoint (format "
                          f"{meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}); "
                          f"pass a directory train.py --checkpoint_dir wrote")
+    verify_meta(meta, f"step {step}")
     return meta
 
 
@@ -199,6 +207,30 @@ def state_digest(tree) -> dict:
             for (path, _), (a, b) in zip(flat, np.asarray(sums).reshape(-1, 2) if sums else [])}
 
 
+# NOTE: the metadata digest. A restore reads two things that decide the resumed run: the arrays
+# (checked by `state_digest`) and the meta item, whose `data_position` says which batch comes next
+# and whose train config and array digests the resume checks rely on. A changed `data_position`
+# (valid JSON, arrays untouched) used to resume with exit 0 and train on other batches. So the
+# meta item carries a digest of its own content, checked wherever it is read. orbax's own
+# metadata needs no digest: the OCDBT manifest and b-tree nodes (where the arrays' file offsets
+# and lengths live) carry tensorstore's crc32c, and `_METADATA`, `_sharding` and
+# `array_metadatas` do not change what a restore against this run's abstract state returns
+# (tests/test_trust_resume.py changes each and compares).
+def meta_digest(meta: dict) -> str:
+    """A sha256 (hex, 16 digits) of `meta` without its own `meta_digest` field, as JSON reads it back."""
+    body = json.loads(json.dumps({k: v for k, v in meta.items() if k != "meta_digest"}))
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def verify_meta(meta: dict, where: str) -> None:
+    """Raise CheckpointDamaged when `meta` differs from the digest written into it (steps written
+    before metadata digests existed are not checked)."""
+    saved = (meta or {}).get("meta_digest")
+    if saved is not None and saved != meta_digest(meta):
+        raise CheckpointDamaged(f"{where}: its metadata does not match the digest written with it (its bytes "
+                                f"changed after the save)")
+
+
 def verify_digest(tree, meta: dict, where: str) -> None:
     """Raise CheckpointDamaged when an array of `tree` differs from the digest saved in `meta`
     (steps written before digests existed are not checked)."""
@@ -232,6 +264,7 @@ def restore(directory: str, step: int, abstract_state, partial: bool = False, ve
             _finish_abandoned_reads()
             raise CheckpointDamaged(f"step {step} cannot be read ({failure})")
         if verify:
+            verify_meta(out.meta, f"step {step}")
             verify_digest(out.state, out.meta, f"step {step}")
         return out.state, out.meta
     finally:
@@ -330,6 +363,137 @@ def saved_shapes(directory: str, step: int) -> dict:
         mngr.close()
 
 
+# NOTE: one run per directory. Two train.py processes on one --checkpoint_dir used to race: both
+# saved the same steps and one died with a misleading reason ("No such file or directory ... free
+# space"). A run holds the directory with fcntl.flock on LOCK_FILE inside it, from before it
+# compiles to its end; the kernel drops the lock when the process ends however it ends, so a killed
+# run leaves no stale lock (at most the file, which the next run takes). The file names its holder
+# (pid, host, start time) for the refusal. A run unlinks the file before it lets go; a taker checks
+# that the file it locked is still the one at the path (same inode), else it takes the new one.
+# In a multi-process run process 0 holds it (orbax needs a shared directory anyway) and tells the
+# others (`hold_directory`). Not for NFS without lock support, where flock may not exclude.
+LOCK_FILE = "train.lock"
+
+
+def _held(directory: str, flag: str) -> UsageError:
+    try:
+        with open(os.path.join(directory, LOCK_FILE)) as f:
+            holder = " ".join(f.read().split())
+    except OSError:
+        holder = ""
+    return UsageError(f"{flag} {directory} is in use by another train.py run ({holder or 'holder unknown'}); wait "
+                      f"for it to end or stop it, or pass another {flag}")
+
+
+def check_free(directory: str, flag: str = "--checkpoint_dir") -> None:
+    """UsageError naming the holder when another run holds `directory`; writes nothing."""
+    try:
+        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return  # no lock file: nobody holds it (an unusable directory is checks.check_output_dir's)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # only conflicts with a holder's exclusive lock
+    except BlockingIOError:
+        raise _held(directory, flag) from None
+    except OSError:
+        pass  # a filesystem without flock: no check
+    finally:
+        os.close(fd)
+
+
+class DirLock:
+    """This process's hold on a checkpoint directory (see the NOTE above).
+
+    Example:
+      >>> lock = DirLock.acquire("runs/a")   # UsageError naming the holder if another run has it
+      >>> lock.release()
+    """
+
+    def __init__(self, directory: str, fd: int, made: list):
+        self.directory, self.fd, self.made = directory, fd, made
+
+    @classmethod
+    def acquire(cls, directory: str, flag: str = "--checkpoint_dir", wait_s: float = 1.0) -> "DirLock":
+        """Create `directory` if needed and hold it; UsageError naming the holder after `wait_s`
+        (a `check_free` of another process holds the lock for microseconds: not a refusal)."""
+        shown, directory = directory, os.path.abspath(directory)
+        path, made = os.path.join(directory, LOCK_FILE), []
+        deadline = time.monotonic() + wait_s
+        while True:
+            if not os.path.isdir(directory):
+                new, p = [], directory
+                while not os.path.isdir(p):  # the directories this run creates, innermost first
+                    new.append(p)
+                    p = os.path.dirname(p)
+                os.makedirs(directory, exist_ok=True)
+                made = made or new
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # the holder removed the directory it had made as it let go
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise _held(shown, flag) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the file was unlinked by the holder that let go: take the new one
+        holder = (f"pid {os.getpid()} on host {socket.gethostname()}, since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
+        os.ftruncate(fd, 0)
+        os.write(fd, (holder + "\n").encode())
+        return cls(directory, fd, made)
+
+    def release(self) -> None:
+        """Let go: remove the lock file (and the directory, if this run made it and wrote nothing
+        else there), then drop the lock. Idempotent."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(os.path.join(self.directory, LOCK_FILE))
+            for d in self.made:
+                os.rmdir(d)  # only when empty: a run that saved anything keeps its directory
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def hold_directory(directory: str, flag: str = "--checkpoint_dir") -> DirLock | None:
+    """Process 0 holds `directory` (DirLock); in a multi-process run every process learns whether it
+    did and raises the same UsageError if not. Returns the lock in process 0, None elsewhere."""
+    lock = error = None
+    if jax.process_count() > 1:
+        from jax.experimental.multihost_utils import sync_global_devices
+
+        # NOTE: every process first finishes preparing: a directory process 0 creates here would
+        # make another process's `inspect_dir` open an orbax manager, whose start-up barrier
+        # would then meet process 0's broadcast below (a deadlock, seen in tests/test_multiprocess.py).
+        sync_global_devices("hold_directory")
+    if jax.process_index() == 0:
+        try:
+            lock = DirLock.acquire(directory, flag)
+        except UsageError as e:
+            error = e
+    if jax.process_count() > 1:
+        from jax.experimental.multihost_utils import broadcast_one_to_all
+
+        held = bool(broadcast_one_to_all(np.int32(error is None)))
+        if not held and error is None:
+            error = _held(directory, flag)
+    if error is not None:
+        raise error
+    return lock
+
+
 class Checkpointer:
     """Asynchronous saves into `directory`, keeping the `keep` latest steps.
 
@@ -347,11 +511,12 @@ class Checkpointer:
         self.saved: int | None = None       # the last step known complete on disk
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Start saving `state` and `meta` (with the format tag and the state's digest) as `step`;
+        """Start saving `state` and `meta` (with the format tag, the state's digest and its own) as `step`;
         returns before the write. Raises CheckpointSaveError if the previous save failed."""
         if self.in_flight is not None:
             self.wait()  # orbax waits for the previous save anyway; this names it if it failed
         meta = {"format": FORMAT, **meta, "digest": state_digest(state)}
+        meta["meta_digest"] = meta_digest(meta)
         try:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             meta=ocp.args.JsonSave(meta)), force=True)

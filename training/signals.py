@@ -31,6 +31,7 @@ WORDS = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIG
 
 _lock = threading.Lock()
 _state = {"installed": False, "prog": "train.py", "phase": "preparing", "pending": None}
+_on_leave = []  # callables run before a signal ends the process at once (see `on_leave`)
 
 
 def install(prog: str = "train.py") -> None:
@@ -69,7 +70,23 @@ def describe(sig: int) -> str:
     return WORDS.get(sig, f"stopped by signal {int(sig)}")
 
 
+def on_leave(fn) -> None:
+    """Run `fn()` before a signal ends the process at once (e.g. let go of the --checkpoint_dir lock and
+    remove what it created, so that "nothing was written" stays true); `forget(fn)` undoes it."""
+    _on_leave.append(fn)
+
+
+def forget(fn) -> None:
+    if fn in _on_leave:
+        _on_leave.remove(fn)
+
+
 def _leave(line: str, code: int) -> None:
+    for fn in list(_on_leave):
+        try:
+            fn()
+        except Exception:
+            pass
     try:
         sys.stdout.flush()
     except Exception:
