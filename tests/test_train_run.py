@@ -26,7 +26,7 @@ BASE = "--model gpt2 --preset tiny --num_iterations 3 --activation_recompute --r
 VARIANTS = {
     "uniform": "",
     "block": "--recompute_method block --recompute_num_layers 1",
-    "selective": "--recompute_granularity selective --recompute_method none",
+    "selective": "--recompute_granularity selective --recompute_method none --recompute_num_layers 1",
     "use_reentrant": "--use_reentrant",
     "scan_layers": "--scan_layers",
     "bfloat16": "--dtype bfloat16",
