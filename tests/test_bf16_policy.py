@@ -50,9 +50,15 @@ def _inside_regions(model, policy, T=64):
     return out
 
 
-@pytest.mark.parametrize("T", TS)
-@pytest.mark.parametrize("policy", policies.examples())
-@pytest.mark.parametrize("model", MODELS)
+def _cases():
+    # Every policy at one tile (T=64) and at two; at two tiles only `everything` (the case that
+    # showed the extra slices and pads, issue 20) and `core_attn` stay in the fast set.
+    fast_at_two = {"everything", "core_attn"}
+    return [pytest.param(model, policy, T, marks=() if T == TS[0] or policy in fast_at_two else pytest.mark.slow)
+            for model in MODELS for policy in policies.examples() for T in TS]
+
+
+@pytest.mark.parametrize("model,policy,T", _cases())
 def test_bf16_wrapper_never_keeps_more_and_keeps_only_bf16(model, policy, T):
     plain, wrapped = _saved(model, policy, T), _saved(model, f"bf16:{policy}", T)
     assert wrapped.total <= plain.total, (wrapped.table(), plain.table())

@@ -86,8 +86,8 @@ def _replace_bytes(path: str, old: bytes, new: bytes) -> None:
 
 
 @pytest.mark.parametrize("old, new", [(b'"data_position": 4', b'"data_position": 5'),
-                                      (b'"data_position": 4', b'"data_position": 0'),
-                                      (b'"step": 4', b'"step": 6')])
+                                      pytest.param(b'"data_position": 4', b'"data_position": 0', marks=pytest.mark.slow),
+                                      pytest.param(b'"step": 4', b'"step": 6', marks=pytest.mark.slow)])
 def test_changed_metadata_is_set_aside_and_the_resume_is_bit_identical(old, new, two_steps, tmp_path, capsys):
     """The data position in the meta item of step 4 changed on disk (the arrays untouched): it used to
     resume from step 4 with rc 0, no warning, on other batches (another final state)."""
@@ -319,6 +319,7 @@ def _launch_hold(tmp_path, d, text_file, tag):
     return rcs, [_out(tmp_path / f"{tag}.{i}.out") for i in range(2)]
 
 
+@pytest.mark.slow  # ~12 s: two jax.distributed processes; the lock itself is tested fast above
 def test_two_processes_hold_the_directory_through_process_0(tmp_path, text_file):
     """jax.distributed with 2 processes, each preparing and then holding as training.run does: when
     another run holds the directory, both processes raise the same error (process 1 learns it from
