@@ -19,7 +19,7 @@ train: install
 	$(BIN)/python train.py $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test-all: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "" $(PYTEST_ARGS)

@@ -315,6 +315,12 @@ def _fmt_segments(segs) -> str:
     return ",".join(f"{a}-{b}" for a, b in segs) if segs else repr(segs)
 
 
+def _ascii_int(text: str) -> bool:
+    """Digits 0-9 only (`str.isdigit` also takes '²' and '٣', which `int` reads or refuses)."""
+    text = text.strip()
+    return bool(text) and text.isascii() and text.isdigit()
+
+
 def parse_segments(spec: str) -> tuple:
     """'0-3,3-5' → ((0, 3), (3, 5)): half-open layer ranges start-stop.
 
@@ -325,7 +331,7 @@ def parse_segments(spec: str) -> tuple:
     out = []
     for part in (p.strip() for p in spec.split(",")):
         a, dash, b = part.partition("-")
-        if not dash or not a.strip().isdigit() or not b.strip().isdigit():
+        if not dash or not _ascii_int(a) or not _ascii_int(b):
             raise RecomputeConfigError("segments", f"recompute segments {spec!r}: {part!r} is not START-STOP; give "
                                        "half-open layer ranges, e.g. 0-3,3-5 (layers 0,1,2 and 3,4)")
         out.append((int(a), int(b)))

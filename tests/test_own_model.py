@@ -331,8 +331,9 @@ class NNXBlk(nnx.Module):
         return x + scale * self.drop(self.b(jax.nn.gelu(self.a(x))))
 
 
-@pytest.mark.parametrize("cfg", [RecomputeConfig(), FULL, RecomputeConfig(granularity="full", method="uniform",
-                                                                          num_layers=2)])
+@pytest.mark.parametrize("cfg", [RecomputeConfig(), FULL,
+                                 pytest.param(RecomputeConfig(granularity="full", method="uniform", num_layers=2),
+                                              marks=pytest.mark.slow)])
 def test_nnx_stack_scan_matches_loop(cfg):
     make = lambda scan: rnnx.LayerStack([NNXBlk(nnx.Rngs(i)) for i in range(L)], cfg, scan=scan)  # noqa: E731
     key = jax.random.key(3)

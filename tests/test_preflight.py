@@ -9,24 +9,14 @@ import sys
 
 import pytest
 
-import train
 from training import preflight
 from remat.memory import format_bytes
+from trainhelp import _main
 
 # One layer keeps every compilation short; the data is the default corpus (no files needed).
 BASE = ["--preset", "tiny", "--n_layer", "1", "--val_every", "0", "--no-progress", "--num_iterations", "1"]
 ADVICE = re.compile(r"e\.g\. (--batch_size \d+(?: --grad_accum_steps \d+)? --activation_recompute --loss_chunk \d+)")
 TRY_AUTO = re.compile(r"try (--recompute_method auto --memory_budget \S+(?: --loss_chunk \d+)?)")
-
-
-def _main(argv, capsys):
-    """train.main in this process: (exit code, stdout, stderr)."""
-    try:
-        rc = train.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _one_line(err):

@@ -40,6 +40,7 @@ def test_plan(cfg, n, want):
     (dict(granularity="full", segments="0-3,2-5"), "segments=0-3,2-5: (2, 5) is not valid"),
     (dict(granularity="full", segments="3-1"), "start < stop"),
     (dict(granularity="full", segments="0-3;3-5"), "'0-3;3-5' is not START-STOP"),
+    (dict(granularity="full", segments="²-3"), "'²-3' is not START-STOP"),  # '²'.isdigit() is True
     (dict(granularity="full", segments=()), "empty"),
     (dict(granularity="full", segments=[(0, "a")]), "is not valid"),
     (dict(segments="0-3"), "needs granularity='full'"),

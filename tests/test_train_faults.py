@@ -6,7 +6,6 @@ read-only and full filesystems mounted in a user namespace (`unshare -rm`), sign
 train.py process. In-process calls of `training.prepare`/`run` are used where the join is the same.
 """
 import glob
-import io
 import json
 import math
 import os
@@ -24,41 +23,16 @@ import pytest
 from models import gpt2, llama3
 from models import llmc
 from models.llmc_io import LlmcFormatError, read_model
-from training import UsageError, config_from_args, prepare, run
+from training import UsageError, config_from_args, prepare
 from training import saving
 from training.data import default_corpus
 from training.resume import initial_state
+from trainhelp import ROOT, _env, _one_line, _run, text_file  # noqa: F401 (text_file is a fixture)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["--val_every", "0", "--no-progress"]
 TINY = ["--preset", "tiny", "--num_iterations", "3"] + QUIET
 # A fixed schedule length, so that runs of 3, 4 and 6 steps share one compiled train step.
 COMMON = ["--preset", "tiny", "--lr_decay_iters", "6"] + QUIET
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "code.txt"
-    path.write_bytes(b"".join(pathlib.Path(f).read_bytes() for f in default_corpus()[:3])[:60000])
-    return str(path)
-
-
-def _run(argv):
-    out = io.StringIO()
-    return run(config_from_args(argv), out=out), out.getvalue()
-
-
-def _env(**extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
-    env.update(extra)
-    return env
-
-
-def _one_line(stderr: str) -> str:
-    lines = [l for l in stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------------------------

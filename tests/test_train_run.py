@@ -4,7 +4,6 @@ settings, exact resume, NaN stop, gradient accumulation, --init_from, --memory_r
 Runs share compilations through the per-process caches in training/compile.py, so parametrized
 settings that compile the same program pay once.
 """
-import io
 import json
 import math
 import os
@@ -15,10 +14,10 @@ import pytest
 
 from models import gpt2, llama3
 from models.llmc import save as save_llmc
-from training import TrainingDiverged, config_from_args, prepare, run
+from training import TrainingDiverged, config_from_args, prepare
 from training import saving
-from training.data import default_corpus
 from training.resume import initial_state
+from trainhelp import _run, text_file  # noqa: F401 (text_file is a fixture)
 
 # The acceptance commands of issue 4 (each also run with --model llama3 below).
 BASE = "--model gpt2 --preset tiny --num_iterations 3 --activation_recompute --recompute_method uniform " \
@@ -35,18 +34,6 @@ FAST = {("gpt2", v) for v in VARIANTS} | {("llama3", "uniform"), ("llama3", "sel
 QUIET = ["--val_every", "0", "--no-progress"]
 # Most tests share these flags so that they share compilations with the acceptance runs.
 TINY = ["--preset", "tiny", "--num_iterations", "3"] + QUIET
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "code.txt"
-    path.write_bytes(b"".join(open(f, "rb").read() for f in default_corpus()[:3])[:60000])
-    return str(path)
-
-
-def _run(argv, **kw):
-    out = io.StringIO()
-    return run(config_from_args(argv), out=out, **kw), out.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -179,25 +179,40 @@ PROCESSES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def processes():
-    """Start them all at once (each mostly imports JAX), then collect: (rc, stderr) per argv."""
-    procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for argv in PROCESSES]
-    out = []
-    for p in procs:
+# One real process per module; four in the fast set (every parser is also run in-process above).
+FAST_PROCESSES = {0, 1, 11, 12}
+
+
+def _start(indices):
+    """Start them all at once (each mostly imports JAX), then collect: {index: (rc, stderr)}."""
+    procs = {i: subprocess.Popen([sys.executable, *PROCESSES[i]], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for i in indices}
+    out = {}
+    for i, p in procs.items():
         try:
             _, err = p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             p.kill()
             _, err = p.communicate()
             err = "TIMEOUT (a hang)\n" + err
-        out.append((p.returncode, err))
+        out[i] = (p.returncode, err)
     return out
 
 
-@pytest.mark.parametrize("i", range(len(PROCESSES)), ids=[" ".join(a[:2]) for a in PROCESSES])
-def test_process_exits_2_with_one_line(i, processes):
+@pytest.fixture(scope="module")
+def fast_processes():
+    return _start(sorted(FAST_PROCESSES))
+
+
+@pytest.fixture(scope="module")
+def slow_processes():
+    return _start([i for i in range(len(PROCESSES)) if i not in FAST_PROCESSES])
+
+
+@pytest.mark.parametrize("i", [pytest.param(i, marks=() if i in FAST_PROCESSES else pytest.mark.slow)
+                               for i in range(len(PROCESSES))], ids=[" ".join(a[:2]) for a in PROCESSES])
+def test_process_exits_2_with_one_line(i, request):
+    processes = request.getfixturevalue("fast_processes" if i in FAST_PROCESSES else "slow_processes")
     argv, (rc, err) = PROCESSES[i], processes[i]
     lines = [l for l in err.splitlines() if l.strip()]
     prog = _prog(argv[1])

@@ -28,34 +28,13 @@ from models import llmc
 from models.llmc_io import write_tokens
 from training import TrainConfig, UsageError, config_from_args, prepare
 from training.compile import abstract_with_sharding
-from training.data import default_corpus
 from training.prepare import flag_fields
 from training.step import make_train_step
+from trainhelp import ROOT, _env, _one_line, text_file  # noqa: F401 (text_file is a fixture)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["--val_every", "0", "--no-progress", "--num_iterations", "2"]
 # T=32 with two tiles of 16 (or four of 8) keeps every flag's program different and small.
 BASE = ["--preset", "tiny", "--sequence_length", "32", "--batch_size", "2", "--no-preflight"] + QUIET
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "code.txt"
-    path.write_bytes(b"".join(pathlib.Path(f).read_bytes() for f in default_corpus()[:3])[:60000])
-    return str(path)
-
-
-def _env(**extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
-    env.update(extra)
-    return env
-
-
-def _one_line(stderr: str) -> str:
-    lines = [l for l in stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------------------------

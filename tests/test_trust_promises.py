@@ -14,24 +14,14 @@ import re
 
 import pytest
 
-import train
 from remat.memory import MiB, compiled_stats, format_bytes
 from training import config_from_args, preflight, prepare
 from training.compile import compile_train_step
 from training.report import CPU_OFFLOAD, describe
+from trainhelp import _main
 
 TINY = ["--preset", "tiny", "--val_every", "0", "--no-progress", "--num_iterations", "1"]
 ADVICE = re.compile(r"e\.g\. --batch_size (\d+)(?: --grad_accum_steps (\d+))? --activation_recompute --loss_chunk (\d+)")
-
-
-def _main(argv, capsys):
-    """train.main in this process: (exit code, stdout, stderr)."""
-    try:
-        rc = train.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # --- the preflight's advice keeps the sequences per step ---------------------------------------
@@ -63,6 +53,7 @@ def test_split_batch_is_the_largest_divisor():
                 assert preflight.split_batch(seqs, most, step) == ((brute[-1], seqs // brute[-1]) if brute else None)
 
 
+@pytest.mark.slow  # a real compiled advice (~7 s); the split arithmetic is tested fast above
 def test_batch_advice_keeps_the_sequences_per_step():
     """A real advice, compiled: 96 sequences per step (48 x 2) with a capacity sized so that about 40
     of them fit per micro-batch under full remat with the chunked loss. The advice is 32 x 3 = 96

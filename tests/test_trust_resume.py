@@ -9,7 +9,6 @@
 Faults are real: bytes of a saved step's files changed on disk, real train.py processes, a real kill.
 """
 import glob
-import io
 import json
 import os
 import pathlib
@@ -24,31 +23,12 @@ import jax
 import numpy as np
 import pytest
 
-from training import UsageError, config_from_args, prepare, run
+from training import UsageError, config_from_args, prepare
 from training import saving
-from training.data import default_corpus
+from trainhelp import ROOT, _env, _run, text_file  # noqa: F401 (text_file is a fixture)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["--val_every", "0", "--no-progress"]
 COMMON = ["--preset", "tiny", "--lr_decay_iters", "6"] + QUIET
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "code.txt"
-    path.write_bytes(b"".join(pathlib.Path(f).read_bytes() for f in default_corpus()[:3])[:60000])
-    return str(path)
-
-
-def _run(argv):
-    out = io.StringIO()
-    return run(config_from_args(argv), out=out), out.getvalue()
-
-
-def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
-    return env
 
 
 def _train(args, **kw):
@@ -140,7 +120,8 @@ ORBAX_METADATA = {
 }
 
 
-@pytest.mark.parametrize("kind", list(ORBAX_METADATA))
+@pytest.mark.parametrize("kind", [k if i == 0 else pytest.param(k, marks=pytest.mark.slow)  # one fast: they only document
+                                  for i, k in enumerate(ORBAX_METADATA)])
 def test_orbax_metadata_changes_are_refused_or_harmless(kind, two_steps, abstract, tmp_path):
     src, _, _ = two_steps
     d = str(tmp_path / "ck")
