@@ -71,6 +71,7 @@ def test_remat_module_keeps_parameter_paths_and_gradients():
         assert rel_err(jax.grad(_loss(Net(wrap)))(VARS), ref) <= 1e-5
 
 
+@pytest.mark.slow  # tests/test_examples.py asserts the same on the Linen example (temp < 0.8x nn.remat)
 def test_remat_module_compiled_temp_falls_below_nn_remat():
     vs = {w: Net(w).init(KEY, X) for w in (None, "nn.remat", "full")}  # nn.remat renames: CheckpointBlock_0
     temp = {w: compiled_memory(jax.grad(_loss(Net(w))), v).temp for w, v in vs.items()}
