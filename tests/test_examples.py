@@ -43,6 +43,7 @@ def test_linen_decode_with_remat_matches_the_original():
     assert (jnp.argmax(full[:, 2:], -1) == ref[:, 3:]).all()
 
 
+@pytest.mark.slow  # ~6 s; test_linen_decode_with_remat_matches_the_original keeps decoding fast
 def test_nnx_and_jax_sampling_with_remat_match_the_original():
     prompt = jnp.array([[1, 2, 3]])
     make = lambda r: nnx_gemma.Transformer(nnx_gemma.Config(remat=r), nnx.Rngs(0))  # noqa: E731

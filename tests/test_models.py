@@ -119,8 +119,21 @@ def _assert_grads_close(got, want, tol=GRAD_TOL):
 # ------------------------------------------------------------------------------------------------
 # Recompute settings: loss and every gradient equal the no-remat model's.
 
-@pytest.mark.parametrize("setting, scan", list(_cases()))
-@pytest.mark.parametrize("model", list(MODELS))
+# LLaMA-3 in the fast run: one setting per kind (plain, selective, a remainder under scan,
+# reentrant); the rest of its fast GPT-2 matrix runs with `-m slow` (the layer stack is shared).
+LLAMA_FAST = {("full-none", False), ("selective-core_attn", False), ("full-uniform2-L3", True),
+              ("full-none-reentrant", False)}
+
+
+def _model_cases():
+    for model in MODELS:
+        for p in _cases():
+            setting, scan = p.values
+            slow = bool(p.marks) or (model == "llama3" and (setting, scan) not in LLAMA_FAST)
+            yield pytest.param(model, setting, scan, id=f"{model}-{p.id}", marks=pytest.mark.slow if slow else ())
+
+
+@pytest.mark.parametrize("model, setting, scan", list(_model_cases()))
 def test_recompute_matches_no_remat(model, setting, scan):
     n_layer, kw = SETTINGS[setting]
     loss0, g0 = _value_and_grad(model, _config(model, n_layer))  # the no-remat loop model

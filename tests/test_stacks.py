@@ -99,9 +99,9 @@ SCAN_SETTINGS = [c for c in SETTINGS if c.policy in (None, "core_attn")]
 
 
 def _scan_params():
-    # fast: every method at num_layers 1 and 2 with the default policy (non-reentrant) and the
-    # selective presets; the reentrant path, num_layers 3 and core_attn run with `-m slow`
-    fast = lambda c: c.policy is None and not c.use_reentrant and c.num_layers != 3
+    # fast: method none and every method at num_layers 2 with the default policy (non-reentrant), and
+    # the selective presets; num_layers 1 and 3, the reentrant path and core_attn run with `-m slow`
+    fast = lambda c: c.policy is None and not c.use_reentrant and (c.num_layers == 2 or c.method == "none")
     return [pytest.param(c, id=IDS[SETTINGS.index(c)], marks=() if fast(c) else pytest.mark.slow) for c in SCAN_SETTINGS]
 
 
@@ -136,8 +136,16 @@ JIT_SETTINGS = [RecomputeConfig(granularity="full", method=m, num_layers=n, use_
                 for m, n in (("none", 1), ("uniform", 3), ("block", 2)) for r in (False, True)]
 
 
-@pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.parametrize("cfg", JIT_SETTINGS, ids=lambda c: f"{c.method}{c.num_layers}-re{int(c.use_reentrant)}")
+def _jit_params():
+    # fast: each method non-reentrant in the loop, each method reentrant under scan; the rest slow
+    for c in JIT_SETTINGS:
+        for scan in (False, True):
+            fast = c.use_reentrant == scan
+            yield pytest.param(c, scan, id=f"{c.method}{c.num_layers}-re{int(c.use_reentrant)}-{scan}",
+                               marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("cfg, scan", list(_jit_params()))
 def test_jitted(cfg, scan):
     g = jax.jit(jax.grad(plain_loss), static_argnums=(2, 3))(PS, X, cfg, scan)
     assert rel_err(g, PLAIN_REF) <= 1e-5
