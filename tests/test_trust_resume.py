@@ -25,7 +25,7 @@ import pytest
 
 from training import UsageError, config_from_args, prepare
 from training import saving
-from trainhelp import ROOT, _env, _run, text_file  # noqa: F401 (text_file is a fixture)
+from trainhelp import ROOT, _env, _run, text_file, two_steps  # noqa: F401 (text_file is a fixture)
 
 QUIET = ["--val_every", "0", "--no-progress"]
 COMMON = ["--preset", "tiny", "--lr_decay_iters", "6"] + QUIET
@@ -46,16 +46,6 @@ def _leaves(tree) -> list:
 
 # ------------------------------------------------------------------------------------------------
 # item 3: changed metadata bytes
-
-
-@pytest.fixture(scope="module")
-def two_steps(tmp_path_factory, text_file):
-    """Checkpoints at steps 2 and 4, and an uninterrupted 6-step run (losses and final state)."""
-    d = tmp_path_factory.mktemp("ck")
-    common = COMMON + ["--data", text_file]
-    _run(common + ["--num_iterations", "4", "--checkpoint_every", "2", "--checkpoint_dir", str(d / "ck")])
-    straight, _ = _run(common + ["--num_iterations", "6"])
-    return str(d / "ck"), common, straight
 
 
 def _replace_bytes(path: str, old: bytes, new: bytes) -> None:

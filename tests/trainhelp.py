@@ -11,6 +11,9 @@ from training import config_from_args, run
 from training.data import default_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUIET = ["--val_every", "0", "--no-progress"]
+# A fixed schedule length, so that runs of 3, 4 and 6 steps share one compiled train step.
+COMMON = ["--preset", "tiny", "--lr_decay_iters", "6"] + QUIET
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +22,17 @@ def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "code.txt"
     path.write_bytes(b"".join(pathlib.Path(f).read_bytes() for f in default_corpus()[:3])[:60000])
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory, text_file):
+    """Checkpoints at steps 2 and 4 of a run, and an uninterrupted 6-step run (its RunResult):
+    (checkpoint dir, the common flags, RunResult)."""
+    d = tmp_path_factory.mktemp("ck")
+    common = COMMON + ["--data", text_file]
+    _run(common + ["--num_iterations", "4", "--checkpoint_every", "2", "--checkpoint_dir", str(d / "ck")])
+    straight, _ = _run(common + ["--num_iterations", "6"])
+    return str(d / "ck"), common, straight
 
 
 def _run(argv, **kw):
