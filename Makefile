@@ -25,12 +25,12 @@ test-all: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "" $(PYTEST_ARGS)
 
 bench: install
-	$(BIN)/python -m bench.policies
-	@if $(BIN)/python -c "import torch" 2>/dev/null; then $(BIN)/python -m bench.torch_peer; \
-	else echo "bench.torch_peer skipped: PyTorch is not installed (pip install -e '.[peer]')"; fi
+	$(BIN)/python -m remat_lm.bench.policies
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then $(BIN)/python -m remat_lm.bench.torch_peer; \
+	else echo "remat_lm.bench.torch_peer skipped: PyTorch is not installed (pip install -e '.[peer]')"; fi
 
 gpu-check:
-	bash bench/gpu_check.sh
+	bash remat_lm/bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,7 +17,7 @@
     python train.py --preset d12 --sequence_length 1024 --activation_recompute --loss_chunk 128  # no (B,T,V) logits
     python train.py --num_iterations 20 --profile_steps 10:13 --log_jsonl runs/x.jsonl  # trace to runs/x.profile
 
-Flags are generated from `training.TrainConfig` (`python train.py --help`). Bad input (an unknown
+Flags are generated from `remat_lm.training.TrainConfig` (`python train.py --help`). Bad input (an unknown
 value, inconsistent recompute flags, a missing or malformed data file, a mismatched --init_from,
 --resume without a checkpoint or with changed training flags, an unusable --checkpoint_dir or
 --log_jsonl, an empty path, an input that is not a readable regular file, an output path that is an
@@ -36,19 +36,19 @@ PROG = "train.py"
 
 
 def main(argv=None) -> int:
-    from training.config import UsageError, config_from_args, usage_exit
+    from remat_lm.training.config import UsageError, config_from_args, usage_exit
 
     try:
         cfg = config_from_args(argv, prog=PROG, description=__doc__)
     except UsageError as e:
         usage_exit(str(e), PROG)
-    from training import signals
+    from remat_lm.training import signals
 
-    signals.install(PROG)  # Ctrl-C / SIGTERM: exit 130 / 143 with one line (training/signals.py)
-    from training import distributed
+    signals.install(PROG)  # Ctrl-C / SIGTERM: exit 130 / 143 with one line (remat_lm/training/signals.py)
+    from remat_lm.training import distributed
 
     try:
-        distributed.initialize()  # N processes (JAX_COORDINATOR_ADDRESS..., SLURM, Open MPI): training/distributed.py
+        distributed.initialize()  # N processes (JAX_COORDINATOR_ADDRESS..., SLURM, Open MPI): remat_lm/training/distributed.py
     except (RuntimeError, ValueError) as e:
         sys.stderr.write(f"{PROG}: error: could not start the multi-process run ({' '.join(str(e).split())[:300]}); "
                          f"check JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID and that every "
@@ -56,19 +56,19 @@ def main(argv=None) -> int:
         return 1
     distributed.quiet_others()  # process 0 prints and logs
     distributed.tidy_stderr(PROG)  # N processes: one line, not JAX's abort, when the service finds a peer gone
-    import training
-    from models.llmc_io import LlmcFormatError
-    from training.saving import CheckpointSaveError, quiet_failed_save_threads
-    from training.log import LogWriteError
-    from training.run import Interrupted
+    from remat_lm import training
+    from remat_lm.models.llmc_io import LlmcFormatError
+    from remat_lm.training.saving import CheckpointSaveError, quiet_failed_save_threads
+    from remat_lm.training.log import LogWriteError
+    from remat_lm.training.run import Interrupted
 
     quiet_failed_save_threads()
 
     try:
-        training.run(cfg)
+        remat_lm.training.run(cfg)
     except (UsageError, LlmcFormatError) as e:  # bad input found while preparing: nothing was written
         usage_exit(str(e), PROG)
-    except training.TrainingDiverged as e:
+    except remat_lm.training.TrainingDiverged as e:
         sys.stderr.write(f"{PROG}: stopped: {e}\n")
         return 1
     except LogWriteError as e:  # a full disk under --log_jsonl: the checkpoints in flight were completed
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
 
 
 def _exit_on_early_signals() -> None:
-    """SIGINT / SIGTERM before `training.signals` takes over (while Python imports JAX and parses the
+    """SIGINT / SIGTERM before `remat_lm.training.signals` takes over (while Python imports JAX and parses the
     flags, about a second): exit 130 / 143 with one line. Python's defaults would print a
     KeyboardInterrupt traceback through the import machinery, or die on SIGTERM without a word."""
     import signal
@@ -116,5 +116,5 @@ def _exit_on_early_signals() -> None:
 
 
 if __name__ == "__main__":
-    _exit_on_early_signals()  # first, before main() imports jax (training.signals replaces it later)
+    _exit_on_early_signals()  # first, before main() imports jax (remat_lm.training.signals replaces it later)
     sys.exit(main())

@@ -14,7 +14,7 @@ DETERMINISM_CHECKS = (True, False, "structure", "values")
 
 class RecomputeConfigError(ValueError):
     """A bad recompute setting. `fields` names the RecomputeConfig field(s) at fault, so a command
-    line can name its flag (`remat.flags.flag_error`) without validating the settings again."""
+    line can name its flag (`remat_lm.training.flags.flag_error`) without validating the settings again."""
 
     def __init__(self, fields, message: str):
         super().__init__(message)

@@ -206,7 +206,7 @@ def compiled_memory(fn, *args, static_argnums=()) -> CompiledMemory:
 # ------------------------------------------------------------------------------------------------
 # The platform a program is built for.
 
-# NOTE: the attention core (models/attention.py) and the cotangent tie (remat/checkpoint.py `_tie`)
+# NOTE: the attention core (remat_lm/models/attention.py) and the cotangent tie (remat/checkpoint.py `_tie`)
 # differ per platform, and both are chosen while tracing, before XLA knows the lowering platforms.
 # `jax.lax.platform_dependent` would defer the choice to lowering, but differentiating it keeps the
 # residuals of every branch (a `cond`'s residuals are the union over branches, zero-filled where a
@@ -256,7 +256,7 @@ def lowered_for(fn, platform: str, *args, **kwargs) -> jax.stages.Lowered:
     `fn` may be jitted already (its shardings and donation are kept). Read the program with
     `.as_text()` (StableHLO): e.g. the cuDNN attention call `__cudnn$fmha...` on cuda, the Pallas
     kernel `tpu_custom_call` on tpu, `_xla_buffer_placement = "pinned_host"` for offloaded values.
-    `python -m bench.lower` does it for the train step.
+    `python -m remat_lm.bench.lower` does it for the train step.
     Example:
       >>> "stablehlo.sine" in lowered_for(jax.numpy.sin, "tpu", jax.numpy.ones(4)).as_text()
       True

@@ -202,7 +202,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
       candidates: settings to choose from per layer: "none" (or None) and `remat.policies` names.
       peak: "estimate" (arguments + outputs + temp − aliased, the default) or "temp".
       max_iterations: planning rounds at most (each compiles one plan to verify it).
-      layer_bytes: the analytic bytes of one layer (`models.memory_model.activation_bytes`), only
+      layer_bytes: the analytic bytes of one layer (`remat_lm.models.memory_model.activation_bytes`), only
         for the saved-bytes column of the table.
       log: called with one line per compilation (progress), e.g. `print`.
     Returns:

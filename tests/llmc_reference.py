@@ -2,7 +2,7 @@
 
 Written straight from ``shared/design/FORMATS.md`` with a hand-derived backward pass
 (no autodiff), to produce debug-state files and to check ports against. Tensor names
-and shapes are those of ``models.llmc_io`` (linear weights (out, in), per-layer tensors
+and shapes are those of ``remat_lm.models.llmc_io`` (linear weights (out, in), per-layer tensors
 with a leading L axis).
 
 Example:
@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from models.llmc_io import GPT2Header, Llama3Header
+from remat_lm.models.llmc_io import GPT2Header, Llama3Header
 
 GPT2_LN_EPS = 1e-5
 
@@ -367,7 +367,7 @@ LLMC_TOKEN_HEADERS = {
 
 
 def llmc_write_datafile(filename, toks, model_desc: str = "gpt-2") -> None:
-    """What llm.c's ``dev/data/data_common.py`` ``write_datafile`` does, independently of models.llmc_io.
+    """What llm.c's ``dev/data/data_common.py`` ``write_datafile`` does, independently of remat_lm.models.llmc_io.
 
     A header of 256 int32 (native order, as NumPy writes it: [0] magic, [1] version, [2] token
     count), then the tokens as uint16 ("gpt-2") or uint32 ("llama-3"), written with a plain

@@ -1,4 +1,4 @@
-"""models/attention.py: the tiled causal core against a float64 reference and today's (xla) core,
+"""remat_lm/models/attention.py: the tiled causal core against a float64 reference and today's (xla) core,
 its dropout bits, its memory growth, cuDNN's named residuals, and the attention switch.
 
 The model-level checks (every recompute setting, dropout bit-equal under remat, the float64 llm.c
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import llmc_reference as ref
-from models import attention, gpt2, layers
+from remat_lm.models import attention, gpt2, layers
 from remat import memory, policies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,8 +227,8 @@ def test_cudnn_wrapper_names_its_residuals_and_keeps_gradients():
 
 
 def test_train_attention_flag(tmp_path):
-    from training.config import config_from_args
-    from training.run import prepare
+    from remat_lm.training.config import config_from_args
+    from remat_lm.training.run import prepare
     text = tmp_path / "t.txt"
     text.write_bytes(bytes(range(256)) * 40)
     setup = prepare(config_from_args(["--attention", "xla", "--attention_tile", "16", "--data", str(text)]))
@@ -256,7 +256,7 @@ def test_prefix_tile_count_is_bounded_and_tiles_cover_the_sequence(T, tile):
         assert len(tiles) == -(-T // tile)  # within the bound the tile is as asked
 
 
-@pytest.mark.slow  # the prefix kernel is kept for bench.attention's comparison only
+@pytest.mark.slow  # the prefix kernel is kept for remat_lm.bench.attention's comparison only
 def test_prefix_widened_tiles_match_the_float64_reference():
     # T=70 at tile 1 asks for 70 tiles: widened to 3 rows (24 tiles, the last one 1 row).
     B, T, H, K, D = 1, 70, 2, 1, 4

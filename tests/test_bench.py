@@ -7,9 +7,9 @@ import sys
 import jax
 import pytest
 
-from bench import gpu_check, policies
-from bench.common import REFERENCE_BATCH, Target, interleaved_ms, reference_config
-from models import gpt2
+from remat_lm.bench import gpu_check, policies
+from remat_lm.bench.common import REFERENCE_BATCH, Target, interleaved_ms, reference_config
+from remat_lm.models import gpt2
 from remat.memory import compiled_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,7 +181,7 @@ def test_gpu_check_smoke_writes_table_and_json(tmp_path):
     # Two of the five settings: each runs in its own process (JAX start, two compiles), ~10 s on
     # a busy 2-core machine. `--smoke` alone runs all five.
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", "--settings", "none,full",
+    p = subprocess.run([sys.executable, "-m", "remat_lm.bench.gpu_check", "--smoke", "--settings", "none,full",
                         "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -201,7 +201,7 @@ def test_gpu_check_smoke_writes_table_and_json(tmp_path):
 
 def test_gpu_check_sh_environment_and_arguments(tmp_path):
     """Run the script with a stand-in Python that records what it was given: the allocator
-    settings, the working directory, and the arguments passed through to bench.gpu_check."""
+    settings, the working directory, and the arguments passed through to remat_lm.bench.gpu_check."""
     log = tmp_path / "calls"
     fake = tmp_path / "python"
     fake.write_text("#!/usr/bin/env bash\n"
@@ -210,21 +210,21 @@ def test_gpu_check_sh_environment_and_arguments(tmp_path):
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
     env["PYTHON"] = str(fake)
-    sh = os.path.join(ROOT, "bench", "gpu_check.sh")
+    sh = os.path.join(ROOT, "remat_lm", "bench", "gpu_check.sh")
     p = subprocess.run(["bash", sh, "--settings", "none,full"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     probe, main = log.read_text().splitlines()
     assert probe.startswith(f"{ROOT}|false|0.95|0.95|-c import jax")
-    assert main == f"{ROOT}|false|0.95|0.95|-m bench.gpu_check --settings none,full"
+    assert main == f"{ROOT}|false|0.95|0.95|-m remat_lm.bench.gpu_check --settings none,full"
     # a caller's memory fraction is kept, and the XLA client follows it
     log.unlink()
     subprocess.run(["bash", sh], env=dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION="0.5"), check=True, timeout=60)
-    assert log.read_text().splitlines()[1] == f"{ROOT}|false|0.5|0.5|-m bench.gpu_check"
+    assert log.read_text().splitlines()[1] == f"{ROOT}|false|0.5|0.5|-m remat_lm.bench.gpu_check"
 
 
 def test_torch_peer_without_torch_exits_2(monkeypatch, capsys):
-    from bench import torch_peer
+    from remat_lm.bench import torch_peer
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
     assert torch_peer.main([]) == 2
     assert "pip install -e '.[peer]'" in capsys.readouterr().err
@@ -232,7 +232,7 @@ def test_torch_peer_without_torch_exits_2(monkeypatch, capsys):
 
 def test_torch_peer_tiny():
     pytest.importorskip("torch")  # the optional `peer` extra
-    from bench import torch_peer
+    from remat_lm.bench import torch_peer
     res = torch_peer.run(steps=2, torch_threads=(1, 2), log=lambda _: None, **TINY)
     rows = {r["impl"]: r for r in res["rows"]}
     assert list(rows) == ["JAX none", "JAX full", "PyTorch eager, 1 thread", "PyTorch eager, 2 threads",
@@ -255,7 +255,7 @@ def test_torch_peer_tiny():
 
 @pytest.mark.slow  # five worker processes, ~14 s
 def test_cpu_ceiling_matmul_rows_and_scaling():
-    from bench import cpu_ceiling
+    from remat_lm.bench import cpu_ceiling
     res = cpu_ceiling.run(m=64, k=64, n=64, seconds=0.2, step=False)
     rows = {r["impl"]: r for r in res["rows"]}
     two, one = rows["JAX matmul, 2 processes at once"], rows["JAX matmul, 1 process"]
@@ -270,7 +270,7 @@ def test_cpu_ceiling_matmul_rows_and_scaling():
 
 @pytest.mark.slow
 def test_cpu_ceiling_two_host_devices_compute_the_same_step():
-    from bench import cpu_ceiling
+    from remat_lm.bench import cpu_ceiling
     res = cpu_ceiling.run(m=64, k=64, n=64, seconds=0.1, steps=1)
     one, two = [r for r in res["rows"] if r["kind"] == "step"]
     assert "2 host devices" in two["impl"] and two["scaling"] == pytest.approx(one["ms"] / two["ms"])
@@ -279,7 +279,7 @@ def test_cpu_ceiling_two_host_devices_compute_the_same_step():
 
 @pytest.mark.slow  # ~12 s of compiles
 def test_loss_chunk_bench_rows_and_target():
-    from bench import loss_chunk
+    from remat_lm.bench import loss_chunk
     res = loss_chunk.run("tiny", seq=32, batch=2, chunks=(8,), log=lambda _: None)
     rows = {(r["setting"], r["loss_chunk"]): r for r in res["rows"]}
     assert list(rows) == [("none", 0), ("none", 8), ("full", 0), ("full", 8)]
@@ -312,7 +312,7 @@ def test_gpu_check_attention_rows():
 @pytest.mark.slow
 def test_gpu_check_smoke_attention_rows(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", "--settings", "attn tiled full,attn cudnn full",
+    p = subprocess.run([sys.executable, "-m", "remat_lm.bench.gpu_check", "--smoke", "--settings", "attn tiled full,attn cudnn full",
                         "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
@@ -323,7 +323,7 @@ def test_gpu_check_smoke_attention_rows(tmp_path):
 
 @pytest.mark.slow  # nine compilations (three settings × three cores)
 def test_attention_bench_tiny():
-    from bench import attention as bench_attention
+    from remat_lm.bench import attention as bench_attention
     res = bench_attention.run((48,), n_layer=1, n_embd=32, n_head=4, vocab=256, steps=1, tile=16, log=lambda _: None)
     rows = {(r["setting"], r["attention"]): r for r in res["rows"]}
     assert list(rows) == [(s, c) for s in bench_attention.SETTINGS for c in bench_attention.CORES]
@@ -340,7 +340,7 @@ def test_attention_bench_tiny():
 
 def test_step_profile_splits_the_traced_wall_time():
     """A real trace of a tiny step: every part of the wall time lands in exactly one bucket."""
-    from bench import step_profile
+    from remat_lm.bench import step_profile
     res = step_profile.run(n_layer=2, n_embd=32, seq=32, batch=2, steps=2)
     s = res["summary"]
     assert sum(r["ms"] for r in res["split"]) == pytest.approx(s["traced_wall_ms"], rel=1e-9)
@@ -355,7 +355,7 @@ def test_step_profile_splits_the_traced_wall_time():
         step_profile.run(n_layer=2, n_embd=32, seq=32, batch=2, steps=1, setting="no such setting")
 
 
-@pytest.mark.parametrize("argv", [["bench.attention", "--cores", "tiled"], ["bench.step_profile", "--setting", "nope"]])
+@pytest.mark.parametrize("argv", [["remat_lm.bench.attention", "--cores", "tiled"], ["remat_lm.bench.step_profile", "--setting", "nope"]])
 def test_bench_bad_input_exits_2_with_one_line(argv):
     """Bad input found after argument parsing is a usage error (2), like argparse's own, not rc 1."""
     p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import models.attention as attention
-import models.gpt2 as gpt2
-import models.llama3 as llama3
+import remat_lm.models.attention as attention
+import remat_lm.models.gpt2 as gpt2
+import remat_lm.models.llama3 as llama3
 from remat import RecomputeConfig, memory, policies
 
 MODELS = {"gpt2": (gpt2, gpt2.GPT2Config), "llama3": (llama3, llama3.Llama3Config)}

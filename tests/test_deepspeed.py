@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import pytest
 
 import train
-from remat import RecomputeConfig, deepspeed, memory
-from remat.flags import recompute_configs
-from training import UsageError, config_from_args
-from training.model import family, init_params
+from remat import RecomputeConfig, memory
+from remat_lm.training import deepspeed
+from remat_lm.training.flags import recompute_configs
+from remat_lm.training import UsageError, config_from_args
+from remat_lm.training.model import family, init_params
 
 N_LAYER = 4
 

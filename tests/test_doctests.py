@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
 import remat
+import remat_lm.models
 
 MODULES = sorted(
     [m.name for m in pkgutil.iter_modules(remat.__path__, "remat.")] + ["remat"]
-    + [m.name for m in pkgutil.iter_modules(models.__path__, "models.")])
+    + [m.name for m in pkgutil.iter_modules(remat_lm.models.__path__, "remat_lm.models.")]
+    + ["remat_lm.argtypes", "remat_lm.training.flags", "remat_lm.training.deepspeed"])
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 B, T = 2, 8
 TOKENS = np.array([50256, 464, 3290, 287, 262, 995, 13, 50256], np.uint16)
@@ -34,7 +35,7 @@ TOKENS = np.array([50256, 464, 3290, 287, 262, 995, 13, 50256], np.uint16)
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A directory with tiny llm.c files: a GPT-2 model and its debug state, a shard, a tokenizer."""
-    from models import llmc, llmc_io, tokenizer
+    from remat_lm.models import llmc, llmc_io, tokenizer
     d = tmp_path_factory.mktemp("llmc")
     cfg, params = _tiny("gpt2")
     llmc.save(d / "model.bin", cfg, params)
@@ -52,7 +53,7 @@ def files(tmp_path_factory):
 def _tiny(model: str):
     """(config, parameters) of the family's tiny preset, made once per session from NumPy draws
     through the llm.c table (no JAX compilation: the examples' own cost is what is timed)."""
-    from models import family
+    from remat_lm.models import family
     fam = family.get(model)
     cfg = fam.config("tiny")
     rng = np.random.default_rng(0)
@@ -62,7 +63,7 @@ def _tiny(model: str):
 
 def _model_namespace(module: str) -> dict:
     """The tiny model of the module's family (GPT-2 unless the module is LLaMA-3's)."""
-    cfg, params = _tiny("llama3" if module == "models.llama3" else "gpt2")
+    cfg, params = _tiny("llama3" if module == "remat_lm.models.llama3" else "gpt2")
     rng = np.random.default_rng(0)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     idx = rng.integers(0, cfg.vocab_size, (B, T + 1), dtype=np.int32)
@@ -77,14 +78,14 @@ def _model_namespace(module: str) -> dict:
 # whole-model modules cost ~14 s CPU together and what they show (init, loss, gradients, decoding)
 # is tested in depth by test_models.py / test_sample.py, so they run with the slow set
 # (`make test-all`); the default set runs the rest in ~15 s.
-SLOW = {"models.gpt2", "models.llama3", "models.sample", "models.attention"}  # attention: ~10 s (tested in depth by test_attention.py)
+SLOW = {"remat_lm.models.gpt2", "remat_lm.models.llama3", "remat_lm.models.sample", "remat_lm.models.attention"}  # attention: ~10 s (tested in depth by test_attention.py)
 
 
 @pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODULES])
 def test_docstring_examples(name, files, monkeypatch):
     module = importlib.import_module(name)
     globs = dict(vars(module), jax=jax, jnp=jnp, np=np)
-    if name.startswith("models."):
+    if name.startswith("remat_lm.models."):
         globs.update(_model_namespace(name))
     monkeypatch.chdir(files)
     finder = doctest.DocTestFinder(exclude_empty=True)
@@ -99,4 +100,4 @@ def test_docstring_examples(name, files, monkeypatch):
 
 
 # Modules whose public functions carry examples (names.py and check.py have none to run).
-WITH_EXAMPLES = set(MODULES) - {"remat.names", "remat.check", "models.__init__"}
+WITH_EXAMPLES = set(MODULES) - {"remat.names", "remat.check", "remat_lm.models.__init__"}

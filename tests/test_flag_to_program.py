@@ -1,16 +1,16 @@
 """The join of the layers: a recompute flag of train.py reaches the program train.py compiles.
 
-For each flag combination, the train step that `training.prepare` + `training.compile` build for
+For each flag combination, the train step that `remat_lm.training.prepare` + `remat_lm.training.compile` build for
 that TrainConfig (the path `train.py` and `--dry_run` take) must
   - save for the backward the bytes the analytic model predicts for the setting the flags mean
-    (`models.memory_model.activation_bytes` + `remat.memory.predict_saved`, within 1%; for policies
+    (`remat_lm.models.memory_model.activation_bytes` + `remat.memory.predict_saved`, within 1%; for policies
     the model does not cover, what the library saves for that setting built directly);
-  - need the XLA temp of the same train step compiled by hand (`training.step.make_train_step` on
+  - need the XLA temp of the same train step compiled by hand (`remat_lm.training.step.make_train_step` on
     the model config built directly, with the expected RecomputeConfig).
 The expected RecomputeConfig of each case is written out here, not derived from the flags.
 
 # NOTE: these tests can fail. With the recompute setting dropped on its way to the model
-# (`recompute=recompute` removed from `training.prepare._model_config`, tried while writing this
+# (`recompute=recompute` removed from `remat_lm.training.prepare._model_config`, tried while writing this
 # file, then restored), 17 of the 22 default tests fail: every saved-bytes case but `none` and
 # `selective` (e.g. `full` saves 4,902,912 B where 923,648 B is predicted), every compiled-temp case
 # but `none`, the hand-jitted step, the dry run, and `test_the_settings_differ` (which catches
@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from models import memory_model
+from remat_lm.models import memory_model
 from remat import RecomputeConfig as R
-from remat import flags as recompute_flags
+from remat_lm.training import flags as recompute_flags
 from remat import memory
-from training import config_from_args, prepare, run
-from training.compile import abstract_with_sharding, compile_train_step
-from training.config import build_parser
-from training.step import make_train_step
+from remat_lm.training import config_from_args, prepare, run
+from remat_lm.training.compile import abstract_with_sharding, compile_train_step
+from remat_lm.training.config import build_parser
+from remat_lm.training.step import make_train_step
 
 # A tiny GPT-2: 4 layers, width 32, T=16. A batch of 32 makes the activations, not the parameters and
 # optimizer state, decide XLA's temp (at batch 2 every setting compiles to the same temp).
@@ -78,7 +78,7 @@ def _saved(setup, mcfg) -> int:
 
 
 def _temp_by_hand(setup, mcfg) -> int:
-    """XLA temp of the train step for `mcfg`, jitted here without training.compile."""
+    """XLA temp of the train step for `mcfg`, jitted here without remat_lm.training.compile."""
     cfg = setup.cfg
     step = make_train_step(setup.fam, mcfg, setup.tx, setup.schedule, cfg.dropout)
     b = jax.ShapeDtypeStruct((cfg.grad_accum_steps, cfg.batch_size, cfg.sequence_length), jnp.int32,
@@ -129,7 +129,7 @@ def test_compiled_temp_is_the_settings(prepared, name):
 
 
 def test_compile_path_is_the_step(prepared):
-    """training.compile's program is the train step itself: the same temp as the step jitted by hand."""
+    """remat_lm.training.compile's program is the train step itself: the same temp as the step jitted by hand."""
     setup, _ = prepared["uniform2"]
     assert _temp(setup) == _temp_by_hand(setup, _expected(setup, "uniform2"))
 
@@ -160,8 +160,8 @@ def test_dry_run_compiles_the_same_program(data):
 
 
 def test_verify_and_train_share_the_recompute_flags():
-    """`python -m models.llmc verify` parses the recompute flags exactly as train.py does."""
-    from models import llmc
+    """`python -m remat_lm.models.llmc verify` parses the recompute flags exactly as train.py does."""
+    from remat_lm.models import llmc
 
     train = {a.dest: a for a in build_parser()._actions}
     verify_parser = None
@@ -185,7 +185,7 @@ def test_train_config_fields_are_the_table():
     """TrainConfig's recompute fields have the table's types and defaults (one vocabulary)."""
     import typing
 
-    from training import TrainConfig
+    from remat_lm.training import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}

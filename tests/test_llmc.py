@@ -1,4 +1,4 @@
-"""models.llmc: load/save for the Flax models and `python -m models.llmc verify` against reference states.
+"""remat_lm.models.llmc: load/save for the Flax models and `python -m remat_lm.models.llmc verify` against reference states.
 
 Reference states come from tests/llmc_reference.py, an independent float64 NumPy forward and
 hand-written backward (checked by finite differences in test_llmc_io.py).
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import llmc_reference as ref
-from models import llmc
-from models.llmc_io import read_model, write_model, write_state
+from remat_lm.models import llmc
+from remat_lm.models.llmc_io import read_model, write_model, write_state
 
 KINDS = {"gpt2": ref.tiny_gpt2_header, "llama3": ref.tiny_llama3_header}
 
@@ -112,7 +112,7 @@ def test_state_that_does_not_fit_the_model(files, tmp_path, capsys):
     write_state(tmp_path / "foreign.bin", okind, other, x, y, lg.astype(np.float32), np.float32(ls),
                 {k: v.astype(np.float32) for k, v in gr.items()})
     assert llmc.main(["verify", str(d / "model.bin"), str(tmp_path / "foreign.bin")]) == 2
-    assert capsys.readouterr().err.startswith("python -m models.llmc verify: error: ")
+    assert capsys.readouterr().err.startswith("python -m remat_lm.models.llmc verify: error: ")
 
 
 def test_truncated_llama_header_accepts_overrides(tmp_path):
@@ -130,9 +130,9 @@ def test_truncated_llama_header_accepts_overrides(tmp_path):
 
 def test_cli_bad_input_prints_no_traceback(tmp_path):
     (tmp_path / "empty.bin").write_bytes(b"")
-    r = subprocess.run([sys.executable, "-m", "models.llmc", "verify", str(tmp_path / "empty.bin"),
+    r = subprocess.run([sys.executable, "-m", "remat_lm.models.llmc", "verify", str(tmp_path / "empty.bin"),
                         str(tmp_path / "missing.bin")], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "empty.bin" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "models.llmc", "verify", "a", "b", "--recompute_method", "zig"],
+    r = subprocess.run([sys.executable, "-m", "remat_lm.models.llmc", "verify", "a", "b", "--recompute_method", "zig"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "zig" in r.stderr

@@ -1,4 +1,4 @@
-"""Tests for models.llmc_io (llm.c file formats) and the float64 reference in llmc_reference.
+"""Tests for remat_lm.models.llmc_io (llm.c file formats) and the float64 reference in llmc_reference.
 
 Expected files are built here by hand with struct/NumPy/ml_dtypes straight from
 FORMATS.md, independently of the writer under test.
@@ -23,8 +23,8 @@ from llmc_reference import (
     tiny_gpt2_header,
     tiny_llama3_header,
 )
-from models import llmc_io
-from models.llmc_io import (
+from remat_lm.models import llmc_io
+from remat_lm.models.llmc_io import (
     GPT2Header,
     Llama3Header,
     LlmcFormatError,

@@ -1,4 +1,4 @@
-"""The chunked LM head and loss (`loss_chunk`, models/layers.py `lm_head`): the same loss and
+"""The chunked LM head and loss (`loss_chunk`, remat_lm/models/layers.py `lm_head`): the same loss and
 gradients as the plain head, for both models, with remat off and on; the (B, T, V) logits never
 exist in the program; `--loss_chunk` changes the compiled train step."""
 from __future__ import annotations
@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import gpt2, llama3
+from remat_lm.models import gpt2, llama3
 from remat import RecomputeConfig
 from remat.memory import compiled_memory
-from training import config_from_args, run
-from training.run import compile_train_step, prepare
+from remat_lm.training import config_from_args, run
+from remat_lm.training.run import compile_train_step, prepare
 
 MODELS = {"gpt2": (gpt2, gpt2.GPT2Config), "llama3": (llama3, llama3.Llama3Config)}
 B, T = 2, 16

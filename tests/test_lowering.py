@@ -1,11 +1,11 @@
 """The train step built for a GPU and a TPU from this CPU host: lowered (not compiled) for `cuda` and
-`tpu` for every recompute setting, with assertions on the lowered program (bench.lower reads it)."""
+`tpu` for every recompute setting, with assertions on the lowered program (remat_lm.bench.lower reads it)."""
 import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import lower as L
-from models import attention
+from remat_lm.bench import lower as L
+from remat_lm.models import attention
 from remat import RecomputeConfig, checkpoint
 from remat.memory import building_for, lowered_for, target_platform
 
@@ -32,7 +32,7 @@ KERNEL = {"cuda": L.CUDNN, "tpu": L.PALLAS_TPU}
 
 def _mcfg(model, setting, **more):
     rc, over, _ = SETTINGS[setting]
-    # T = 128: the Pallas kernel tiles T by 128 (models.attention.PALLAS_BLOCK)
+    # T = 128: the Pallas kernel tiles T by 128 (remat_lm.models.attention.PALLAS_BLOCK)
     return L.model_config(model, recompute=RecomputeConfig(**rc), block_size=128, **{**over, **more})
 
 
@@ -157,7 +157,7 @@ def test_pallas_runs_per_shard_under_a_data_parallel_mesh():
     # XLA cannot partition a Mosaic call: under a mesh the kernel runs in a shard_map (batch over
     # the mesh's axes when the model gives no layout), and its residuals keep their name
     from remat.memory import saved_residuals
-    from training.sharding import make_mesh
+    from remat_lm.training.sharding import make_mesh
     q = jnp.ones((2, 128, 32))
     f = lambda q: attention.causal_attention(q, q, q, 4, 4, attention="pallas").sum()
     with jax.set_mesh(make_mesh({"data": 2})):
@@ -178,14 +178,14 @@ def test_auto_on_a_gpu_in_float32_takes_the_gpu_tile():
 
 
 def test_bench_lower_cli(capsys):
-    from bench.common import cli
+    from remat_lm.bench.common import cli
     assert L.main(["--platform", "tpu", "--model", "llama3", "--cpu_checkpointing",
                    "--recompute_granularity", "full"]) == 0
     out = capsys.readouterr().out
     assert "tpu_custom_call" in out and "'pinned_host': 2" in out and "copy_backs_waiting   2/2" in out
     assert cli(lambda: L.main(["--platform", "cuda", "--attention", "pallas"]), "lower") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["python -m bench.lower: error: attention='pallas' cannot run: it needs a TPU and the program is "
+    assert err == ["python -m remat_lm.bench.lower: error: attention='pallas' cannot run: it needs a TPU and the program is "
                    "built for cuda; use attention='tiled' (--attention tiled), which runs on every backend"]
 
 

@@ -1,4 +1,4 @@
-"""The analytic activation-memory model (models/memory_model.py, docs/memory-model.md) against what
+"""The analytic activation-memory model (remat_lm/models/memory_model.py, docs/memory-model.md) against what
 JAX actually saves, for both models, float32 and bf16, every granularity, method and tag policy."""
 import dataclasses
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from models import gpt2, llama3, memory_model
+from remat_lm.models import gpt2, llama3, memory_model
 from remat import RecomputeConfig as R
 from remat import memory
 

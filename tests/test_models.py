@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.common import REFERENCE_BATCH, reference_config
-from models import gpt2, layers, llama3
+from remat_lm.bench.common import REFERENCE_BATCH, reference_config
+from remat_lm.models import gpt2, layers, llama3
 from remat import RecomputeConfig, memory
 
 MODELS = {"gpt2": gpt2, "llama3": llama3}
@@ -76,7 +76,7 @@ def _cases():
 
 def _config(model: str, n_layer: int = 2, **kw):
     # The tiled attention core (the default on CPU) with a tile of 8 < T = 16: every model test
-    # crosses a tile boundary, masked tiles skipped (models/attention.py).
+    # crosses a tile boundary, masked tiles skipped (remat_lm/models/attention.py).
     kw.setdefault("attention_tile", 8)
     return CONFIGS[model].preset("tiny", n_layer=n_layer, **kw)
 

@@ -29,8 +29,8 @@ import jax
 import numpy as np
 import pytest
 
-from training import saving as ckpt
-from training.data import default_corpus
+from remat_lm.training import saving as ckpt
+from remat_lm.training.data import default_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5
@@ -184,7 +184,7 @@ def test_two_processes_equal_one(runs, data_file):
     assert not _bitwise_equal(s2, s1), _bitwise_equal(s2, s1)[:5]
 
     # an ordinary 1-process run (in-process collectives): the same losses within 2 ulp
-    from training import TrainConfig, run
+    from remat_lm.training import TrainConfig, run
     cfg = TrainConfig(preset="tiny", n_layer=2, n_embd=32, sequence_length=16, batch_size=8, num_iterations=STEPS,
                       val_every=0, progress=False, mesh="data=2,fsdp=4", preflight=False, data=(data_file,))
     plain = [h["loss"] for h in run(cfg, out=open(os.devnull, "w")).history]
@@ -195,8 +195,8 @@ def test_two_processes_equal_one(runs, data_file):
 ROWS_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
-    from training import distributed, sharding as sh
-    from training.data import load
+    from remat_lm.training import distributed, sharding as sh
+    from remat_lm.training.data import load
     assert distributed.initialize()
     mesh = sh.make_mesh({"data": 2, "fsdp": 4}, 8)
     ds, read = load([sys.argv[1]]), []
@@ -218,7 +218,7 @@ def test_each_process_reads_only_its_rows(tmp_path, data_file):
     assert _wait(procs, 300) == [0, 0], _read(tmp_path / "rows.0.err")[-2000:] + _read(tmp_path / "rows.1.err")[-2000:]
     got = [json.loads(_read(tmp_path / f"rows.{i}.out").strip().splitlines()[-1]) for i in range(2)]
     assert [g["rows"] for g in got] == [[[r, r + 1] for r in range(4)], [[r, r + 1] for r in range(4, 8)]]
-    from training.data import load
+    from remat_lm.training.data import load
     x, y = load([data_file]).batch(7, 1337, 8, 16, 2)
     want = [int(x.astype(np.int64).sum()), int((x * 3 + y).astype(np.int64).sum())]
     assert got[0]["sums"] == got[1]["sums"] == want
@@ -312,7 +312,7 @@ def test_put_rows_reads_each_held_row_range_once():
     """In one process with 8 devices: the batch split 4 ways (each part on 2 devices) is read as 4
     row ranges, once each, and assembles the whole batch."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from training.distributed import put_rows
+    from remat_lm.training.distributed import put_rows
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("rows", "copies"))
     full = np.arange(2 * 8 * 3).reshape(2, 8, 3)

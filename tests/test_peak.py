@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench.common import REFERENCE_BATCH, reference_config
-from models import gpt2
+from remat_lm.bench.common import REFERENCE_BATCH, reference_config
+from remat_lm.models import gpt2
 from remat import RecomputeConfig, memory
 
 REF = reference_config("gpt2")
@@ -41,7 +41,7 @@ def test_full_remat_cuts_compiled_temp(scan):  # the loop layout (21 s) runs in 
     # Issue target: full <= 0.30x none in both layouts. Measured (jax 0.10.2, XLA:CPU) with the
     # prefix attention kernel: loop 0.19x (88 / 454 MiB), scan 0.26x (80 / 308 MiB); with the online
     # kernel (2026-12-01): loop 0.26x (104 / 398 MiB); with its loop buffers made per layer
-    # (models/attention.py `_fresh`): loop 0.19x (74 / 382 MiB), scan 0.24x (72 / 295 MiB).
+    # (remat_lm/models/attention.py `_fresh`): loop 0.19x (74 / 382 MiB), scan 0.24x (72 / 295 MiB).
     assert ratio <= 0.30, {k: v / 2**20 for k, v in t.items()}
     assert t["full"] < t["uniform2"] < t["none"] and t["full"] < t["block4"] < t["none"], t
 

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 import remat
-from models import gpt2
-from models.memory_model import activation_bytes
+from remat_lm.models import gpt2
+from remat_lm.models.memory_model import activation_bytes
 from remat import RecomputeConfig
 from remat.memory import CompiledMemory
 from remat.planner import compiled_stats, format_bytes, parse_size, plan_for_budget
-from training.config import UsageError, config_from_args
+from remat_lm.training.config import UsageError, config_from_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L, B, T = 4, 4, 64
@@ -264,11 +264,11 @@ def test_cli_exit_2_one_line(text_file):
 @pytest.mark.slow  # ~18 s: two planner runs through the CLI
 def test_cli_budget_too_small_states_the_minimum(text_file):
     """In process (train.py turns this UsageError into one line and exit 2, as above)."""
-    import training
+    from remat_lm import training
 
     cfg = config_from_args(["--recompute_method", "auto", "--memory_budget", "1KiB", "--data", text_file] + SMALL)
     with pytest.raises(UsageError, match=r"--memory_budget 1KiB: .*below the minimum of [0-9.]+ [KMG]iB") as e:
-        training.run(cfg)
+        remat_lm.training.run(cfg)
     assert "smaller micro-batch" in str(e.value)
 
 
@@ -288,7 +288,7 @@ def test_cli_trains_with_the_plan(text_file):
 
 
 def test_bench_helpers():
-    from bench import planner as bp
+    from remat_lm.bench import planner as bp
 
     hs = bp.hand_settings(4)
     assert {"full", "uniform 2", "uniform 4", "block 1", "block 3", "selective core_attn+mlp+norm"} <= set(hs)

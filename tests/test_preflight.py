@@ -1,4 +1,4 @@
-"""The memory preflight (training/preflight.py): a batch that really does not fit in this machine's
+"""The memory preflight (remat_lm/training/preflight.py): a batch that really does not fit in this machine's
 RAM stops train.py before the first step with exit 2 and one line of advice, and the advice, run as
 given, compiles to a step that fits (the join). Nothing is trained or run at the large sizes: the
 train step is only compiled."""
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from training import preflight
+from remat_lm.training import preflight
 from remat.memory import format_bytes
 from trainhelp import _main
 
@@ -52,7 +52,7 @@ def test_batch_that_does_not_fit_in_ram_exits_2_with_a_smaller_batch(capsys, tmp
 
 def test_no_preflight_skips_the_check(monkeypatch):
     # --no-preflight: the check is not called, the step is compiled and the dry run ends normally.
-    from training import config_from_args, run
+    from remat_lm.training import config_from_args, run
     calls = []
     monkeypatch.setattr(preflight, "check", lambda *a, **k: calls.append(a))
     run(config_from_args(BASE + ["--dry_run"]), out=sys.stderr)
@@ -75,9 +75,9 @@ def test_recompute_that_fits_is_suggested_and_fits(capsys):
     """8 layers, a batch sized from this machine's available RAM so that no remat needs about twice
     of it and full remat well under it: the advice is the planner with a budget (no smaller batch),
     and running it fits."""
-    from training import config_from_args, prepare
-    from training.log import compiled_estimate
-    from training.run import compile_train_step
+    from remat_lm.training import config_from_args, prepare
+    from remat_lm.training.log import compiled_estimate
+    from remat_lm.training.run import compile_train_step
     deep = ["--preset", "tiny", "--n_layer", "8", "--val_every", "0", "--no-progress", "--num_iterations", "1"]
     per_seq = compiled_estimate(compile_train_step(prepare(config_from_args(deep + ["--batch_size", "256"])))) / 256
     batch = int(2 * preflight.host_available() / per_seq)

@@ -1,4 +1,4 @@
-"""`--profile_steps A:B` (training/profile.py): a jax.profiler trace of those steps appears where the
+"""`--profile_steps A:B` (remat_lm/training/profile.py): a jax.profiler trace of those steps appears where the
 run says; bad specs exit 2 with one line; off by default."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import pytest
 
 import train
-from training import config_from_args, run
-from training.profile import parse_steps, profile_dir
+from remat_lm.training import config_from_args, run
+from remat_lm.training.profile import parse_steps, profile_dir
 
 TINY = ["--preset", "tiny", "--n_layer", "1", "--val_every", "0", "--no-progress", "--num_iterations", "3"]
 

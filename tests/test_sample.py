@@ -1,4 +1,4 @@
-"""KV-cached generation (models/sample.py) against the full forward, sampling, and the sample CLIs."""
+"""KV-cached generation (remat_lm/models/sample.py) against the full forward, sampling, and the sample CLIs."""
 import dataclasses
 import functools
 import io
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 import train
-from models import gpt2, llama3, llmc, sample
-from models import tokenizer as tk
-from models.llmc_io import write_tokens
-from training import TrainConfig, run
-from training import data as data_lib
-from training.samples import make_sampler
-from training.data import default_corpus
+from remat_lm.models import gpt2, llama3, llmc, sample
+from remat_lm.models import tokenizer as tk
+from remat_lm.models.llmc_io import write_tokens
+from remat_lm.training import TrainConfig, run
+from remat_lm.training import data as data_lib
+from remat_lm.training.samples import make_sampler
+from remat_lm.training.data import default_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -204,11 +204,11 @@ def test_cli_bad_input_exits_2_with_one_line(args, match, tmp_path, model_bin, b
     rc, out, err = _cli([a.format(**fill) for a in args], capsys)
     lines = [l for l in err.splitlines() if l.strip()]
     assert rc == 2 and out == "" and len(lines) == 1 and match in lines[0], err
-    assert lines[0].startswith("python -m models.sample: error: ")
+    assert lines[0].startswith("python -m remat_lm.models.sample: error: ")
 
 
 def test_cli_process_bad_tokenizer_exits_2_without_traceback(tmp_path, model_bin):
-    p = subprocess.run([sys.executable, "-m", "models.sample", model_bin, "--prompt", "a", "--tokenizer",
+    p = subprocess.run([sys.executable, "-m", "remat_lm.models.sample", model_bin, "--prompt", "a", "--tokenizer",
                         _bad_tokenizer(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
     lines = [l for l in p.stderr.splitlines() if l.strip()]
@@ -258,7 +258,7 @@ def test_sampler_decodes_byte_text_from_the_start_of_the_validation_data(text_fi
 @pytest.mark.slow  # a training run and a CLI run, ~15 s
 def test_train_samples_token_data_and_the_cli_continues_the_saved_run(tmp_path, capsys):
     """--sample_every 2 over 3 steps samples at steps 2 and 3 (the last); the text is decoded with
-    --tokenizer and generated with --temperature/--top_k/--seed; `python -m models.sample` on the
+    --tokenizer and generated with --temperature/--top_k/--seed; `python -m remat_lm.models.sample` on the
     checkpoint (the tokenizer comes from the run's config) prints the same text."""
     rng = np.random.default_rng(0)
     tokens = [bytes([i]) for i in range(256)] + [bytes(rng.integers(97, 123, 3).astype(np.uint8)) for _ in range(44)]

@@ -1,4 +1,4 @@
-"""training/stderr_filter.py: JAX's abort on a dead peer becomes one line; everything else streams through.
+"""remat_lm/training/stderr_filter.py: JAX's abort on a dead peer becomes one line; everything else streams through.
 
 The aborts below are the text jax 0.10.2 wrote in tests/test_multiprocess.py's kill runs (stack
 traces shortened); the slow tests there produce them for real, through train.py. Here the filter
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from training import distributed
-from training.stderr_filter import HOLD_S, Filter
+from remat_lm.training import distributed
+from remat_lm.training.stderr_filter import HOLD_S, Filter
 
 STACK = (b"*** Check failure stack trace: ***\n"
          b"    @     0x7f5b68840634  absl::lts_20260107::log_internal::LogMessage::SendToLog()\n"

@@ -1,8 +1,8 @@
 """Tensor and sequence parallelism (`tensor` mesh axis) and distributed saved activations, on 8 CPU devices.
 
-The models get their axis names from `models.parallel.ShardingConfig` (set by
-`training.sharding.model_sharding`), the parameters their shardings from
-`training.sharding.state_shardings`; XLA inserts the collectives. The bar: float32 gradients equal
+The models get their axis names from `remat_lm.models.parallel.ShardingConfig` (set by
+`remat_lm.training.sharding.model_sharding`), the parameters their shardings from
+`remat_lm.training.sharding.state_shardings`; XLA inserts the collectives. The bar: float32 gradients equal
 one device's, max|Δg| <= 1e-5 · max|g|.
 """
 import dataclasses
@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from models import gpt2, llama3
-from models.parallel import ShardingConfig
+from remat_lm.models import gpt2, llama3
+from remat_lm.models.parallel import ShardingConfig
 from remat import RecomputeConfig, memory, plan
-from training import sharding as sh
-from training.config import TrainConfig, UsageError
+from remat_lm.training import sharding as sh
+from remat_lm.training.config import TrainConfig, UsageError
 
 B, T = 8, 16
 FAMILIES = {"gpt2": (gpt2, gpt2.GPT2Config), "llama3": (llama3, llama3.Llama3Config)}
@@ -251,8 +251,8 @@ def _train_config(**kw):
 def test_distribute_saved_activations_flag_changes_compiled_step():
     """--distribute_saved_activations reaches the compiled train step: its region inputs are made by
     an all-to-all over tensor (remat.checkpoint._shard_store): the step has more all-to-alls."""
-    from training.config import config_from_args
-    from training.run import compile_train_step, prepare
+    from remat_lm.training.config import config_from_args
+    from remat_lm.training.run import compile_train_step, prepare
     argv = ["--n_layer", "2", "--batch_size", "8", "--sequence_length", "16", "--val_every", "0",
             "--mesh", "tensor=2", "--activation_recompute", "--no-sequence_parallel"]
     out = {}

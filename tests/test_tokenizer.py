@@ -1,10 +1,10 @@
-"""llm.c tokenizer files (models/tokenizer.py): real v1 and v2 files, and really corrupted ones."""
+"""llm.c tokenizer files (remat_lm/models/tokenizer.py): real v1 and v2 files, and really corrupted ones."""
 import os
 
 import numpy as np
 import pytest
 
-from models import tokenizer as tk
+from remat_lm.models import tokenizer as tk
 
 
 def _gpt2_like_tokens(n: int, seed: int = 0) -> list[bytes]:

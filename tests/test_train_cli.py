@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from training.data import default_corpus
+from remat_lm.training.data import default_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,7 +79,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, text_file):
     assert killed_during, f"never saw a save in progress (rc {proc.returncode}): {proc.stderr.read()[-2000:]}"
     assert proc.returncode == -signal.SIGKILL
 
-    from training import config_from_args, prepare, saving
+    from remat_lm.training import config_from_args, prepare, saving
     info = saving.inspect_dir(str(ck))
     assert info.step is not None and info.step >= 1
     resume = common + ["--resume", "--num_iterations", str(info.step + 2)]
@@ -103,7 +103,7 @@ SHARDING_SCRIPT = textwrap.dedent("""
     import io, json, sys
     import jax
     import train
-    from training import TrainConfig, UsageError, run
+    from remat_lm.training import TrainConfig, UsageError, run
     assert jax.device_count() == 8, jax.devices()
     base = dict(preset="tiny", num_iterations=4, val_every=0, progress=False, data=(sys.argv[1],),
                 sequence_length=32, batch_size=8, activation_recompute=True, recompute_method="uniform",

@@ -1,7 +1,7 @@
 """train.py flags → TrainConfig, and every bad input: exit 2, one line on stderr, nothing written.
 
 All in-process (`train.main(argv)`), and none of these compiles a train step: every check runs in
-`TrainConfig.__post_init__` or `training.prepare`, before anything is built or written.
+`TrainConfig.__post_init__` or `remat_lm.training.prepare`, before anything is built or written.
 """
 import dataclasses
 import os
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 import train
-from models import gpt2
-from models.llmc import save as save_llmc
-from models.llmc_io import write_tokens
+from remat_lm.models import gpt2
+from remat_lm.models.llmc import save as save_llmc
+from remat_lm.models.llmc_io import write_tokens
 from remat import policies
-from training import TrainConfig, UsageError, build_parser, config_from_args
-from training.config import MODELS, parse_mesh
-from training.data import default_corpus
+from remat_lm.training import TrainConfig, UsageError, build_parser, config_from_args
+from remat_lm.training.config import MODELS, parse_mesh
+from remat_lm.training.data import default_corpus
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_parse_mesh():
 
 @pytest.mark.parametrize("model", MODELS)
 def test_every_preset_is_a_valid_choice(model):
-    from training.config import model_presets
+    from remat_lm.training.config import model_presets
     for p in model_presets(model):
         TrainConfig(model=model, preset=p)
 

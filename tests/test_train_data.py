@@ -1,10 +1,10 @@
-"""training.data: token shards and byte-level text, deterministic batches, the default corpus."""
+"""remat_lm.training.data: token shards and byte-level text, deterministic batches, the default corpus."""
 import numpy as np
 import pytest
 
-from models.llmc_io import LlmcFormatError, write_tokens
-from training import UsageError
-from training.data import BYTE_VOCAB, default_corpus, load
+from remat_lm.models.llmc_io import LlmcFormatError, write_tokens
+from remat_lm.training import UsageError
+from remat_lm.training.data import BYTE_VOCAB, default_corpus, load
 
 
 def test_default_corpus_is_the_stdlib_source_without_tests():

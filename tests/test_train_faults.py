@@ -3,7 +3,7 @@ signal) with one line, before anything is written where that is knowable up fron
 
 Faults are real: files truncated, deleted or overwritten on disk, a FIFO, /proc and /dev/full,
 read-only and full filesystems mounted in a user namespace (`unshare -rm`), signals sent to a
-train.py process. In-process calls of `training.prepare`/`run` are used where the join is the same.
+train.py process. In-process calls of `remat_lm.training.prepare`/`run` are used where the join is the same.
 """
 import glob
 import json
@@ -20,13 +20,13 @@ import jax
 import numpy as np
 import pytest
 
-from models import gpt2, llama3
-from models import llmc
-from models.llmc_io import LlmcFormatError, read_model
-from training import UsageError, config_from_args, prepare
-from training import saving
-from training.data import default_corpus
-from training.resume import initial_state
+from remat_lm.models import gpt2, llama3
+from remat_lm.models import llmc
+from remat_lm.models.llmc_io import LlmcFormatError, read_model
+from remat_lm.training import UsageError, config_from_args, prepare
+from remat_lm.training import saving
+from remat_lm.training.data import default_corpus
+from remat_lm.training.resume import initial_state
 from trainhelp import ROOT, _env, _one_line, _run, text_file, two_steps  # noqa: F401 (text_file is a fixture)
 
 QUIET = ["--val_every", "0", "--no-progress"]
@@ -118,7 +118,7 @@ ro, data = sys.argv[1], sys.argv[2]
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", ro], check=True)
 open(os.path.join(ro, "old.jsonl"), "w").write("{}\n")
 subprocess.run(["mount", "-o", "remount,ro", ro], check=True)
-from training import UsageError, config_from_args, prepare
+from remat_lm.training import UsageError, config_from_args, prepare
 for flag, path in (("--checkpoint_dir", ro + "/ck"), ("--log_jsonl", ro + "/new.jsonl"),
                    ("--log_jsonl", ro + "/old.jsonl")):
     try:
@@ -500,8 +500,8 @@ def _sweep_cases():
 def sweep(tmp_path_factory, text_file):
     """Every case run through train.main in one process (one JAX import; a case that hangs fails at
     60 s), on real files: FIFOs, /dev/zero, a symlink to the data."""
-    from models import tokenizer as tk
-    from models.llmc_io import write_tokens
+    from remat_lm.models import tokenizer as tk
+    from remat_lm.models.llmc_io import write_tokens
 
     tmp = tmp_path_factory.mktemp("sweep")
     files = {"text": tmp / "train.txt", "val": tmp / "val.txt", "shard": tmp / "shard.bin",
@@ -558,7 +558,7 @@ def test_bad_path_flags_write_nothing_and_destroy_nothing(sweep):
 def test_bad_path_flag_in_a_real_process(flags, match, tmp_path, text_file):
     """In a real train.py process: the log named the shard it memory-mapped (truncated, then SIGBUS);
     a FIFO as --deepspeed_config hung."""
-    from models.llmc_io import write_tokens
+    from remat_lm.models.llmc_io import write_tokens
 
     shard = tmp_path / "shard.bin"
     write_tokens(str(shard), np.arange(5000, dtype=np.uint16) % 256)

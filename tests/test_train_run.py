@@ -1,7 +1,7 @@
 """Training runs in-process: the acceptance commands, identical first losses across recompute
 settings, exact resume, NaN stop, gradient accumulation, --init_from, --memory_report, --dry_run.
 
-Runs share compilations through the per-process caches in training/compile.py, so parametrized
+Runs share compilations through the per-process caches in remat_lm/training/compile.py, so parametrized
 settings that compile the same program pay once.
 """
 import json
@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from models import gpt2, llama3
-from models.llmc import save as save_llmc
-from training import TrainingDiverged, config_from_args, prepare
-from training import saving
-from training.resume import initial_state
+from remat_lm.models import gpt2, llama3
+from remat_lm.models.llmc import save as save_llmc
+from remat_lm.training import TrainingDiverged, config_from_args, prepare
+from remat_lm.training import saving
+from remat_lm.training.resume import initial_state
 from trainhelp import _run, text_file  # noqa: F401 (text_file is a fixture)
 
 # The acceptance commands of issue 4 (each also run with --model llama3 below).
@@ -96,7 +96,7 @@ def test_log_line_and_jsonl(tmp_path, text_file):
 
 
 def test_schedule_warmup_then_cosine_to_a_fraction():
-    from training.optim import make_schedule
+    from remat_lm.training.optim import make_schedule
     f = make_schedule(1e-3, 2, 10, 0.1)
     lrs = [float(f(i)) for i in range(12)]
     np.testing.assert_allclose(lrs[:3], [5e-4, 1e-3, 1e-3], rtol=1e-6)
@@ -105,7 +105,7 @@ def test_schedule_warmup_then_cosine_to_a_fraction():
 
 
 def test_weight_decay_mask_skips_norms_and_biases():
-    from training.model import decay_mask
+    from remat_lm.training.model import decay_mask
     cfg = gpt2.GPT2Config.preset("tiny")
     mask = decay_mask(jax.eval_shape(lambda: gpt2.init_params(cfg, jax.random.PRNGKey(0))))
     assert mask["wte"] and mask["blocks"]["h_0"]["attn"]["c_attn"]["w"]
@@ -186,7 +186,7 @@ def test_grad_accumulation_matches_one_big_batch(text_file):
     cfg = config_from_args(common + ["--batch_size", "8"])
     setup = prepare(cfg)
     x, y = setup.train_ds.batch(0, cfg.seed, 2, 32, 4)
-    from training.step import make_train_step
+    from remat_lm.training.step import make_train_step
     step = jax.jit(make_train_step(setup.fam, setup.mcfg, setup.tx, setup.schedule, 0.0))
     state, _, _ = initial_state(setup)
     _, m = step(state, x.reshape(1, 8, 32), y.reshape(1, 8, 32))
@@ -250,7 +250,7 @@ def test_dry_run_writes_nothing(text_file, tmp_path):
 
 
 def test_token_shards_train(tmp_path):
-    from models.llmc_io import write_tokens
+    from remat_lm.models.llmc_io import write_tokens
     rng = np.random.default_rng(0)
     for i in range(2):
         write_tokens(tmp_path / f"shard_{i}.bin", rng.integers(0, 256, 3000))

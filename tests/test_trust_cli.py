@@ -1,4 +1,4 @@
-"""Bad numbers on every command line (bench CLIs, models.sample, models.llmc, train.py) and a signal
+"""Bad numbers on every command line (bench CLIs, remat_lm.models.sample, remat_lm.models.llmc, train.py) and a signal
 while train.py is still importing: exit 2 (or 130/143) with one line naming the flag, no traceback,
 no hang.
 
@@ -29,29 +29,29 @@ SHAPE = ("n_layer", "n_embd", "n_head", "seq", "batch", "vocab")
 
 # module → (leading argv, {flag: bad values})
 CASES = {
-    "bench.policies": ((), {**{k: POS for k in SHAPE}, "steps": POS}),
-    "bench.planner": ((), {"steps": POS, "final_steps": POS,
+    "remat_lm.bench.policies": ((), {**{k: POS for k in SHAPE}, "steps": POS}),
+    "remat_lm.bench.planner": ((), {"steps": POS, "final_steps": POS,
                            "fractions": ("abc", "0.5,", "-0.1", "1.5", "nan", "٠.٥")}),
-    "bench.sample": ((), {"tokens": POS, "rounds": POS}),
-    "bench.loss_chunk": ((), {"seq": POS, "batch": POS, "chunks": ("0", "128,0", "-5", "abc", "", "²")}),
-    "bench.compile_time": ((), {"layers": POS}),
-    "bench.attention": ((), {**{k: POS for k in ("batch", "steps", "tile", "n_layer", "n_embd", "n_head", "vocab")},
+    "remat_lm.bench.sample": ((), {"tokens": POS, "rounds": POS}),
+    "remat_lm.bench.loss_chunk": ((), {"seq": POS, "batch": POS, "chunks": ("0", "128,0", "-5", "abc", "", "²")}),
+    "remat_lm.bench.compile_time": ((), {"layers": POS}),
+    "remat_lm.bench.attention": ((), {**{k: POS for k in ("batch", "steps", "tile", "n_layer", "n_embd", "n_head", "vocab")},
                              "seqs": ("0", "1024,-1", "abc", "²"), "tile_sweep": ("0", "64,x", "²"),
                              "shapes": ("8x0", "8", "8x256x2", "abc", "8x²")}),
-    "bench.cpu_ceiling": ((), {"matmul": ("0,1,2", "2048x256", "abc", "1,²,3"), "seconds": POSREAL,
+    "remat_lm.bench.cpu_ceiling": ((), {"matmul": ("0,1,2", "2048x256", "abc", "1,²,3"), "seconds": POSREAL,
                                "steps": POS}),
-    "bench.gpu_check": ((), {**{k: POS for k in ("n_layer", "n_embd", "n_head", "seq", "batch", "steps",
+    "remat_lm.bench.gpu_check": ((), {**{k: POS for k in ("n_layer", "n_embd", "n_head", "seq", "batch", "steps",
                                                  "max_batch")},
                              **{k: NONNEG for k in ("bisect", "bisect_other", "loss_chunk")},
                              "peak_tflops": POSREAL, "budget_s": POSREAL, "grace_s": NONNEGREAL}),
-    "bench.scaling": ((), {"rounds": POS}),
-    "bench.step_profile": ((), {**{k: POS for k in SHAPE}, "steps": POS, "top": POS}),
-    "bench.torch_peer": ((), {**{k: POS for k in SHAPE}, "steps": POS, "torch_threads": ("0", "1,0", "abc", "²")}),
-    "models.sample": (("ckpt",), {"sample_length": POS, "num_samples": POS, "top_k": POS, "step": NONNEG,
+    "remat_lm.bench.scaling": ((), {"rounds": POS}),
+    "remat_lm.bench.step_profile": ((), {**{k: POS for k in SHAPE}, "steps": POS, "top": POS}),
+    "remat_lm.bench.torch_peer": ((), {**{k: POS for k in SHAPE}, "steps": POS, "torch_threads": ("0", "1,0", "abc", "²")}),
+    "remat_lm.models.sample": (("ckpt",), {"sample_length": POS, "num_samples": POS, "top_k": POS, "step": NONNEG,
                                   "seed": ("-1", "4294967296", "18446744073709551616", "abc", "²"),
                                   "temperature": NONNEGREAL, "norm_eps": POSREAL, "rope_theta": POSREAL,
                                   "ffn_dim_multiplier": POSREAL}),
-    "models.llmc": (("verify", "model.bin", "state.bin"),
+    "remat_lm.models.llmc": (("verify", "model.bin", "state.bin"),
                     {"loss_chunk": NONNEG, "recompute_num_layers": ("abc", "1.5", "²", "٣"),
                      "recompute_every": ("abc", "1.5", "²", "٣"), "recompute_segments": ("²-3", "0-٣"),
                      "norm_eps": POSREAL, "rope_theta": POSREAL, "ffn_dim_multiplier": POSREAL}),
@@ -63,7 +63,7 @@ class _Accepted(Exception):
 
 
 def _prog(module: str) -> str:
-    return f"python -m {module}" + (" verify" if module == "models.llmc" else "")
+    return f"python -m {module}" + (" verify" if module == "remat_lm.models.llmc" else "")
 
 
 def _main(module: str, argv, capsys) -> tuple:
@@ -101,11 +101,11 @@ def test_the_guard_lets_good_values_through(parse_only, capsys):
         with pytest.raises(_Accepted):
             importlib.import_module(module).main([*lead])
     with pytest.raises(_Accepted):
-        importlib.import_module("bench.planner").main(["--fractions", "0,0.5,1", "--steps", "1"])
+        importlib.import_module("remat_lm.bench.planner").main(["--fractions", "0,0.5,1", "--steps", "1"])
 
 
 def test_prompt_token_ids_are_ascii_integers():
-    from models.sample import parse_token_ids
+    from remat_lm.models.sample import parse_token_ids
     assert parse_token_ids("3, 5", 10) == [3, 5]
     for spec in ("٣", "²", "3,x"):
         with pytest.raises(ValueError, match="--prompt_tokens"):
@@ -113,8 +113,8 @@ def test_prompt_token_ids_are_ascii_integers():
 
 
 def test_unknown_model_is_one_line(capsys):
-    rc, lines = _main("bench.policies", ["--model", "gpt3"], capsys)
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("python -m bench.policies: error: argument --model")
+    rc, lines = _main("remat_lm.bench.policies", ["--model", "gpt3"], capsys)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("python -m remat_lm.bench.policies: error: argument --model")
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -127,8 +127,8 @@ def test_unknown_model_is_one_line(capsys):
 ])
 def test_llmc_verify_recompute_errors_name_verify_flags(argv, needle, capsys):
     """verify takes no --memory_budget: its recompute errors name what it accepts (before any file is read)."""
-    rc, lines = _main("models.llmc", ["verify", "model.bin", "state.bin", *argv], capsys)
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("python -m models.llmc verify: error: "), lines
+    rc, lines = _main("remat_lm.models.llmc", ["verify", "model.bin", "state.bin", *argv], capsys)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("python -m remat_lm.models.llmc verify: error: "), lines
     assert needle in lines[0] and "--memory_budget" not in lines[0], lines
     if "auto" in needle:
         assert "none, uniform, block" in lines[0]
@@ -148,7 +148,7 @@ def test_llmc_verify_recompute_errors_name_verify_flags(argv, needle, capsys):
 ])
 def test_train_flags_take_ascii_digits_only(argv, flag, capsys):
     """int() reads '٣' as 3 and rejects '²' (which str.isdigit() accepts): both are usage errors naming the flag."""
-    from training.config import UsageError, config_from_args
+    from remat_lm.training.config import UsageError, config_from_args
     try:
         config_from_args(["--num_iterations", "4", *argv])
     except UsageError as e:
@@ -163,19 +163,19 @@ def test_train_flags_take_ascii_digits_only(argv, flag, capsys):
 
 # One real process per command line: the exit status and stderr as a user sees them.
 PROCESSES = [
-    ["-m", "bench.policies", "--n_layer", "0"],
-    ["-m", "bench.planner", "--fractions", "abc"],
-    ["-m", "bench.sample", "--tokens", "-5"],
-    ["-m", "bench.loss_chunk", "--chunks", "0"],
-    ["-m", "bench.compile_time", "--layers", "0"],
-    ["-m", "bench.attention", "--tile", "²"],
-    ["-m", "bench.cpu_ceiling", "--seconds", "-1"],
-    ["-m", "bench.gpu_check", "--bisect", "-1"],
-    ["-m", "bench.scaling", "--rounds", "0"],
-    ["-m", "bench.step_profile", "--top", "0"],
-    ["-m", "bench.torch_peer", "--steps", "²"],
-    ["-m", "models.sample", "ckpt", "--seed", "18446744073709551616"],
-    ["-m", "models.llmc", "verify", "m.bin", "s.bin", "--loss_chunk", "-1"],
+    ["-m", "remat_lm.bench.policies", "--n_layer", "0"],
+    ["-m", "remat_lm.bench.planner", "--fractions", "abc"],
+    ["-m", "remat_lm.bench.sample", "--tokens", "-5"],
+    ["-m", "remat_lm.bench.loss_chunk", "--chunks", "0"],
+    ["-m", "remat_lm.bench.compile_time", "--layers", "0"],
+    ["-m", "remat_lm.bench.attention", "--tile", "²"],
+    ["-m", "remat_lm.bench.cpu_ceiling", "--seconds", "-1"],
+    ["-m", "remat_lm.bench.gpu_check", "--bisect", "-1"],
+    ["-m", "remat_lm.bench.scaling", "--rounds", "0"],
+    ["-m", "remat_lm.bench.step_profile", "--top", "0"],
+    ["-m", "remat_lm.bench.torch_peer", "--steps", "²"],
+    ["-m", "remat_lm.models.sample", "ckpt", "--seed", "18446744073709551616"],
+    ["-m", "remat_lm.models.llmc", "verify", "m.bin", "s.bin", "--loss_chunk", "-1"],
 ]
 
 

@@ -15,7 +15,7 @@ import remat
 import train
 from remat import RecomputeConfig, apply_layers, plan
 from remat.config import RecomputeConfigError
-from training.config import UsageError, config_from_args
+from remat_lm.training.config import UsageError, config_from_args
 
 X = jnp.linspace(-2.0, 2.0, 32)
 STRUCTURE = dict(use_reentrant=True, determinism_check="structure")

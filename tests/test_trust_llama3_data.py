@@ -3,7 +3,7 @@ magic 20240520, version 1): read, written, trained on, and refused with one line
 fit the model.
 
 The shards here are made by `llmc_reference.llmc_write_datafile`, which does what llm.c's
-`dev/data/data_common.py` `write_datafile` does, independently of `models.llmc_io`.
+`dev/data/data_common.py` `write_datafile` does, independently of `remat_lm.models.llmc_io`.
 """
 import json
 import math
@@ -16,8 +16,8 @@ import pytest
 
 import train
 from llmc_reference import llmc_write_datafile
-from models.llmc_io import LlmcFormatError, read_tokens, token_format, write_tokens
-from training.data import load
+from remat_lm.models.llmc_io import LlmcFormatError, read_tokens, token_format, write_tokens
+from remat_lm.training.data import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA3_VOCAB = 128256  # LLaMA-3's tokenizer (llm.c's train_llama3.py)
@@ -120,7 +120,7 @@ def test_write_tokens_checks_the_range_of_the_format(tmp_path):
 
 def test_token_shards_load_no_jax(tmp_path):
     """Token shards stay NumPy only: writing and reading a LLaMA-3 one imports no JAX."""
-    code = ("import sys, numpy as np; from models.llmc_io import read_tokens, write_tokens; "
+    code = ("import sys, numpy as np; from remat_lm.models.llmc_io import read_tokens, write_tokens; "
             "write_tokens(sys.argv[1], np.array([70000, 1]), kind='llama3'); "
             "assert read_tokens(sys.argv[1]).tolist() == [70000, 1]; print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s.bin")], cwd=ROOT,

@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import gpt2, llama3
-from models import llmc
-from models.llmc_io import write_tokens
-from training import TrainConfig, UsageError, config_from_args, prepare
-from training.compile import abstract_with_sharding
-from training.prepare import flag_fields
-from training.step import make_train_step
+from remat_lm.models import gpt2, llama3
+from remat_lm.models import llmc
+from remat_lm.models.llmc_io import write_tokens
+from remat_lm.training import TrainConfig, UsageError, config_from_args, prepare
+from remat_lm.training.compile import abstract_with_sharding
+from remat_lm.training.prepare import flag_fields
+from remat_lm.training.step import make_train_step
 from trainhelp import ROOT, _env, _one_line, text_file  # noqa: F401 (text_file is a fixture)
 
 QUIET = ["--val_every", "0", "--no-progress", "--num_iterations", "2"]

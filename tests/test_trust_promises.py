@@ -15,9 +15,9 @@ import re
 import pytest
 
 from remat.memory import MiB, compiled_stats, format_bytes
-from training import config_from_args, preflight, prepare
-from training.compile import compile_train_step
-from training.report import CPU_OFFLOAD, describe
+from remat_lm.training import config_from_args, preflight, prepare
+from remat_lm.training.compile import compile_train_step
+from remat_lm.training.report import CPU_OFFLOAD, describe
 from trainhelp import _main
 
 TINY = ["--preset", "tiny", "--val_every", "0", "--no-progress", "--num_iterations", "1"]

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 import pytest
 
-from training import UsageError, config_from_args, prepare
-from training import saving
+from remat_lm.training import UsageError, config_from_args, prepare
+from remat_lm.training import saving
 from trainhelp import ROOT, _env, _run, text_file, two_steps  # noqa: F401 (text_file is a fixture)
 
 QUIET = ["--val_every", "0", "--no-progress"]
@@ -259,13 +259,13 @@ def _out(path) -> str:
 HOLD_SCRIPT = textwrap.dedent("""
     import sys, time
     import jax
-    from training import config_from_args, distributed, prepare, saving
-    from training.config import UsageError
+    from remat_lm.training import config_from_args, distributed, prepare, saving
+    from remat_lm.training.config import UsageError
     assert distributed.initialize()
     d, data = sys.argv[1:3]
     if jax.process_index() == 1:
         time.sleep(3)  # process 1 prepares late: after process 0 could have created the directory
-    # as training.run does: prepare, then hold the directory
+    # as remat_lm.training.run does: prepare, then hold the directory
     prepare(config_from_args(["--preset", "tiny", "--data", data, "--checkpoint_dir", d, "--num_iterations", "2",
                               "--mesh", "data=2", "--batch_size", "2", "--val_every", "0"]))
     try:
@@ -292,7 +292,7 @@ def _launch_hold(tmp_path, d, text_file, tag):
 
 @pytest.mark.slow  # ~12 s: two jax.distributed processes; the lock itself is tested fast above
 def test_two_processes_hold_the_directory_through_process_0(tmp_path, text_file):
-    """jax.distributed with 2 processes, each preparing and then holding as training.run does: when
+    """jax.distributed with 2 processes, each preparing and then holding as remat_lm.training.run does: when
     another run holds the directory, both processes raise the same error (process 1 learns it from
     process 0); when it is free, process 0 holds it. Process 1 used to take process 0's hold for
     another run's while preparing (exit 2), and then, once that was fixed, to deadlock: the directory

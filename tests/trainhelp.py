@@ -7,8 +7,8 @@ import pathlib
 import pytest
 
 import train
-from training import config_from_args, run
-from training.data import default_corpus
+from remat_lm.training import config_from_args, run
+from remat_lm.training.data import default_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["--val_every", "0", "--no-progress"]
@@ -36,7 +36,7 @@ def two_steps(tmp_path_factory, text_file):
 
 
 def _run(argv, **kw):
-    """training.run on parsed flags in this process: (RunResult, what it printed)."""
+    """remat_lm.training.run on parsed flags in this process: (RunResult, what it printed)."""
     out = io.StringIO()
     return run(config_from_args(argv), out=out, **kw), out.getvalue()
 

@@ -1,0 +1,159 @@
+"""Shared benchmark helpers: the reference shape, interleaved timing, targets, markdown tables,
+run metadata."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Mapping, Sequence
+
+from remat.memory import GiB, MiB, format_bytes  # noqa: F401  (the one byte unit and formatter)
+
+# NOTE: the reference shape of MEASUREMENTS.md, defined here once so that every figure in docs/
+# can say which shape it was taken on (remat_lm.bench.policies `--preset ref`, remat_lm.bench.planner,
+# remat_lm.bench.attention, remat_lm.bench.compile_time and the tests import it). LLaMA-3's variant keeps the same
+# width, depth and sequence, with GQA over 2 key/value heads.
+REFERENCE = {
+    "gpt2": dict(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_embd=256),
+    "llama3": dict(block_size=256, vocab_size=1024, n_layer=8, n_head=4, n_kv_head=2, n_embd=256,
+                   multiple_of=256),
+}
+REFERENCE_BATCH = 8
+
+
+def reference_config(model: str = "gpt2", **overrides):
+    """The reference-shape model config of `model`, with fields overridden.
+
+    Example:
+      >>> cfg = reference_config("gpt2", n_layer=2)
+      >>> (cfg.n_layer, cfg.n_embd, cfg.block_size, REFERENCE_BATCH)
+      (2, 256, 256, 8)
+    """
+    from remat_lm.models import family
+    return family.get(model).config_cls(**{**REFERENCE[model], **overrides})
+
+
+def interleaved_ms(steps: Mapping[str, Callable[[], object]], n: int, warmup: int = 1) -> dict:
+    """Time every callable `n` times, round-robin, after `warmup` untimed rounds.
+
+    Each round runs every setting once; the order rotates from round to round so that no setting
+    always runs right after the same neighbour. On a shared 2-core machine a background job
+    slows whatever runs while it is active: interleaving spreads that over all settings instead
+    of charging it to one of them. The callables must block until their work is done.
+
+    Args:
+      steps: {name: zero-argument callable doing one step}.
+      n: timed rounds (the median of these is reported).
+      warmup: untimed rounds first (compilation caches, allocator growth).
+    Returns:
+      {name: [milliseconds per timed step, in round order]}.
+    Example:
+      >>> ms = interleaved_ms({"a": step_a, "b": step_b}, n=5)
+      >>> statistics.median(ms["a"])
+    """
+    names = list(steps)
+    for _ in range(warmup):
+        for k in names:
+            steps[k]()
+    out = {k: [] for k in names}
+    for r in range(n):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for k in order:
+            t0 = time.perf_counter()
+            steps[k]()
+            out[k].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A benchmark target: what is asked, what was measured, met or missed, and why if missed."""
+    name: str
+    measured: str
+    met: bool
+    note: str = ""
+
+    def line(self) -> str:
+        s = f"- {self.name}: {self.measured} → **{'met' if self.met else 'missed'}**"
+        return s + (f" ({self.note})" if self.note else "")
+
+
+def targets_markdown(targets: Sequence[Target]) -> str:
+    return "\n".join(t.line() for t in targets)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; floats are expected pre-formatted by the caller."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def machine() -> dict:
+    """Where and when: date, host CPU count, platform, jax version and devices."""
+    import jax
+    try:
+        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
+    except OSError:
+        cpu = platform.processor()
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "nproc": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
+            "loadavg": loadavg()}
+
+
+def loadavg() -> list[float] | None:
+    """The 1/5/15-minute load averages: how busy the shared machine was (timings depend on it)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def cli(main: Callable[[], int], module: str) -> int:
+    """Run a bench module's `main()` as `python -m bench.<module>`: bad input found after argument
+    parsing (a SystemExit carrying a message) exits 2 with `python -m bench.<module>: error: ...`,
+    like argparse's own usage errors, instead of 1.
+
+    Example:
+      >>> if __name__ == "__main__":
+      ...     sys.exit(cli(main, "policies"))
+    """
+    import sys
+    try:
+        return main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(f"python -m bench.{module}: error: {e.code}", file=sys.stderr)
+            return 2
+        raise
+
+
+def publish(res: dict, report: Callable[[dict], str], module: str, argv, json_path: str | None) -> int:
+    """Record the command in `res`, print the report, and write `res` as JSON when asked."""
+    import json
+    import sys
+
+    res["meta"]["command"] = f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(report(res))
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

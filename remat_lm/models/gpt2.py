@@ -1,0 +1,308 @@
+"""GPT-2 exactly as llm.c computes it (shared/design/FORMATS.md), in Flax Linen.
+
+Pre-LN blocks with LayerNorm (eps 1e-5), fused c_attn, causal attention scaled by 1/sqrt(D),
+tanh-GELU MLP of width 4C, learned positions `wpe`, final `ln_f`, LM head tied to `wte`, and a
+vocabulary padded to `padded_vocab_size` whose extra columns are left out of the softmax.
+
+Example:
+    >>> cfg = GPT2Config.preset("tiny", recompute=RecomputeConfig(granularity="full"))
+    >>> params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    >>> num_params(cfg)
+    35712
+    >>> idx = jnp.zeros((2, 8), jnp.int32)
+    >>> loss = jax.jit(loss_fn, static_argnums=1)(params, cfg, idx, idx)   # gradients: see loss_fn
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from remat_lm.models import parallel
+from remat_lm.models.attention import ATTENTION, DEFAULT_TILE
+from remat_lm.models.layers import (MLP, CausalSelfAttention, LayerNorm, check_llmc_tensors, embed, lm_head,
+                           stack_layers, unstack_layers)
+from remat_lm.models.llmc_io import GPT2Header
+from remat import RecomputeConfig, names
+from remat.linen import LayerStack
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# Norm (LayerNorm), attention (CausalSelfAttention with n_kv_head = n_head, biases, no RoPE) and
+# MLP (c_fc → tanh-GELU → c_proj) are the shared pieces of remat_lm/models/layers.py.
+
+
+class Block(nn.Module):
+    """x + attn(ln_1(x)), then + mlp(ln_2(x)); tags block_input, ln_1, ln_2."""
+    config: "GPT2Config"
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        cfg, dt = self.config, self.config.compute_dtype
+        # NOTE: GPT-2 (and llm.c) scale the init of residual projections by 1/sqrt(2·n_layer).
+        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        sc = cfg.sharding  # sequence parallelism: (B, T, C) split along T between the pieces
+        x = checkpoint_name(parallel.residual(x, sc), names.BLOCK_INPUT)  # (B, T, C)
+        h = checkpoint_name(parallel.residual(LayerNorm(dt, name="ln_1")(x), sc), names.LN_1)
+        x = x + CausalSelfAttention(cfg.n_head, cfg.n_head, dt, cfg.dropout, use_bias=True,
+                                    proj_std=proj_std, attention=cfg.attention,
+                                    attention_tile=cfg.attention_tile, sharding=sc, name="attn")(h, deterministic)
+        x = parallel.residual(x, sc)
+        h = checkpoint_name(parallel.residual(LayerNorm(dt, name="ln_2")(x), sc), names.LN_2)
+        return parallel.residual(x + MLP(4 * cfg.n_embd, dt, cfg.dropout, proj_std, sc, name="mlp")(h, deterministic), sc)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """GPT-2 shape and training-time settings.
+
+    Args:
+      block_size: maximum sequence length T (rows of `wpe`).
+      vocab_size: V; padded_vocab_size: Vp >= V (default V rounded up to a multiple of 128).
+      n_layer, n_head, n_embd: depth, heads, width C.
+      dropout: dropout on embeddings, attention probabilities and residual branches.
+      dtype: compute dtype, "float32" or "bfloat16" (parameters stay float32).
+      scan_layers: run the blocks under `lax.scan` (stacked parameters `blocks/h`).
+      recompute: the activation-recompute settings (remat.RecomputeConfig).
+      loss_chunk: 0, or N > 0 to compute the LM head and loss over chunks of N positions, each
+        rematerialized, so the (B, T, Vp) logits never exist (`remat_lm.models.layers.lm_head`).
+      attention: the attention core, auto | tiled | xla | cudnn | pallas (remat_lm/models/attention.py);
+        attention_tile: the tiled core's query tile.
+      sharding: a `remat_lm.models.parallel.ShardingConfig` for tensor/sequence parallelism, or None (no
+        constraints; the model runs without a mesh). Set by the train step, not stored in checkpoints.
+    Example:
+      >>> GPT2Config.preset("d12", dtype="bfloat16").padded_vocab_size
+      50304
+    """
+    block_size: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    padded_vocab_size: int | None = None
+    dropout: float = 0.0
+    dtype: str = "float32"
+    scan_layers: bool = False
+    recompute: RecomputeConfig = RecomputeConfig()
+    loss_chunk: int = 0
+    attention: str = "auto"
+    attention_tile: int = DEFAULT_TILE
+    sharding: parallel.ShardingConfig | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
+            raise ValueError(f"GPT2Config.loss_chunk={self.loss_chunk!r} must be an int >= 0 (0: no chunking)")
+        for f in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"GPT2Config.{f}={v!r} must be a positive int")
+        if self.padded_vocab_size is None:
+            object.__setattr__(self, "padded_vocab_size", -(-self.vocab_size // 128) * 128)
+        if not isinstance(self.padded_vocab_size, int) or self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"GPT2Config.padded_vocab_size={self.padded_vocab_size!r} must be an int >= "
+                             f"vocab_size={self.vocab_size}; leave it unset for vocab_size rounded up to 128")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPT2Config.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                             f"choose n_head among the divisors of n_embd")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"GPT2Config.dtype={self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPT2Config.dropout={self.dropout!r} must be in [0, 1)")
+        if not isinstance(self.recompute, RecomputeConfig):
+            raise ValueError(f"GPT2Config.recompute={self.recompute!r} must be a remat.RecomputeConfig")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"GPT2Config.attention={self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
+        if not isinstance(self.attention_tile, int) or isinstance(self.attention_tile, bool) or self.attention_tile < 1:
+            raise ValueError(f"GPT2Config.attention_tile={self.attention_tile!r} must be a positive int, e.g. {DEFAULT_TILE}")
+        try:
+            parallel.check(self.sharding)
+        except ValueError as e:
+            raise ValueError(f"GPT2Config.{e}") from None
+        self.recompute.validate_for(self.n_layer)
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPT2Config":
+        """A preset from PRESETS with fields overridden, e.g. `preset("d12", n_layer=6)`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT-2 preset {name!r}; valid: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+# Parameter counts with the padded vocabulary (tests/test_models.py checks them).
+PRESETS = {
+    "d12": dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),   # 124,475,904
+    "d24": dict(block_size=1024, vocab_size=50257, n_layer=24, n_head=16, n_embd=1024),  # 354,871,296
+    "d36": dict(block_size=1024, vocab_size=50257, n_layer=36, n_head=20, n_embd=1280),  # 774,090,240
+    "d48": dict(block_size=1024, vocab_size=50257, n_layer=48, n_head=25, n_embd=1600),  # 1,557,686,400
+    "tiny": dict(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=32),         # 35,712
+}
+
+
+def _init_wte(config: GPT2Config):
+    def init(key, shape, dtype):
+        w = jax.random.normal(key, shape, dtype) * 0.02
+        return w.at[config.vocab_size:].set(0.0)  # llm.c files carry zero padded rows
+    return init
+
+
+class GPT2(nn.Module):
+    """The GPT-2 language model.
+
+    `__call__(idx, targets=None, *, deterministic=True)` returns `(logits, loss)`: logits
+    (B, T, Vp) float32 and the mean cross-entropy over B·T positions (None without targets).
+    With `loss_chunk` > 0 and targets the loss is computed over chunks and logits is None (call
+    without targets for them). Dropout needs `deterministic=False` and a `dropout` RNG.
+    Example:
+      >>> model = GPT2(GPT2Config.preset("tiny"))
+      >>> logits, loss = jax.jit(model.apply)({"params": params}, idx, targets)
+      >>> logits.shape  # (B, T, Vp)
+      (2, 8, 256)
+    """
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, idx, targets=None, *, deterministic: bool = True):
+        cfg, dt = self.config, self.config.compute_dtype
+        B, T = idx.shape
+        if T > cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={cfg.block_size}")
+        wte = self.param("wte", _init_wte(cfg), (cfg.padded_vocab_size, cfg.n_embd), jnp.float32)
+        wpe = self.param("wpe", nn.initializers.normal(0.02), (cfg.block_size, cfg.n_embd), jnp.float32)
+        x = (embed(wte, idx) + wpe[:T]).astype(dt)  # (B, T, C)
+        x = nn.Dropout(cfg.dropout)(x, deterministic)
+        x = parallel.residual(x, cfg.sharding)  # the residual stream entering the blocks (NOTE in remat_lm.models.parallel)
+        # NOTE: the one place layers are grouped and rematerialized (remat.linen.LayerStack).
+        x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,
+                       scan=cfg.scan_layers, name="blocks")(x, deterministic)
+        x = LayerNorm(dt, name="ln_f")(x)  # (B, T, C)
+        return lm_head(x, wte, targets, cfg.vocab_size, cfg.loss_chunk)  # logits (B, T, Vp) or None, loss
+
+
+def init_params(config: GPT2Config, key, batch_shape=(1, 1)):
+    """Fresh float32 parameters.
+
+    Example:
+      >>> init = lambda key: init_params(GPT2Config.preset("tiny"), key)
+      >>> params = jax.eval_shape(init, jax.random.key(0))  # shapes only; init(key) makes the arrays
+      >>> sorted(params), params["wte"].shape
+      (['blocks', 'ln_f', 'wpe', 'wte'], (256, 32))
+    """
+    idx = jnp.zeros(batch_shape, jnp.int32)
+    # the parameters do not depend on the attention core; the xla core takes any T (Pallas: multiples of 128)
+    return GPT2(dataclasses.replace(config, attention="xla")).init({"params": key}, idx)["params"]
+
+
+def loss_fn(params, config: GPT2Config, idx, targets, dropout_key=None):
+    """Mean cross-entropy; dropout is on exactly when `dropout_key` is given.
+
+    Example:
+      >>> loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, cfg, idx, targets)
+      >>> jax.tree.structure(grads) == jax.tree.structure(params)
+      True
+    """
+    rngs = None if dropout_key is None else {"dropout": dropout_key}
+    return GPT2(config).apply({"params": params}, idx, targets, deterministic=dropout_key is None, rngs=rngs)[1]
+
+
+def num_params(config: GPT2Config) -> int:
+    """Parameter count (wte padded to Vp), as in llm.c."""
+    C, L = config.n_embd, config.n_layer
+    return config.padded_vocab_size * C + config.block_size * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+def flops_per_token(config: GPT2Config, seq_len: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward), for MFU.
+
+    Example:
+      >>> round(flops_per_token(GPT2Config.preset("d12")) / 1e9, 3)  # GFLOP per token at T = 1024
+      0.799
+    """
+    # NOTE: 6N for the matmuls of N parameters (wpe is a lookup, not a matmul; the tied wte counts
+    # once, as the LM head), plus causal attention: QKᵀ and PV are 2·2·T·C FLOPs per token and
+    # layer, halved by the mask, times 3 for forward + backward: 6·L·C·T (llm.c's figure).
+    T = config.block_size if seq_len is None else seq_len
+    n = num_params(config) - config.block_size * config.n_embd
+    return 6.0 * n + 6.0 * config.n_layer * config.n_embd * T
+
+
+# llm.c tensor name → path inside one block (per-layer tensors are stacked on a leading L axis).
+_LAYER_TENSORS = {
+    "ln_1.w": ("ln_1", "w"), "ln_1.b": ("ln_1", "b"),
+    "attn.c_attn.w": ("attn", "c_attn", "w"), "attn.c_attn.b": ("attn", "c_attn", "b"),
+    "attn.c_proj.w": ("attn", "c_proj", "w"), "attn.c_proj.b": ("attn", "c_proj", "b"),
+    "ln_2.w": ("ln_2", "w"), "ln_2.b": ("ln_2", "b"),
+    "mlp.c_fc.w": ("mlp", "c_fc", "w"), "mlp.c_fc.b": ("mlp", "c_fc", "b"),
+    "mlp.c_proj.w": ("mlp", "c_proj", "w"), "mlp.c_proj.b": ("mlp", "c_proj", "b"),
+}
+
+
+def llmc_shapes(config) -> dict:
+    """{llm.c tensor name: shape}, in the model file's order: the one GPT-2 table (remat_lm.models.llmc_io
+    reads and writes files by it). `config` is a GPT2Config or an llm.c GPT2Header.
+
+    Example:
+      >>> llmc_shapes(GPT2Config.preset("tiny"))["attn.c_attn.w"]
+      (2, 96, 32)
+    """
+    Vp, T, L, C = config.padded_vocab_size, config.block_size, config.n_layer, config.n_embd
+    per = {"ln_1.w": (C,), "ln_1.b": (C,), "attn.c_attn.w": (3 * C, C), "attn.c_attn.b": (3 * C,),
+           "attn.c_proj.w": (C, C), "attn.c_proj.b": (C,), "ln_2.w": (C,), "ln_2.b": (C,),
+           "mlp.c_fc.w": (4 * C, C), "mlp.c_fc.b": (4 * C,), "mlp.c_proj.w": (C, 4 * C), "mlp.c_proj.b": (C,)}
+    return {"wte": (Vp, C), "wpe": (T, C), **{k: (L,) + s for k, s in per.items()},
+            "ln_f.w": (C,), "ln_f.b": (C,)}
+
+
+def llmc_header(config: GPT2Config) -> GPT2Header:
+    """The llm.c header describing `config`."""
+    return GPT2Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
+                      n_head=config.n_head, n_embd=config.n_embd, padded_vocab_size=config.padded_vocab_size)
+
+
+def config_from_llmc(header: GPT2Header, **fields) -> GPT2Config:
+    """A GPT2Config for an llm.c header; `fields` (recompute, dtype, scan_layers...) are added."""
+    return GPT2Config(block_size=header.block_size, vocab_size=header.vocab_size,
+                      padded_vocab_size=header.padded_vocab_size, n_layer=header.n_layer,
+                      n_head=header.n_head, n_embd=header.n_embd, **fields)
+
+
+def to_llmc(config: GPT2Config, params) -> dict:
+    """Parameters → {llm.c tensor name: float32 np.ndarray}, in the model file's order.
+
+    Example:
+      >>> tensors = to_llmc(cfg, params); tensors["attn.c_attn.w"].shape  # (L, 3C, C)
+      (2, 96, 32)
+    """
+    b = params["blocks"]
+    out = {"wte": np.asarray(params["wte"], np.float32), "wpe": np.asarray(params["wpe"], np.float32)}
+    out.update({k: stack_layers(b, config.n_layer, config.scan_layers, p) for k, p in _LAYER_TENSORS.items()})
+    out["ln_f.w"] = np.asarray(params["ln_f"]["w"], np.float32)
+    out["ln_f.b"] = np.asarray(params["ln_f"]["b"], np.float32)
+    return out
+
+
+def from_llmc(config: GPT2Config, tensors) -> dict:
+    """{llm.c tensor name: array} → parameters for `config` (loop or scan layout).
+
+    Example:
+      >>> scan_cfg = dataclasses.replace(cfg, scan_layers=True)
+      >>> scan_params = from_llmc(scan_cfg, to_llmc(cfg, params))
+      >>> scan_params["blocks"]["h"]["attn"]["c_attn"]["w"].shape  # stacked: (L, 3C, C)
+      (2, 96, 32)
+    """
+    check_llmc_tensors("GPT-2", llmc_shapes(config), tensors)
+    f = lambda k: jnp.asarray(np.asarray(tensors[k], np.float32))
+    blocks = unstack_layers({p: np.asarray(tensors[k], np.float32) for k, p in _LAYER_TENSORS.items()},
+                            config.n_layer, config.scan_layers)
+    return {"wte": f("wte"), "wpe": f("wpe"), "blocks": blocks,
+            "ln_f": {"w": f("ln_f.w"), "b": f("ln_f.b")}}
+

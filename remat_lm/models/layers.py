@@ -1,0 +1,685 @@
+"""Shared transformer pieces for the GPT-2 and LLaMA-3 models (Flax Linen), lean in saved memory.
+
+Shapes: B batch, T sequence, C n_embd, H query heads, K kv heads, G = H/K, D head dim, F MLP
+hidden width, V (padded) vocabulary, R = G·T query rows per kv head (attention core). Every shape
+in models/ is written as a trailing comment on the line that makes the value: `y = f(x)  # (B, T, C)`.
+
+Activations are tagged with `checkpoint_name(x, remat.names.X)` at the points that
+remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here tag the rest.
+`attn_probs` tags only the cuDNN and Pallas kernels' residuals (remat_lm/models/attention.py): the tiled and
+xla cores never keep their probabilities.
+
+# NOTE: lean residuals. A plain JAX formulation keeps what autodiff finds convenient: GELU's and
+# LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs; ~800 MiB for the
+# reference GPT-2 (MEASUREMENTS.md) against PyTorch eager's 333 MiB. Each piece below is a
+# `jax.custom_vjp` that keeps what PyTorch's kernels keep and recomputes the rest:
+#   layer_norm / rms_norm: the input and per-row statistics (the weights are arguments);
+#   gelu_tanh: its input; swiglu: its two inputs;
+#   causal_attention: q, k, v and the per-row log-sum-exp (flash-attention style): scores and
+#     probabilities are rebuilt in the backward, the causal mask comes from iota comparisons;
+#   cross_entropy: the logits (the per-row log-sum-exp is recomputed in the backward);
+#   embed: nothing but the token ids it was given (no int32 copy of them).
+# Inside remat regions the custom_vjp residuals are ordinary values to the policy: untagged, so
+# recomputed unless a tagged value they derive from is saved. Gradients match the plain
+# formulation to float32 rounding (tests/test_models.py).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from remat_lm.models import attention as attention_lib
+from remat_lm.models import parallel
+from remat import names
+
+F32 = jnp.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# Functional pieces with lean custom VJPs.
+
+def _ln_stats(x, eps):
+    xf = x.astype(F32)
+    mean = xf.mean(-1, keepdims=True)  # (..., 1)
+    rstd = lax.rsqrt(jnp.square(xf - mean).mean(-1, keepdims=True) + eps)  # (..., 1)
+    return xf, mean, rstd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x, w, b, eps=1e-5):
+    """LayerNorm over the last axis, computed in float32, returned in x's dtype.
+
+    Args:
+      x: (..., C) input; w, b: (C,) scale and shift; eps: variance epsilon.
+    Example:
+      >>> y = layer_norm(x, jnp.ones(32), jnp.zeros(32))  # x: (B, T, 32)
+      >>> round(float(y.mean()), 4), round(float(y.std()), 2)
+      (0.0, 1.0)
+    """
+    return _ln_fwd(x, w, b, eps)[0]
+
+
+def _ln_fwd(x, w, b, eps):
+    xf, mean, rstd = _ln_stats(x, eps)
+    y = ((xf - mean) * rstd * w.astype(F32) + b.astype(F32)).astype(x.dtype)
+    return y, (x, mean, rstd, w, jnp.zeros((0,), b.dtype))  # the empty array carries b's dtype
+
+
+def _ln_bwd(eps, res, dy):
+    x, mean, rstd, w, b0 = res
+    xhat = (x.astype(F32) - mean) * rstd
+    dy = dy.astype(F32)
+    rows = tuple(range(x.ndim - 1))
+    g = dy * w.astype(F32)
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return (dx.astype(x.dtype), (dy * xhat).sum(rows).astype(w.dtype), dy.sum(rows).astype(b0.dtype))
+
+
+layer_norm.defvjp(_ln_fwd, _ln_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x, w, eps=1e-5):
+    """RMSNorm `x·rsqrt(mean(x²)+eps)·w` over the last axis in float32, returned in x's dtype.
+
+    Example:
+      >>> y = rms_norm(x, jnp.ones(32), 1e-5)
+      >>> round(float(jnp.sqrt(jnp.mean(y ** 2))), 2)
+      1.0
+    """
+    return _rms_fwd(x, w, eps)[0]
+
+
+def _rms_fwd(x, w, eps):
+    xf = x.astype(F32)
+    rstd = lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)  # (..., 1)
+    return (xf * rstd * w.astype(F32)).astype(x.dtype), (x, rstd, w)
+
+
+def _rms_bwd(eps, res, dy):
+    x, rstd, w = res
+    xhat = x.astype(F32) * rstd
+    dy = dy.astype(F32)
+    g = dy * w.astype(F32)
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx.astype(x.dtype), (dy * xhat).sum(tuple(range(x.ndim - 1))).astype(w.dtype)
+
+
+rms_norm.defvjp(_rms_fwd, _rms_bwd)
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@jax.custom_vjp
+def gelu_tanh(x):
+    """GELU, tanh approximation (GPT-2's), in float32; the backward keeps only x.
+
+    Example:
+      >>> gelu_tanh(jnp.array([-3.0, 0.0, 3.0])).round(3)
+      Array([-0.004,  0.   ,  2.996], dtype=float32)
+    """
+    xf = x.astype(F32)
+    return (xf * (0.5 * (1.0 + jnp.tanh(_GELU_C * (xf + 0.044715 * xf ** 3))))).astype(x.dtype)
+
+
+def _gelu_fwd(x):
+    return gelu_tanh(x), x
+
+
+def _gelu_bwd(x, dy):
+    xf = x.astype(F32)
+    t = jnp.tanh(_GELU_C * (xf + 0.044715 * xf ** 3))
+    dydx = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * xf * xf)
+    return ((dy.astype(F32) * dydx).astype(x.dtype),)
+
+
+gelu_tanh.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+@jax.custom_vjp
+def swiglu(gate, up):
+    """`silu(gate) · up` in float32 (LLaMA's MLP activation); the backward keeps only its inputs.
+
+    Example:
+      >>> gate, up = jnp.array([0.0, 1.0, 2.0]), jnp.ones(3)
+      >>> [round(float(y), 3) for y in swiglu(gate, up)]   # silu(gate) · up
+      [0.0, 0.731, 1.762]
+    """
+    g = gate.astype(F32)
+    return (g * jax.nn.sigmoid(g) * up.astype(F32)).astype(up.dtype)
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, dy):
+    gate, up = res
+    g, u, dy = gate.astype(F32), up.astype(F32), dy.astype(F32)
+    s = jax.nn.sigmoid(g)
+    dgate = dy * u * s * (1.0 + g * (1.0 - s))
+    return dgate.astype(gate.dtype), (dy * g * s).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def attention_dropout_mask(key, rate: float, shape):
+    """The keep-mask the attention cores draw for dropout on their probabilities ((B, K, G, T, T)).
+
+    A pure function of (key, position) (`remat_lm.models.attention.dropout_keep`): every core, tiling and
+    remat setting draws the same bits.
+    """
+    return attention_lib.dropout_keep(key, rate, shape)
+
+
+def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, dropout_rate: float = 0.0, key=None):
+    """Causal softmax attention with grouped-query heads; keeps q, k, v and the log-sum-exp.
+
+    The `xla` core of `remat_lm.models.attention.causal_attention`: the whole (T, T) score matrix per kv head.
+
+    Query head h reads kv head h // (n_head // n_kv_head) (llm.c's repeat_kv). Scores, softmax
+    and the backward's probabilities are float32; the context comes back in v's dtype.
+
+    Args:
+      q: (B, T, H·D); k, v: (B, T, K·D), heads contiguous in the last axis.
+      n_head, n_kv_head: H and K.
+      dropout_rate, key: dropout on the probabilities; off when `key` is None or the rate is 0.
+    Returns:
+      the context, heads merged: (B, T, H·D).
+    Example:
+      >>> causal_attention(q, k, v, 4, 2).shape  # q (B, T, 4·8), k and v (B, T, 2·8)
+      (2, 8, 32)
+    """
+    if key is None or dropout_rate == 0.0:
+        key, dropout_rate = None, 0.0
+    return _attention(q, k, v, key, n_head, n_kv_head, float(dropout_rate))
+
+
+# NOTE: layout. The core works head-major with the G query heads of a kv group folded into the
+# rows: q (B, K, R, D) with R = G·T (row r is head g = r // T, position r % T), k and v (B, K, T, D),
+# scores (B, K, R, T). Every product is then a plain batched matmul (batch dims leading, contracting
+# the last axis), which XLA:CPU runs about 2× faster than the same einsums over (B, T, K, G, D)
+# operands (GPT-2 reference layer: 38 → 18 ms forward + backward). (B, K, R, T) has the memory
+# order of (B, K, G, T, T), so dropout masks are drawn in that shape.
+
+
+def _q_split(q, n_head, n_kv_head):
+    """(B, T, H·D) → (B, K, R, D), R = G·T."""
+    B, T, HD = q.shape
+    D, G = HD // n_head, n_head // n_kv_head
+    return q.reshape(B, T, n_kv_head, G, D).transpose(0, 2, 3, 1, 4).reshape(B, n_kv_head, G * T, D)
+
+
+def _kv_split(t, n_kv_head):
+    """(B, T, K·D) → (B, K, T, D)."""
+    B, T, KD = t.shape
+    return t.reshape(B, T, n_kv_head, KD // n_kv_head).transpose(0, 2, 1, 3)
+
+
+def _heads(q, k, v, n_head, n_kv_head):
+    """q (B, K, R, D), k and v (B, K, T, D), and the score scale 1/sqrt(D)."""
+    return (_q_split(q, n_head, n_kv_head), _kv_split(k, n_kv_head), _kv_split(v, n_kv_head),
+            1.0 / math.sqrt(q.shape[-1] // n_head))
+
+
+def _q_merge(yh, T):
+    """(B, K, R, D) → (B, T, K·G·D): the inverse of `_q_split`."""
+    B, K, R, D = yh.shape
+    return yh.reshape(B, K, R // T, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, K * (R // T) * D)
+
+
+def _kv_merge(th):
+    """(B, K, T, D) → (B, T, K·D)."""
+    B, K, T, D = th.shape
+    return th.transpose(0, 2, 1, 3).reshape(B, T, K * D)
+
+
+def _probs(qh, kh, scale, lse=None):
+    """Scaled, causally masked scores → (probabilities, log-sum-exp), all float32."""
+    s = jnp.einsum("bkrd,bksd->bkrs", qh, kh, preferred_element_type=F32) * scale  # (B, K, R, T)
+    R, T = s.shape[-2:]
+    causal = lax.broadcasted_iota(jnp.int32, (R, T), 0) % T >= lax.broadcasted_iota(jnp.int32, (R, T), 1)
+    s = jnp.where(causal, s, -jnp.inf)
+    if lse is None:  # the diagonal is never masked, so every row max is finite
+        lse = jax.nn.logsumexp(s, axis=-1)  # (B, K, R)
+    return jnp.exp(s - lse[..., None]), lse
+
+
+def _keep(key, rate, p, n_head):
+    """The dropout keep-mask for probabilities p (B, K, R, T), drawn as (B, K, G, T, T)."""
+    B, K, R, T = p.shape
+    return attention_dropout_mask(key, rate, (B, K, n_head // K, T, T)).reshape(p.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, key, n_head, n_kv_head, rate):
+    return _attention_fwd(q, k, v, key, n_head, n_kv_head, rate)[0]
+
+
+def _attention_fwd(q, k, v, key, n_head, n_kv_head, rate):
+    qh, kh, vh, scale = _heads(q, k, v, n_head, n_kv_head)
+    p, lse = _probs(qh, kh, scale)  # (B, K, R, T)
+    if rate:
+        p = jnp.where(_keep(key, rate, p, n_head), p / (1.0 - rate), 0.0)
+    y = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), vh)  # (B, K, R, D)
+    return _q_merge(y, q.shape[1]), (q, k, v, key, lse)
+
+
+def _attention_bwd(n_head, n_kv_head, rate, res, dy):
+    q, k, v, key, lse = res
+    T = q.shape[1]
+    qh, kh, vh, scale = _heads(q, k, v, n_head, n_kv_head)
+    p, _ = _probs(qh, kh, scale, lse)  # (B, K, R, T)
+    dyh = _q_split(dy, n_head, n_kv_head)  # (B, K, R, D)
+    dp = jnp.einsum("bkrd,bksd->bkrs", dyh, vh, preferred_element_type=F32)
+    pd = p
+    if rate:
+        keep = _keep(key, rate, p, n_head)
+        pd = jnp.where(keep, p / (1.0 - rate), 0.0)
+        dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
+    dv = jnp.einsum("bkrs,bkrd->bksd", pd.astype(v.dtype), dyh)  # (B, K, T, D)
+    # NOTE: the softmax backward's row term is sum(dp·p), taken from the (T, T) tiles we rebuild
+    # anyway; flash kernels use sum(dy·y) to avoid them, which would also need y as a residual.
+    ds = (p * (dp - (dp * p).sum(-1, keepdims=True)) * scale).astype(q.dtype)  # (B, K, R, T)
+    dq = jnp.einsum("bkrs,bksd->bkrd", ds, kh)  # (B, K, R, D)
+    dk = jnp.einsum("bkrs,bkrd->bksd", ds, qh)  # (B, K, T, D)
+    return _q_merge(dq, T), _kv_merge(dk), _kv_merge(dv), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@jax.custom_vjp
+def embed(table, idx):
+    """Rows of `table` (V, C) at integer `idx` (...) → (..., C); the backward keeps `idx` as given.
+
+    Example:
+      >>> embed(wte, idx).shape  # (B, T, C)
+      (2, 8, 32)
+    """
+    return jnp.take(table, idx, axis=0)
+
+
+def _embed_fwd(table, idx):
+    # NOTE: `table` is a parameter, alive anyway; keeping it costs nothing and gives its shape.
+    return jnp.take(table, idx, axis=0), (table, idx)
+
+
+def _embed_bwd(res, dy):
+    table, idx = res
+    return jnp.zeros_like(table).at[idx].add(dy.astype(table.dtype)), None
+
+
+embed.defvjp(_embed_fwd, _embed_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def cross_entropy(logits, targets, n_valid: int, total: int | None = None):
+    """Mean cross-entropy over all positions; vocabulary columns >= n_valid are left out.
+
+    Args:
+      logits: (..., V) float32; targets: (...) int; n_valid: the real vocabulary size.
+      total: divide the summed loss by this count instead of `targets.size` (a chunk's share of
+        the mean over a whole batch, `lm_head`).
+    Example:
+      >>> logits = jnp.zeros((2, 8, 256))   # uniform over the first 200 of 256 columns
+      >>> round(float(cross_entropy(logits, targets % 200, 200)), 4), round(float(np.log(200)), 4)
+      (5.2983, 5.2983)
+    """
+    return _ce_fwd(logits, targets, n_valid, total)[0]
+
+
+def _ce_masked(logits, n_valid):
+    if n_valid >= logits.shape[-1]:
+        return logits
+    col = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.where(col < n_valid, logits, -jnp.inf)
+
+
+def _ce_fwd(logits, targets, n_valid, total=None):
+    z = _ce_masked(logits.astype(F32), n_valid)
+    picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), -1)[..., 0]
+    nll = jax.nn.logsumexp(z, axis=-1) - picked
+    return (nll.mean() if total is None else nll.sum() / total), (logits, targets)
+
+
+def _ce_bwd(n_valid, total, res, g):
+    logits, targets = res
+    z = _ce_masked(logits.astype(F32), n_valid)
+    p = jnp.exp(z - jax.nn.logsumexp(z, axis=-1, keepdims=True))  # the log-sum-exp is recomputed: one more pass over z
+    onehot = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1) == targets[..., None]
+    d = (p - onehot) * (g / (targets.size if total is None else total))
+    return d.astype(logits.dtype), None
+
+
+cross_entropy.defvjp(_ce_fwd, _ce_bwd)
+
+
+def lm_logits(x, w):
+    """The LM head: float32 logits x·wᵀ, computed in x's dtype, tagged `lm_head`.
+
+    Args:
+      x: (B, T, C) final hidden states; w: (V, C) head weight (float32, cast to x's dtype).
+    Example:
+      >>> lm_logits(x, wte).shape  # (B, T, V)
+      (2, 8, 256)
+    """
+    return checkpoint_name(jnp.einsum("btc,vc->btv", x, w.astype(x.dtype), preferred_element_type=F32),
+                           names.LM_HEAD)  # (B, T, V)
+
+
+def lm_head(x, w, targets=None, n_valid: int | None = None, chunk: int = 0):
+    """LM head and mean cross-entropy, optionally over T-chunks so the (B, T, V) logits never exist.
+
+    Args:
+      x: (B, T, C) final hidden states; w: (V, C) head weight; targets: (B, T) int or None.
+      n_valid: vocabulary columns in the softmax (default all of w's rows).
+      chunk: 0 for the plain head; N > 0 computes the loss over chunks of N positions (the last
+        chunk may be shorter), each rematerialized: only (B, N, V) logits are live at a time, in
+        the forward and in the backward.
+    Returns:
+      (logits, loss): logits (B, T, V) float32, or None when `chunk` > 0 and targets are given
+      (call again without targets for them); loss None without targets.
+    Example:
+      >>> _, chunked = lm_head(x, wte, targets, 256, chunk=4)  # logits never built whole: None
+      >>> _, plain = lm_head(x, wte, targets, 256)
+      >>> bool(jnp.allclose(chunked, plain, atol=1e-6))
+      True
+    """
+    n_valid = w.shape[0] if n_valid is None else n_valid
+    if targets is None or not chunk:
+        logits = lm_logits(x, w)  # (B, T, V)
+        return logits, None if targets is None else cross_entropy(logits, targets, n_valid)
+    return None, _chunked_loss(x, w, targets, n_valid, chunk)
+
+
+# NOTE: the chunked loss. Each chunk's head projection + cross-entropy is one `jax.checkpoint`
+# region (saving nothing inside): the forward keeps only the chunk's input rows and targets, and
+# the backward recomputes that chunk's logits right before its own gradient, so at most one
+# chunk's (B, N, V) logits and their gradient are live. Chunks run under `lax.scan` (the body is
+# compiled once); a remainder T % N is one more region of its own size. Each chunk's loss is its
+# summed cross-entropy over B·T, so the chunks add up to the mean (`cross_entropy(..., total)`);
+# the weight gradient is accumulated across chunks by the scan's transpose.
+def _chunk_loss(x, w, t, n_valid, total):
+    return cross_entropy(lm_logits(x, w), t, n_valid, total)  # x (B, N, C) → logits (B, N, V)
+
+
+def _chunked_loss(x, w, targets, n_valid: int, chunk: int):
+    B, T, C = x.shape
+    chunk = min(chunk, T)
+    n, rem = divmod(T, chunk)  # n >= 1 full chunks, then a remainder
+    body = jax.checkpoint(functools.partial(_chunk_loss, n_valid=n_valid, total=B * T), prevent_cse=False)
+    xs = x[:, :n * chunk].reshape(B, n, chunk, C).swapaxes(0, 1)  # (n, B, N, C)
+    ts = targets[:, :n * chunk].reshape(B, n, chunk).swapaxes(0, 1)  # (n, B, N)
+    loss, _ = lax.scan(lambda acc, xt: (acc + body(xt[0], w, xt[1]), None), jnp.zeros((), F32), (xs, ts))
+    if rem:
+        loss = loss + body(x[:, n * chunk:], w, targets[:, n * chunk:])
+    return loss
+
+
+def rope_frequencies(head_dim: int, theta: float, use_scaled: bool) -> np.ndarray:
+    """RoPE frequencies 1/theta^(2i/D) in float32, with LLaMA-3.1 scaling when `use_scaled`.
+
+    Example:
+      >>> rope_frequencies(128, 500000.0, True).shape
+      (64,)
+    """
+    freqs = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)))
+    freqs = freqs.astype(np.float32)
+    if not use_scaled:
+        return freqs
+    # NOTE: llm.c's apply_scaling: factor 8, low/high frequency factors 1 and 4, original
+    # context 8192. Wavelengths below 8192/4 keep their frequency, above 8192/1 are divided by
+    # 8, in between they interpolate.
+    scale, low, high, old_ctx = 8.0, 1.0, 4.0, 8192.0
+    wavelen = (2 * math.pi / freqs).astype(np.float32)
+    smooth = ((old_ctx / wavelen - low) / (high - low)).astype(np.float32)
+    mid = (1 - smooth) * freqs / scale + smooth * freqs
+    out = np.where(wavelen < old_ctx / high, freqs, np.where(wavelen > old_ctx / low, freqs / scale, mid))
+    return out.astype(np.float32)
+
+
+def apply_rope(x, theta: float, use_scaled: bool):
+    """Rotate adjacent feature pairs (x[2i], x[2i+1]) at position t by t·freq_i (float32 math).
+
+    Args:
+      x: (B, T, heads, D).
+    Example:
+      >>> qh = q.reshape(2, 8, 4, 8)  # (B, T, heads, D)
+      >>> bool(jnp.allclose(jnp.linalg.norm(apply_rope(qh, 500000.0, True), axis=-1),
+      ...                   jnp.linalg.norm(qh, axis=-1), atol=1e-5))   # a rotation keeps lengths
+      True
+    """
+    B, T, nh, D = x.shape
+    angles = np.outer(np.arange(T, dtype=np.float32), rope_frequencies(D, theta, use_scaled))  # (T, D/2)
+    cos, sin = np.cos(angles)[None, :, None], np.sin(angles)[None, :, None]  # (1, T, 1, D/2)
+    xr = x.astype(F32).reshape(B, T, nh, D // 2, 2)
+    x0, x1 = xr[..., 0], xr[..., 1]
+    out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)  # (B, T, heads, D/2, 2)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Linen modules. Parameters are float32; computation runs in `dtype` (parameters cast at use).
+
+class Linear(nn.Module):
+    """y = x·wᵀ (+ b), w stored (out_features, in_features) as PyTorch and llm.c store it.
+
+    Example:
+      >>> layer = Linear(96)
+      >>> variables = layer.init(jax.random.key(0), x)
+      >>> variables["params"]["w"].shape, layer.apply(variables, x).shape  # w: (out, in)
+      ((96, 32), (2, 8, 96))
+    """
+    # NOTE: PyTorch's weight layout instead of Flax's (in, out) `kernel` makes the llm.c mapping
+    # (models/*.py to_llmc/from_llmc) names and stacking only, no transposes; dot_general takes
+    # either layout at the same cost.
+    features: int
+    use_bias: bool = True
+    dtype: Any = F32
+    std: float = 0.02
+    out_dtype: Any = None  # e.g. float32 logits from bf16 inputs
+
+    @nn.compact
+    def __call__(self, x, splits: tuple[int, ...] | None = None):
+        """y (..., features); with `splits` (output offsets), the pieces of y, each its own matmul
+        with rows of w (under tensor parallelism each piece stays split by heads: no resharding)."""
+        w = self.param("w", nn.initializers.normal(self.std), (self.features, x.shape[-1]), F32)
+        b = self.param("b", nn.initializers.zeros, (self.features,), F32) if self.use_bias else None
+        if splits is not None:
+            bs = jnp.split(b, splits) if b is not None else [None] * (len(splits) + 1)
+            return tuple(self._apply(x, wi, bi) for wi, bi in zip(jnp.split(w, splits), bs))
+        return self._apply(x, w, b)
+
+    def _apply(self, x, w, b):
+        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), w.astype(self.dtype),
+                       preferred_element_type=self.out_dtype)
+        return y if b is None else y + b.astype(y.dtype)
+
+
+class LMHead(nn.Module):
+    """An untied LM head, param `w` (V, C) as `Linear(V, use_bias=False)` stores it, and its loss.
+
+    `__call__(x, targets=None)` returns `lm_head(x, w, targets, n_valid, chunk)`: (logits, loss).
+    Example:
+      >>> head = LMHead(256)
+      >>> variables = head.init(jax.random.key(0), x)
+      >>> logits, loss = head.apply(variables, x, targets)
+      >>> logits.shape, loss.shape
+      ((2, 8, 256), ())
+    """
+    features: int
+    n_valid: int | None = None
+    chunk: int = 0
+
+    @nn.compact
+    def __call__(self, x, targets=None):
+        w = self.param("w", nn.initializers.normal(0.02), (self.features, x.shape[-1]), F32)
+        return lm_head(x, w, targets, self.n_valid, self.chunk)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm (params `w`, `b`), float32 math, output in `dtype`."""
+    dtype: Any = F32
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        C = x.shape[-1]
+        w = self.param("w", nn.initializers.ones, (C,), F32)
+        b = self.param("b", nn.initializers.zeros, (C,), F32)
+        return layer_norm(x, w, b, self.eps).astype(self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (param `w`), float32 math, output in `dtype`."""
+    dtype: Any = F32
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.ones, (x.shape[-1],), F32)
+        return rms_norm(x, w, self.eps).astype(self.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """c_attn → (RoPE) → causal GQA core → c_proj → dropout; tags qkv, attn_context, attn_out.
+
+    Attributes:
+      attention, attention_tile: the core (`remat_lm.models.attention.causal_attention`: auto, tiled, xla,
+        cudnn, pallas) and the tiled core's query tile.
+      n_head, n_kv_head: query and key/value heads (n_kv_head == n_head: plain multi-head).
+      rope_theta: apply RoPE to q and k when set (`use_scaled_rope`: LLaMA-3.1 scaling).
+      proj_std: init std of c_proj (GPT-2 scales it by 1/sqrt(2·n_layer)).
+      sharding: a `remat_lm.models.parallel.ShardingConfig`: heads split over its tensor axis (or None).
+    Example:
+      >>> attn = CausalSelfAttention(4, 2, attention="xla")
+      >>> variables = attn.init(jax.random.key(0), x, True)
+      >>> attn.apply(variables, x, True).shape
+      (2, 8, 32)
+    """
+    n_head: int
+    n_kv_head: int
+    dtype: Any = F32
+    dropout: float = 0.0
+    use_bias: bool = True
+    rope_theta: float | None = None
+    use_scaled_rope: bool = False
+    proj_std: float = 0.02
+    attention: str = "auto"
+    attention_tile: int = attention_lib.DEFAULT_TILE
+    sharding: Any = None
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        B, T, C = x.shape
+        H, K, D = self.n_head, self.n_kv_head, C // self.n_head
+        c_attn = Linear((H + 2 * K) * D, self.use_bias, self.dtype, name="c_attn")
+        if self.sharding is None:
+            q, k, v = jnp.split(c_attn(x), [H * D, (H + K) * D], axis=-1)  # (B, T, H·D), (B, T, K·D) ×2
+        else:  # one matmul per piece: an even split of c_attn's output over tensor is not head-aligned
+            q, k, v = c_attn(x, splits=(H * D, (H + K) * D))
+        if self.rope_theta is not None:
+            q = apply_rope(q.reshape(B, T, H, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, H * D)
+            k = apply_rope(k.reshape(B, T, K, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, K * D)
+        q, k, v = (checkpoint_name(parallel.split(t, self.sharding), names.QKV) for t in (q, k, v))
+        rate = 0.0 if deterministic else self.dropout
+        key = self.make_rng("dropout") if rate > 0 else None
+        y = attention_lib.causal_attention(q, k, v, H, K, attention=self.attention, tile=self.attention_tile,
+                                           dropout_rate=rate, key=key,
+                                           spec=None if self.sharding is None else self.sharding.split)  # (B, T, C)
+        y = checkpoint_name(parallel.split(y, self.sharding), names.ATTN_CONTEXT)
+        y = Linear(C, self.use_bias, self.dtype, self.proj_std, name="c_proj")(y)
+        y = checkpoint_name(parallel.residual(y, self.sharding), names.ATTN_OUT)
+        return nn.Dropout(self.dropout)(y, deterministic)
+
+
+class MLP(nn.Module):
+    """GPT-2's MLP: c_fc → tanh-GELU → c_proj → dropout; tags mlp_up, mlp_act, mlp_out.
+
+    `sharding` (a `remat_lm.models.parallel.ShardingConfig` or None): hidden units split over its tensor axis.
+    """
+    hidden: int
+    dtype: Any = F32
+    dropout: float = 0.0
+    proj_std: float = 0.02
+    sharding: Any = None
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        h = Linear(self.hidden, True, self.dtype, name="c_fc")(x)
+        h = checkpoint_name(parallel.split(h, self.sharding), names.MLP_UP)  # (B, T, F)
+        h = checkpoint_name(gelu_tanh(h), names.MLP_ACT)
+        y = Linear(x.shape[-1], True, self.dtype, self.proj_std, name="c_proj")(h)
+        y = checkpoint_name(parallel.residual(y, self.sharding), names.MLP_OUT)
+        return nn.Dropout(self.dropout)(y, deterministic)
+
+
+class SwiGLU(nn.Module):
+    """LLaMA's MLP: c_proj(silu(c_fc2(x)) · c_fc(x)) → dropout, no biases; tags mlp_up/gate/act/out.
+
+    `sharding` (a `remat_lm.models.parallel.ShardingConfig` or None): hidden units split over its tensor axis.
+    """
+    hidden: int
+    dtype: Any = F32
+    dropout: float = 0.0
+    proj_std: float = 0.02
+    sharding: Any = None
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        sc = self.sharding
+        up = checkpoint_name(parallel.split(Linear(self.hidden, False, self.dtype, name="c_fc")(x), sc),
+                             names.MLP_UP)  # (B, T, F)
+        gate = checkpoint_name(parallel.split(Linear(self.hidden, False, self.dtype, name="c_fc2")(x), sc),
+                               names.MLP_GATE)  # (B, T, F)
+        h = checkpoint_name(swiglu(gate, up), names.MLP_ACT)  # (B, T, F)
+        y = Linear(x.shape[-1], False, self.dtype, self.proj_std, name="c_proj")(h)
+        y = checkpoint_name(parallel.residual(y, sc), names.MLP_OUT)
+        return nn.Dropout(self.dropout)(y, deterministic)
+
+
+# ------------------------------------------------------------------------------------------------
+# llm.c tensor layout helpers: per-layer parameters ↔ tensors stacked on a leading L axis.
+
+def stack_layers(blocks, n_layer: int, scan: bool, path: tuple) -> np.ndarray:
+    """The parameter at `path` inside every layer of a LayerStack, stacked: (L, ...) float32."""
+    get = lambda tree: functools.reduce(lambda t, k: t[k], path, tree)
+    if scan:
+        return np.asarray(get(blocks["h"]), np.float32)
+    return np.stack([np.asarray(get(blocks[f"h_{i}"]), np.float32) for i in range(n_layer)])
+
+
+def unstack_layers(stacked: dict, n_layer: int, scan: bool) -> dict:
+    """{path: (L, ...) array} → the LayerStack's params (`h` stacked, or `h_0..h_{L-1}`)."""
+    def tree(index):
+        out: dict = {}
+        for path, arr in stacked.items():
+            node = out
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = jnp.asarray(arr if index is None else arr[index], F32)
+        return out
+    return {"h": tree(None)} if scan else {f"h_{i}": tree(i) for i in range(n_layer)}
+
+
+def check_llmc_tensors(model: str, shapes: dict, tensors) -> None:
+    """Raise ValueError unless `tensors` has exactly the names and shapes of `shapes`."""
+    missing = [k for k in shapes if k not in tensors]
+    extra = [k for k in tensors if k not in shapes]
+    if missing or extra:
+        raise ValueError(f"{model} llm.c tensors: missing {missing}, unexpected {extra}; "
+                         f"expected exactly {list(shapes)}")
+    for k, s in shapes.items():
+        if tuple(np.shape(tensors[k])) != s:
+            raise ValueError(f"{model} llm.c tensor {k!r} has shape {tuple(np.shape(tensors[k]))} but the "
+                             f"config needs {s}; check the config against the file's header")

@@ -1,0 +1,191 @@
+"""llm.c `.bin` model and debug-state files for the Flax models, and the `verify` command.
+
+The byte layouts live in remat_lm/models/llmc_io.py; this module maps them to model configs and
+parameters through the family registry (remat_lm/models/family.py), and checks the port against a reference state:
+
+    python -m remat_lm.models.llmc verify MODEL.bin STATE.bin [--activation_recompute
+        --recompute_granularity full --recompute_method uniform --recompute_num_layers 2
+        --use_reentrant --scan_layers --loss_chunk N]
+
+prints one row per tensor (max |Δ|, max |ref|) and exits 0 when everything is within tolerance,
+1 when something is not, 2 on a bad file or flag (one line, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from remat_lm.models import family
+from remat_lm.models.llmc_io import LlmcFormatError, read_model, read_state, write_model
+from remat import RecomputeConfig
+from remat_lm.training import flags as recompute_flags
+from remat_lm.argtypes import Parser, integer, real, usage_error
+
+# NOTE: tolerance. A float32 JAX port against a float32 (or float64-derived) reference differs by
+# rounding only: ~1e-6 for loss and gradients of the small models checked here. 1e-4 absolute
+# (the issue's bound) leaves room for reduction-order differences in deep models while catching
+# any real error (a wrong mask, scale or transpose moves values by 1e-2 or more).
+ATOL = 1e-4
+
+
+def header_for(config):
+    """The llm.c header describing `config` (the model file's `llmc_header`)."""
+    return family.of(config).llmc_header(config)
+
+
+def config_for(kind: str, header, **fields):
+    """A model config for an llm.c header; `fields` (recompute, dtype, scan_layers...) are added."""
+    return family.get(kind).config_from_llmc(header, **fields)
+
+
+def load(path, recompute: RecomputeConfig | None = None, *, scan_layers: bool = False, dtype: str = "float32",
+         norm_eps=None, rope_theta=None, ffn_dim_multiplier=None):
+    """Read an llm.c model file (GPT-2 or LLaMA-3, float32 or bf16) into (config, params).
+
+    Args:
+      path: the `.bin` file.
+      recompute: the runtime recompute settings (the file knows nothing of recompute).
+      scan_layers, dtype: model options applied to the loaded config.
+      norm_eps, rope_theta, ffn_dim_multiplier: overrides for LLaMA-3 headers whose float slots
+        were written as truncated integers (llm.c master).
+    Raises:
+      LlmcFormatError (a ValueError) naming the file and the problem (a non-regular file, a bad header,
+      a wrong size, NaN/inf weights); never returns a partial model.
+    Example:
+      >>> config, params = load("model.bin", RecomputeConfig(granularity="full"))  # e.g. gpt2_124M.bin
+      >>> type(config).__name__, config.n_layer, config.recompute.granularity
+      ('GPT2Config', 2, 'full')
+    """
+    kind, header, tensors, _ = read_model(path, norm_eps=norm_eps, rope_theta=rope_theta,
+                                          ffn_dim_multiplier=ffn_dim_multiplier)
+    check_finite(path, tensors)
+    config = config_for(kind, header, recompute=recompute or RecomputeConfig(), scan_layers=scan_layers, dtype=dtype)
+    return config, family.get(kind).from_llmc(config, tensors)
+
+
+def check_finite(path, tensors: dict) -> None:
+    """Raise LlmcFormatError naming the file and the first tensor (in file order) holding NaN or inf.
+
+    Example:
+      >>> check_finite("model.bin", read_model("model.bin")[2])
+    """
+    for name, arr in tensors.items():
+        bad = ~np.isfinite(arr)
+        if bad.any():
+            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise LlmcFormatError(f"{path}: tensor {name} holds {int(bad.sum())} non-finite values (the first, "
+                                  f"{arr[idx]} at index {list(idx)}); the weights are corrupt or diverged, pass a "
+                                  f"model file with finite weights")
+
+
+def save(path, config, params, dtype: str = "float32") -> None:
+    """Write `params` as an llm.c model file (version 3 float32 or 5 bfloat16), atomically.
+
+    Example:
+      >>> config, params = load("model.bin")
+      >>> save("out.bin", config, params, dtype="bfloat16")
+      >>> read_model("out.bin")[3]
+      'bfloat16'
+    """
+    fam = family.of(config)
+    write_model(path, fam.name, fam.llmc_header(config), fam.to_llmc(config, params), dtype=dtype)
+
+
+def load_state(path, config) -> dict:
+    """Read an llm.c debug state file for `config`: x, y, logits, loss, grads (llm.c names)."""
+    fam = family.of(config)
+    return read_state(path, fam.name, fam.llmc_header(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    tensor: str
+    max_abs_diff: float
+    max_abs_ref: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= ATOL
+
+
+def verify(config, params, state) -> list[Row]:
+    """Run the model on the state's batch; compare logits, loss and every gradient with the state's."""
+    fam = family.of(config)
+    x, y = jnp.asarray(state["x"]), jnp.asarray(state["y"])
+    model = fam.model(config)
+
+    # NOTE: logits come from a call without targets: with `loss_chunk` the loss never builds them.
+    @jax.jit
+    def run(params):
+        loss, grads = jax.value_and_grad(lambda p: model.apply({"params": p}, x, y)[1])(params)
+        return loss, model.apply({"params": params}, x)[0], grads
+
+    loss, logits, grads = run(params)
+    ref_logits = np.asarray(state["logits"])
+    width = min(ref_logits.shape[-1], config.vocab_size)
+    rows = [Row("logits", float(np.max(np.abs(np.asarray(logits)[..., :width] - ref_logits[..., :width]))),
+                float(np.max(np.abs(ref_logits[..., :width])))),
+            Row("loss", abs(float(loss) - float(state["loss"])), abs(float(state["loss"])))]
+    ours = fam.to_llmc(config, grads)
+    for name, ref in state["grads"].items():
+        ref = np.asarray(ref)
+        got = ours[name][: ref.shape[0]] if name == "wte" else ours[name]
+        rows.append(Row(name, float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref)))))
+    return rows
+
+
+def _recompute_from(a) -> RecomputeConfig:
+    """The RecomputeConfig of the parsed recompute flags (remat_lm.training.flags, the same as train.py's)."""
+    # NOTE: checked before from_flags, whose `auto` errors name train.py's --memory_budget, which
+    # verify does not take.
+    methods = [m.strip() for m in str(a.recompute_method).split(",")]
+    if len(methods) > 1 or "auto" in methods:
+        raise ValueError(f"--recompute_method {a.recompute_method}: verify runs one setting (auto plans against "
+                         f"train.py's compiled train step); pass one of none, uniform, block, or --recompute_segments "
+                         f"/ --recompute_every")
+    (label, rc), = recompute_flags.from_flags(vars(a))
+    return rc
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m remat_lm.models.llmc", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="compare the model with an llm.c debug state file")
+    v.add_argument("model", help="llm.c model file (.bin)")
+    v.add_argument("state", help="llm.c debug state file (.bin)")
+    recompute_flags.add_arguments(v, train=False)  # the same recompute flags as train.py's
+    v.add_argument("--loss_chunk", type=integer(0), default=0,
+                   help="compute the loss over chunks of N positions (0: off)")
+    for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
+        v.add_argument(f"--{f}", type=real(above=0), default=None, help="LLaMA-3 header override")
+    return p
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        recompute = _recompute_from(a)
+        config, params = load(a.model, recompute, scan_layers=a.scan_layers, norm_eps=a.norm_eps,
+                              rope_theta=a.rope_theta, ffn_dim_multiplier=a.ffn_dim_multiplier)
+        config = dataclasses.replace(config, loss_chunk=a.loss_chunk)
+        recompute.validate_for(config.n_layer)
+        state = load_state(a.state, config)
+    except (LlmcFormatError, ValueError, OSError) as e:
+        return usage_error("python -m remat_lm.models.llmc verify", e)
+    rows = verify(config, params, state)
+    print(f"{'tensor':<16} {'max |Δ|':>12} {'max |ref|':>12}  within {ATOL:g}")
+    for r in rows:
+        print(f"{r.tensor:<16} {r.max_abs_diff:>12.3e} {r.max_abs_ref:>12.3e}  {'ok' if r.ok else 'FAIL'}")
+    bad = [r.tensor for r in rows if not r.ok]
+    print(f"{len(rows) - len(bad)} of {len(rows)} tensors within tolerance"
+          + (f"; failing: {', '.join(bad)}" if bad else f" ({recompute.granularity} recompute)"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,858 @@
+"""Readers and writers for llm.c's binary files (NumPy; no JAX at import).
+
+Covers GPT-2 and LLaMA-3 model checkpoints, their debug-state files and token
+shards (GPT-2: uint16 tokens, magic 20240520; LLaMA-3: uint32 tokens, magic 20240801,
+as llm.c's ``dev/data/data_common.py`` writes them), byte for byte as described in
+``shared/design/FORMATS.md``: a 256 x int32 little-endian header (1024 bytes),
+then the payload back to back.
+The tensor names and shapes of model and state files come from the model files'
+tables (``remat_lm.models.gpt2.llmc_shapes`` / ``remat_lm.models.llama3.llmc_shapes``, found through
+``remat_lm.models.family``), imported on first use; token shards need no model.
+
+Every reader validates the header and the exact file size before it reads a
+tensor and raises :class:`LlmcFormatError` (a one-line message naming the file,
+the problem and the fix) instead of ever returning a partial result. Every
+writer validates its inputs first and then writes atomically (a temporary file
+in the target directory, then ``os.replace``).
+
+Example:
+    >>> kind, header, tensors, dtype = read_model("model.bin")   # e.g. llm.c's gpt2_124M.bin
+    >>> write_model("copy.bin", kind, header, tensors, dtype="bfloat16")
+    >>> read_model("copy.bin")[3]
+    'bfloat16'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import secrets
+import stat
+from contextlib import contextmanager
+from typing import BinaryIO, ClassVar, Iterator
+
+import numpy as np
+
+__all__ = [
+    "LlmcFormatError",
+    "GPT2Header",
+    "Llama3Header",
+    "read_model",
+    "write_model",
+    "read_state",
+    "write_state",
+    "TokenFormat",
+    "TOKEN_FORMATS",
+    "token_format",
+    "read_tokens",
+    "write_tokens",
+    "float32_to_bfloat16_bits",
+    "bfloat16_bits_to_float32",
+]
+
+HEADER_INTS = 256
+HEADER_BYTES = 4 * HEADER_INTS
+
+GPT2_MAGIC = 20240326
+GPT2_STATE_MAGIC = 20240327
+GPT2_STATE_VERSION = 2
+LLAMA3_MAGIC = 20240803  # model files and debug-state files share it
+TOKENS_MAGIC = 20240520
+TOKENS_VERSION = 1
+LLAMA3_TOKENS_MAGIC = 20240801  # llm.c's uint32 LLaMA-3 shards
+LLAMA3_TOKENS_VERSION = 7
+
+VERSION_FLOAT32 = 3
+VERSION_BFLOAT16 = 5
+_VERSIONS = {VERSION_FLOAT32: "float32", VERSION_BFLOAT16: "bfloat16"}
+_DTYPE_VERSIONS = {v: k for k, v in _VERSIONS.items()}
+_LLAMA_VERSION_MAJOR_MINOR = (3, 1)
+
+_TRUNCATION_FIX = (
+    "pass the true values with --ffn_dim_multiplier/--norm_eps/--rope_theta "
+    "(read_model(..., ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0) for LLaMA-3.1-8B), "
+    "or re-export the file with float32 bit patterns in slots 8, 10, 11"
+)
+
+
+class LlmcFormatError(ValueError):
+    """An llm.c file (or data destined for one) is malformed; the message is one line.
+
+    Example:
+        >>> try:
+        ...     read_model("tokens.bin")
+        ... except LlmcFormatError as e:
+        ...     print(e)   # "path: problem; fix"
+        tokens.bin: magic 20240520 is a GPT-2 token shard, not a model file; known model magics: ...
+    """
+
+
+def _fail(path: str, problem: str, fix: str) -> LlmcFormatError:
+    return LlmcFormatError(f"{path}: {problem}; {fix}")
+
+
+# ---------------------------------------------------------------------------
+# headers
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Header:
+    """Configuration stored in a GPT-2 model file header (slots 2..7).
+
+    Example:
+        >>> h = GPT2Header(1024, 50257, 12, 12, 768, 50304)
+        >>> h.n_params()
+        124475904
+    """
+
+    block_size: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    padded_vocab_size: int
+
+    kind: ClassVar[str] = "gpt2"
+
+    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Return ``[(name, shape), ...]`` in file order; linear weights are (out, in).
+
+        The table is the model file's (``remat_lm.models.gpt2.llmc_shapes``, through ``remat_lm.models.family``).
+
+        Example:
+            >>> GPT2Header(16, 100, 2, 4, 32, 128).tensor_shapes()[0]
+            ('wte', (128, 32))
+        """
+        return _tensor_shapes(self)
+
+    def n_params(self) -> int:
+        """Total number of parameters stored in the file (wte counted with Vp rows)."""
+        return sum(math.prod(shape) for _, shape in self.tensor_shapes())
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Header:
+    """Configuration stored in a LLaMA-3 model file header (slots 2..13).
+
+    The float fields hold the shortest decimal that round-trips the stored
+    float32 (so a file written with ``norm_eps=1e-5`` reads back as ``1e-05``).
+
+    Example:
+        >>> h = Llama3Header(8192, 128256, 32, 32, 8, 4096, 1.3, 1024, 1e-5, 500000.0, True, 4)
+        >>> h.ffn_hidden(), h.n_params()
+        (14336, 8030261248)
+    """
+
+    block_size: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    n_embd: int
+    ffn_dim_multiplier: float
+    multiple_of: int
+    norm_eps: float
+    rope_theta: float
+    use_scaled_rope: bool
+    max_gen_batch_size: int
+
+    kind: ClassVar[str] = "llama3"
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head feature count ``n_embd // n_head``."""
+        return self.n_embd // self.n_head
+
+    def ffn_hidden(self) -> int:
+        """SwiGLU width H (``remat_lm.models.llama3.ffn_hidden``: ``int(m*int(8C/3))`` rounded up to ``multiple_of``).
+
+        Example:
+            >>> Llama3Header(16, 96, 2, 4, 2, 32, 1.0, 32, 1e-5, 1e4, True, 4).ffn_hidden()
+            96
+        """
+        from remat_lm.models.llama3 import ffn_hidden
+        return ffn_hidden(self.n_embd, self.ffn_dim_multiplier, self.multiple_of)
+
+    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Return ``[(name, shape), ...]`` in file order; c_attn rows are [q; k; v].
+
+        The table is the model file's (``remat_lm.models.llama3.llmc_shapes``, through ``remat_lm.models.family``).
+
+        Example:
+            >>> [n for n, _ in Llama3Header(16, 96, 2, 4, 2, 32, 1.0, 32, 1e-5, 1e4, True, 4).tensor_shapes()][:3]
+            ['wte', 'ln_1.w', 'attn.c_attn.w']
+        """
+        return _tensor_shapes(self)
+
+    def n_params(self) -> int:
+        """Total number of parameters stored in the file."""
+        return sum(math.prod(shape) for _, shape in self.tensor_shapes())
+
+
+Header = GPT2Header | Llama3Header
+
+
+def _tensor_shapes(header: Header) -> list[tuple[str, tuple[int, ...]]]:
+    # NOTE: the model file owns the one tensor table per family; importing it loads JAX, which
+    # only model and state files need (token shards stay NumPy only).
+    from remat_lm.models import family
+    return list(family.get(header.kind).llmc_shapes(header).items())
+
+
+def _kind_of(header: Header) -> str:
+    if isinstance(header, (GPT2Header, Llama3Header)):
+        return header.kind
+    raise TypeError(f"expected GPT2Header or Llama3Header, got {type(header).__name__}")
+
+
+def _check_kind(kind: str, header: Header) -> None:
+    from remat_lm.models import family
+    if kind not in family.NAMES:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, family.NAMES))}, got {kind!r}")
+    if _kind_of(header) != kind:
+        raise ValueError(f"kind {kind!r} does not match header type {type(header).__name__}")
+
+
+def _header_problem(header: Header) -> str | None:
+    """Return a description of the first nonsensical header value, or None."""
+    if isinstance(header, GPT2Header):
+        names = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "padded_vocab_size")
+    else:
+        names = ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "multiple_of")
+    for name in names:
+        value = getattr(header, name)
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+            return f"{name} = {value!r} must be a positive integer"
+    if header.n_embd % header.n_head:
+        return f"n_embd {header.n_embd} is not divisible by n_head {header.n_head}"
+    if isinstance(header, GPT2Header):
+        if header.padded_vocab_size < header.vocab_size:
+            return f"padded_vocab_size {header.padded_vocab_size} is smaller than vocab_size {header.vocab_size}"
+        return None
+    if header.n_head % header.n_kv_head:
+        return f"n_head {header.n_head} is not divisible by n_kv_head {header.n_kv_head}"
+    if header.head_dim % 2:
+        return f"head_dim {header.head_dim} (n_embd / n_head) is odd, RoPE needs feature pairs"
+    if header.max_gen_batch_size < 0:
+        return f"max_gen_batch_size = {header.max_gen_batch_size} is negative"
+    if not isinstance(header.use_scaled_rope, (bool, np.bool_)) and header.use_scaled_rope not in (0, 1):
+        return f"use_scaled_rope = {header.use_scaled_rope!r} is not 0/1"
+    for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta"):
+        value = getattr(header, name)
+        if not _plausible_float(name, value):
+            return f"{name} = {value!r} is outside its plausible range {_FLOAT_RANGES[name]}"
+    if header.ffn_hidden() <= 0:
+        return f"FFN width {header.ffn_hidden()} (from ffn_dim_multiplier {header.ffn_dim_multiplier}) is not positive"
+    return None
+
+
+# Plausible (exclusive low, inclusive high) ranges of the LLaMA-3 float slots; anything
+# outside (0, tiny denormals, truncated integers read as float32 bits) is rejected.
+_FLOAT_RANGES = {
+    "ffn_dim_multiplier": (1e-3, 1e3),
+    "norm_eps": (1e-12, 0.5),
+    "rope_theta": (1.0, 1e12),
+}
+_LLAMA_FLOAT_SLOTS = (("ffn_dim_multiplier", 8), ("norm_eps", 10), ("rope_theta", 11))
+
+
+def _plausible_float(name: str, value: float) -> bool:
+    lo, hi = _FLOAT_RANGES[name]
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(v) and lo < v <= hi
+
+
+def _f32_bits_to_float(bits: int) -> float:
+    """Decode int32 bits as float32; return the shortest decimal that round-trips it."""
+    f = np.array([bits], dtype="<i4").view("<f4")[0]
+    return float(str(f))  # NumPy prints the shortest string that round-trips the float32
+
+
+def _float_to_f32_bits(value: float) -> int:
+    return int(np.array([value], dtype="<f4").view("<i4")[0])
+
+
+def _header_ints(kind: str, header: Header, version: int) -> np.ndarray:
+    ints = np.zeros(HEADER_INTS, dtype="<i4")
+    if kind == "gpt2":
+        ints[:8] = [GPT2_MAGIC, version, header.block_size, header.vocab_size, header.n_layer,
+                    header.n_head, header.n_embd, header.padded_vocab_size]
+    else:
+        ints[:16] = [
+            LLAMA3_MAGIC, version, header.block_size, header.vocab_size, header.n_layer,
+            header.n_head, header.n_kv_head, header.n_embd,
+            _float_to_f32_bits(header.ffn_dim_multiplier), header.multiple_of,
+            _float_to_f32_bits(header.norm_eps), _float_to_f32_bits(header.rope_theta),
+            int(bool(header.use_scaled_rope)), header.max_gen_batch_size,
+            *_LLAMA_VERSION_MAJOR_MINOR,
+        ]
+    return ints
+
+
+# ---------------------------------------------------------------------------
+# bfloat16
+
+
+def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to bfloat16 (nearest, ties to even) and return the raw uint16 words.
+
+    NaN maps to the canonical quiet NaN 0x7FC0, as PyTorch does; overflow rounds to inf.
+
+    Example:
+        >>> float32_to_bfloat16_bits(np.array([1.0], np.float32))
+        array([16256], dtype=uint16)
+    """
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x32.view(np.uint32)
+    rounded = ((bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16))
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(x32)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def bfloat16_bits_to_float32(words: np.ndarray) -> np.ndarray:
+    """Widen raw bfloat16 words (uint16) to float32 exactly by shifting into the high half.
+
+    Example:
+        >>> bfloat16_bits_to_float32(np.array([0x3F80], np.uint16))
+        array([1.], dtype=float32)
+    """
+    w = np.ascontiguousarray(words, dtype=np.uint16)
+    return (w.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# low-level file helpers
+
+
+def _open_checked(path: str, what: str) -> tuple[BinaryIO, int, np.ndarray]:
+    """Open ``path``, check it holds at least a header, return (file, size, header ints)."""
+    # NOTE: a FIFO (or a character device) would block `open`/`read` forever: check the kind first.
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+                else "a character device" if stat.S_ISCHR(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "not a regular file")
+        raise _fail(path, f"this is {kind}, not a regular file", f"pass the path of an llm.c {what} on disk")
+    f = open(path, "rb")
+    try:
+        size = os.fstat(f.fileno()).st_size
+        if size < HEADER_BYTES:
+            raise _fail(path, f"file is {size} bytes, shorter than the {HEADER_BYTES}-byte llm.c header",
+                        f"this is not a complete llm.c {what} (empty or truncated); re-create it")
+        ints = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4").astype(np.int64)
+        return f, size, ints
+    except BaseException:
+        f.close()
+        raise
+
+
+def _describe_magic(magic: int) -> str:
+    return {
+        GPT2_MAGIC: "a GPT-2 model file",
+        GPT2_STATE_MAGIC: "a GPT-2 debug state file",
+        LLAMA3_MAGIC: "a LLaMA-3 model or debug state file",
+        TOKENS_MAGIC: "a GPT-2 token shard",
+        LLAMA3_TOKENS_MAGIC: "a LLaMA-3 (uint32) token shard",
+    }.get(magic, "")
+
+
+def _check_size(path: str, size: int, expected: int, detail: str) -> None:
+    if size == expected:
+        return
+    if size < expected:
+        problem = f"file is {size} bytes but the header implies {expected} ({detail}): truncated by {expected - size} bytes"
+    else:
+        problem = f"file is {size} bytes but the header implies {expected} ({detail}): {size - expected} extra bytes"
+    raise _fail(path, problem, "the file is incomplete or its header does not match its contents; re-export it")
+
+
+def _read_array(f: BinaryIO, path: str, dtype: str, count: int) -> np.ndarray:
+    arr = np.fromfile(f, dtype=dtype, count=count)
+    if arr.size != count:
+        raise _fail(path, f"read {arr.size} of {count} values, the file changed while it was being read",
+                    "make sure nothing else writes the file and retry")
+    return arr
+
+
+@contextmanager
+def _atomic_writer(path: str) -> Iterator[BinaryIO]:
+    """Yield a file in path's directory that replaces ``path`` only if the block succeeds."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _write_array(f: BinaryIO, arr: np.ndarray) -> None:
+    f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+
+
+# ---------------------------------------------------------------------------
+# model files
+
+
+def _parse_model_header(
+    path: str, ints: np.ndarray, overrides: dict[str, float | None]
+) -> tuple[str, Header, str]:
+    from remat_lm.models import family
+    magic, version = int(ints[0]), int(ints[1])
+    kind = next((f.name for f in family.FAMILIES.values() if f.model_magic == magic), None)
+    if kind == "gpt2" and version in (1, 2):
+        raise _fail(path, f"GPT-2 model file version {version} is the old llm.c format without vocab padding",
+                    "re-export with a current train_gpt2.py (version 3 float32 or 5 bfloat16)")
+    if kind is None:
+        what = _describe_magic(magic)
+        problem = f"magic {magic} is {what}, not a model file" if what else f"unknown magic {magic}"
+        raise _fail(path, problem, "known model magics: 20240326 (GPT-2), 20240803 (LLaMA-3); "
+                                   "pass an llm.c model checkpoint (read_state / read_tokens read the other kinds)")
+    if version not in _VERSIONS:
+        hint = " (if this is a LLaMA-3 debug state file, use read_state)" if kind == "llama3" else ""
+        raise _fail(path, f"unsupported {kind} model file version {version}{hint}",
+                    "known versions: 3 (float32), 5 (bfloat16); re-export with a current llm.c script")
+    file_dtype = _VERSIONS[version]
+
+    if kind == "gpt2":
+        header: Header = GPT2Header(*(int(v) for v in ints[2:8]))
+    else:
+        if int(ints[12]) not in (0, 1):
+            raise _fail(path, f"nonsensical header: use_scaled_rope (slot 12) = {int(ints[12])}, expected 0 or 1",
+                        "the header is corrupt or not an llm.c LLaMA-3 header; re-export the checkpoint")
+        floats: dict[str, float] = {}
+        truncated, implausible = [], []
+        for name, slot in _LLAMA_FLOAT_SLOTS:
+            raw = int(ints[slot])
+            value = _f32_bits_to_float(raw)
+            if overrides.get(name) is not None:
+                value = float(overrides[name])
+                if not _plausible_float(name, value):
+                    raise _fail(path, f"override {name}={value!r} is outside its plausible range {_FLOAT_RANGES[name]}",
+                                f"pass a sensible --{name}")
+            elif not _plausible_float(name, value):
+                # a non-negative int read as float32 bits is 0, a denormal or ~1e-38: llm.c master's int(value)
+                if raw >= 0 and abs(value) < 1e-30:
+                    truncated.append(f"slot {slot} {name} holds int {raw} (as float32 bits: {value:g})")
+                else:
+                    implausible.append(f"slot {slot} {name} = {value:g} is outside {_FLOAT_RANGES[name]}")
+            floats[name] = value
+        if truncated:
+            raise _fail(path, "LLaMA-3 header float slots look like truncated integers, not float32 bit patterns "
+                              "(llm.c master train_llama3.py writes int(value)): " + ", ".join(truncated + implausible),
+                        _TRUNCATION_FIX)
+        if implausible:
+            raise _fail(path, "nonsensical header: " + ", ".join(implausible),
+                        "the header is corrupt; pass the true values with --ffn_dim_multiplier/--norm_eps/--rope_theta "
+                        "or re-export the checkpoint")
+        header = Llama3Header(
+            block_size=int(ints[2]), vocab_size=int(ints[3]), n_layer=int(ints[4]), n_head=int(ints[5]),
+            n_kv_head=int(ints[6]), n_embd=int(ints[7]), ffn_dim_multiplier=floats["ffn_dim_multiplier"],
+            multiple_of=int(ints[9]), norm_eps=floats["norm_eps"], rope_theta=floats["rope_theta"],
+            use_scaled_rope=bool(ints[12]), max_gen_batch_size=int(ints[13]),
+        )
+    problem = _header_problem(header)
+    if problem:
+        raise _fail(path, f"nonsensical header: {problem}",
+                    f"the header is corrupt or not an llm.c {kind} header; re-export the checkpoint")
+    return kind, header, file_dtype
+
+
+def read_model(
+    path: str | os.PathLike,
+    *,
+    norm_eps: float | None = None,
+    rope_theta: float | None = None,
+    ffn_dim_multiplier: float | None = None,
+) -> tuple[str, Header, dict[str, np.ndarray], str]:
+    """Read an llm.c GPT-2 or LLaMA-3 checkpoint.
+
+    The header and exact file size are validated before any tensor is read. bfloat16
+    files (version 5) are widened to float32 exactly. GPT-2's ``wte`` keeps its Vp rows.
+
+    Args:
+        path: the ``.bin`` checkpoint.
+        norm_eps, rope_theta, ffn_dim_multiplier: LLaMA-3 only; replace the header's
+            float slots (needed for llm.c master files, which store them truncated).
+
+    Returns:
+        ``(kind, header, tensors, file_dtype)``: kind ``"gpt2"``/``"llama3"``, a
+        :class:`GPT2Header`/:class:`Llama3Header`, ``{name: float32 array}`` in file
+        order, and ``"float32"``/``"bfloat16"``.
+
+    Example:
+        >>> kind, header, tensors, file_dtype = read_model("model.bin")  # GPT-2 tiny: L=2, C=32
+        >>> kind, file_dtype, tensors["attn.c_attn.w"].shape
+        ('gpt2', 'float32', (2, 96, 32))
+    """
+    path = os.fspath(path)
+    overrides = {"norm_eps": norm_eps, "rope_theta": rope_theta, "ffn_dim_multiplier": ffn_dim_multiplier}
+    f, size, ints = _open_checked(path, "model file")
+    with f:
+        kind, header, file_dtype = _parse_model_header(path, ints, overrides)
+        if kind == "gpt2" and any(v is not None for v in overrides.values()):
+            raise ValueError(f"{path}: norm_eps/rope_theta/ffn_dim_multiplier overrides apply to LLaMA-3 files only")
+        itemsize = 4 if file_dtype == "float32" else 2
+        n = header.n_params()
+        _check_size(path, size, HEADER_BYTES + n * itemsize,
+                    f"{HEADER_BYTES}-byte header + {n} {file_dtype} parameters")
+        tensors: dict[str, np.ndarray] = {}
+        for name, shape in header.tensor_shapes():
+            count = math.prod(shape)
+            if file_dtype == "float32":
+                arr = _read_array(f, path, "<f4", count).astype(np.float32, copy=False)
+            else:
+                arr = bfloat16_bits_to_float32(_read_array(f, path, "<u2", count))
+            tensors[name] = arr.reshape(shape)
+    return kind, header, tensors, file_dtype
+
+
+def _prepare_tensors(
+    path: str, kind: str, header: Header, tensors: dict[str, np.ndarray], what: str
+) -> list[np.ndarray]:
+    """Validate and convert ``tensors`` to float32 arrays in file order (GPT-2 wte padded with zeros)."""
+    shapes = header.tensor_shapes()
+    expected = {name for name, _ in shapes}
+    missing = [name for name, _ in shapes if name not in tensors]
+    extra = sorted(set(tensors) - expected)
+    if missing or extra:
+        raise _fail(path, f"{what} names do not match the {kind} layout (missing {missing}, unexpected {extra})",
+                    f"pass exactly: {', '.join(n for n, _ in shapes)}")
+    out = []
+    for name, shape in shapes:
+        arr = np.asarray(tensors[name])
+        if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+            raise _fail(path, f"{what} {name} has dtype {arr.dtype}", "pass real-valued arrays")
+        arr = arr.astype(np.float32)
+        if kind == "gpt2" and name == "wte":
+            V, Vp, C = header.vocab_size, header.padded_vocab_size, header.n_embd
+            if arr.shape not in ((V, C), (Vp, C)):
+                raise _fail(path, f"{what} wte has shape {arr.shape}, expected {(Vp, C)} or {(V, C)}",
+                            "pass the (padded) token embedding")
+            padded = np.zeros((Vp, C), dtype=np.float32)
+            padded[:V] = arr[:V]  # rows V..Vp-1 are always written as zeros, as llm.c does
+            arr = padded
+        elif arr.shape != shape:
+            raise _fail(path, f"{what} {name} has shape {arr.shape}, expected {shape}",
+                        "the arrays do not match the header")
+        out.append(arr)
+    return out
+
+
+def write_model(
+    path: str | os.PathLike,
+    kind: str,
+    header: Header,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "float32",
+) -> None:
+    """Write an llm.c checkpoint byte-exactly, atomically (temp file + ``os.replace``).
+
+    GPT-2 ``wte`` may be given as (Vp, C) or (V, C); rows V..Vp-1 are always written as
+    zeros, whatever the caller passes there. bfloat16 rounds to nearest-even. LLaMA-3
+    float slots are written as float32 bit patterns (InfiniTrain's convention).
+
+    Args:
+        path: destination file.
+        kind: ``"gpt2"`` or ``"llama3"`` (must match the header type).
+        header: :class:`GPT2Header` or :class:`Llama3Header`.
+        tensors: ``{name: array}`` with exactly the names of ``header.tensor_shapes()``.
+        dtype: ``"float32"`` (version 3) or ``"bfloat16"`` (version 5).
+
+    Example:
+        >>> kind, header, tensors, _ = read_model("model.bin")
+        >>> write_model("out.bin", "gpt2", header, tensors, dtype="bfloat16")
+    """
+    path = os.fspath(path)
+    _check_kind(kind, header)
+    if dtype not in _DTYPE_VERSIONS:
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    problem = _header_problem(header)
+    if problem:
+        raise _fail(path, f"refusing to write a nonsensical header: {problem}", "fix the header values")
+    arrays = _prepare_tensors(path, kind, header, tensors, "tensor")
+    ints = _header_ints(kind, header, _DTYPE_VERSIONS[dtype])
+    with _atomic_writer(path) as f:
+        _write_array(f, ints)
+        for arr in arrays:
+            _write_array(f, arr.astype("<f4") if dtype == "float32" else float32_to_bfloat16_bits(arr).astype("<u2"))
+
+
+# ---------------------------------------------------------------------------
+# debug-state files
+
+
+def _logit_widths(kind: str, header: Header) -> list[int]:
+    if kind == "gpt2":
+        # FORMATS.md says Vp; llm.c's train_gpt2.py/test_gpt2.c actually use V. Accept both.
+        return sorted({header.vocab_size, header.padded_vocab_size})
+    return [header.vocab_size]
+
+
+def read_state(path: str | os.PathLike, kind: str, header: Header) -> dict:
+    """Read an llm.c debug state file (inputs, logits, loss and float32 gradients).
+
+    The logits width is taken from the file size: V or, for GPT-2, also Vp.
+
+    Args:
+        path: the state file (``gpt2_124M_debug_state.bin`` style).
+        kind: ``"gpt2"`` or ``"llama3"``.
+        header: the model header the state belongs to.
+
+    Returns:
+        ``dict(x=(B,T) int32, y=(B,T) int32, logits=(B,T,V or Vp) float32, loss=float,
+        grads={name: float32 array in model file order})``.
+
+    Example:
+        >>> header = read_model("model.bin")[1]
+        >>> state = read_state("state.bin", "gpt2", header)   # e.g. gpt2_124M_debug_state.bin
+        >>> state["x"].shape, state["grads"]["wte"].shape
+        ((2, 8), (256, 32))
+    """
+    path = os.fspath(path)
+    _check_kind(kind, header)
+    f, size, ints = _open_checked(path, "debug state file")
+    with f:
+        from remat_lm.models import family
+        magic = int(ints[0])
+        want = family.get(kind).state_magic
+        if magic != want:
+            what = _describe_magic(magic)
+            problem = f"magic {magic} ({what or 'unknown'}) is not a {kind} debug state file (magic {want})"
+            raise _fail(path, problem, "pass the debug state file written by the matching train script "
+                                       "(read_model / read_tokens read the other kinds)")
+        if kind == "gpt2":
+            if int(ints[1]) != GPT2_STATE_VERSION:
+                raise _fail(path, f"GPT-2 debug state version {int(ints[1])} is not supported (expected 2)",
+                            "regenerate it with a current train_gpt2.py")
+            B, T = int(ints[2]), int(ints[3])
+        else:
+            B, T = int(ints[1]), int(ints[2])
+        if B <= 0 or T <= 0:
+            raise _fail(path, f"nonsensical state header: B={B}, T={T}",
+                        "the file is corrupt or a model file (use read_model)")
+        if T > header.block_size:
+            raise _fail(path, f"sequence length T={T} exceeds the model's block_size {header.block_size}",
+                        "pass the header of the model this state was made for")
+        n = header.n_params()
+        fixed = HEADER_BYTES + 2 * 4 * B * T + 4 + 4 * n
+        widths = _logit_widths(kind, header)
+        W = next((w for w in widths if fixed + 4 * B * T * w == size), None)
+        if W is None:
+            options = " or ".join(f"{fixed + 4 * B * T * w} (logits over {w})" for w in widths)
+            raise _fail(path, f"file is {size} bytes but B={B}, T={T} and the model imply {options}",
+                        "the file is truncated or belongs to a different model (logits' vocab does not fit)")
+        x = _read_array(f, path, "<i4", B * T).astype(np.int32).reshape(B, T)
+        y = _read_array(f, path, "<i4", B * T).astype(np.int32).reshape(B, T)
+        for label, tok in (("x", x), ("y", y)):
+            if tok.min() < 0 or tok.max() >= header.vocab_size:
+                raise _fail(path, f"{label} holds token ids in [{tok.min()}, {tok.max()}], outside the vocab "
+                                  f"[0, {header.vocab_size})", "pass the header of the model this state was made for")
+        logits = _read_array(f, path, "<f4", B * T * W).astype(np.float32).reshape(B, T, W)
+        loss = float(_read_array(f, path, "<f4", 1)[0])
+        grads = {}
+        for name, shape in header.tensor_shapes():
+            grads[name] = _read_array(f, path, "<f4", math.prod(shape)).astype(np.float32).reshape(shape)
+    return dict(x=x, y=y, logits=logits, loss=loss, grads=grads)
+
+
+def write_state(
+    path: str | os.PathLike,
+    kind: str,
+    header: Header,
+    x: np.ndarray,
+    y: np.ndarray,
+    logits: np.ndarray,
+    loss: float,
+    grads: dict[str, np.ndarray],
+) -> None:
+    """Write an llm.c debug state file atomically; everything is stored as float32/int32.
+
+    Args:
+        path: destination file.
+        kind, header: the model the state belongs to.
+        x, y: (B, T) integer token ids in [0, V).
+        logits: (B, T, W) with W = V (llm.c's own files) or, for GPT-2, Vp.
+        loss: the mean cross-entropy.
+        grads: ``{name: array}`` like a model's tensors (GPT-2 wte grad (V,C) or (Vp,C),
+            padded rows written as zeros).
+
+    Example:
+        >>> header = read_model("model.bin")[1]
+        >>> s = read_state("state.bin", "gpt2", header)
+        >>> write_state("state_copy.bin", "gpt2", header, s["x"], s["y"], s["logits"], s["loss"], s["grads"])
+    """
+    path = os.fspath(path)
+    _check_kind(kind, header)
+    x, y, logits = np.asarray(x), np.asarray(y), np.asarray(logits)
+    if x.ndim != 2 or x.shape != y.shape or x.size == 0:
+        raise _fail(path, f"x {x.shape} and y {y.shape} must be equal non-empty (B, T) arrays", "fix the inputs")
+    B, T = x.shape
+    for label, tok in (("x", x), ("y", y)):
+        if not np.issubdtype(tok.dtype, np.integer) or tok.min() < 0 or tok.max() >= header.vocab_size:
+            raise _fail(path, f"{label} must hold integer token ids in [0, {header.vocab_size})", "fix the inputs")
+    if T > header.block_size:
+        raise _fail(path, f"T={T} exceeds block_size {header.block_size}", "fix the inputs")
+    widths = _logit_widths(kind, header)
+    if logits.shape[:2] != (B, T) or logits.ndim != 3 or logits.shape[2] not in widths:
+        raise _fail(path, f"logits have shape {logits.shape}, expected ({B}, {T}, one of {widths})", "fix the inputs")
+    grad_arrays = _prepare_tensors(path, kind, header, grads, "gradient")
+    ints = np.zeros(HEADER_INTS, dtype="<i4")
+    if kind == "gpt2":
+        ints[:4] = [GPT2_STATE_MAGIC, GPT2_STATE_VERSION, B, T]
+    else:
+        ints[:3] = [LLAMA3_MAGIC, B, T]
+    with _atomic_writer(path) as f:
+        _write_array(f, ints)
+        _write_array(f, x.astype("<i4"))
+        _write_array(f, y.astype("<i4"))
+        _write_array(f, logits.astype("<f4"))
+        _write_array(f, np.array([loss], dtype="<f4"))
+        for arr in grad_arrays:
+            _write_array(f, arr.astype("<f4"))
+
+
+# ---------------------------------------------------------------------------
+# token shards
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFormat:
+    """One llm.c token shard format (``dev/data/data_common.py``'s ``HEADERS_INFO``).
+
+    Example:
+        >>> TOKEN_FORMATS["llama3"].describe()
+        'llm.c LLaMA-3 shard (uint32, magic 20240801)'
+    """
+
+    kind: str     # "gpt2" / "llama3": llm.c's model_desc "gpt-2" / "llama-3"
+    title: str    # for messages
+    magic: int
+    version: int
+    dtype: str    # little-endian NumPy dtype of one token
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        """``llm.c GPT-2 shard (uint16, magic 20240520)``: the words messages use."""
+        return f"llm.c {self.title} shard ({np.dtype(self.dtype).name}, magic {self.magic})"
+
+
+TOKEN_FORMATS = {f.kind: f for f in (
+    TokenFormat("gpt2", "GPT-2", TOKENS_MAGIC, TOKENS_VERSION, "<u2"),
+    TokenFormat("llama3", "LLaMA-3", LLAMA3_TOKENS_MAGIC, LLAMA3_TOKENS_VERSION, "<u4"),
+)}
+_TOKEN_MAGICS = {f.magic: f for f in TOKEN_FORMATS.values()}
+
+
+def token_format(path: str | os.PathLike) -> tuple[TokenFormat, int]:
+    """Check a token shard's header and size without reading its tokens: ``(format, token count)``.
+
+    Example:
+        >>> fmt, n = token_format("tokens.bin")
+        >>> fmt.kind, n
+        ('gpt2', 8)
+    """
+    path = os.fspath(path)
+    f, size, ints = _open_checked(path, "token shard")
+    with f:
+        return _token_header(path, size, ints)
+
+
+def _token_header(path: str, size: int, ints: np.ndarray) -> tuple[TokenFormat, int]:
+    magic, version, n = int(ints[0]), int(ints[1]), int(ints[2])
+    fmt = _TOKEN_MAGICS.get(magic)
+    if fmt is None:
+        what = _describe_magic(magic)
+        problem = f"magic {magic} is {what}, not a token shard" if what else f"unknown magic {magic}"
+        known = ", ".join(f"{f.magic} ({f.title}, {np.dtype(f.dtype).name})" for f in TOKEN_FORMATS.values())
+        raise _fail(path, problem, f"known token shard magics: {known}; pass a shard written by llm.c's "
+                                   "dev/data scripts")
+    if version != fmt.version:
+        raise _fail(path, f"unsupported {fmt.title} token shard version {version} (expected {fmt.version} "
+                          f"with magic {magic})", "re-tokenize with llm.c's dev/data scripts")
+    if n <= 0:
+        raise _fail(path, f"token shard header says it holds {n} tokens (empty shard)",
+                    "re-create the shard or drop it from the dataset")
+    _check_size(path, size, HEADER_BYTES + fmt.itemsize * n,
+                f"{HEADER_BYTES}-byte header + {n} {np.dtype(fmt.dtype).name} tokens of an {fmt.describe()}")
+    return fmt, n
+
+
+def read_tokens(path: str | os.PathLike, *, mmap: bool = False) -> np.ndarray:
+    """Read an llm.c token shard as a 1-D array: GPT-2 (magic 20240520) uint16, LLaMA-3 (20240801) uint32.
+
+    The header (magic, version, token count) and the exact file size are checked first.
+
+    Args:
+        path: the shard.
+        mmap: return a read-only ``np.memmap`` of the tokens instead of reading them into memory.
+
+    Example:
+        >>> read_tokens("tokens.bin")[:4]   # e.g. fineweb_train_000001.bin
+        array([50256,   464,  3290,   287], dtype=uint16)
+    """
+    path = os.fspath(path)
+    f, size, ints = _open_checked(path, "token shard")
+    with f:
+        fmt, n = _token_header(path, size, ints)
+        if mmap:
+            return np.memmap(path, dtype=fmt.dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
+        return _read_array(f, path, fmt.dtype, n).astype(np.dtype(fmt.dtype).newbyteorder("="))
+
+
+def write_tokens(path: str | os.PathLike, tokens: np.ndarray, kind: str = "gpt2") -> None:
+    """Write an llm.c token shard atomically, as llm.c's ``write_datafile`` does.
+
+    Args:
+        path: destination file.
+        tokens: non-empty 1-D integer token ids.
+        kind: ``"gpt2"`` (magic 20240520, version 1, uint16 tokens) or ``"llama3"``
+            (magic 20240801, version 7, uint32 tokens): llm.c's ``model_desc`` "gpt-2" / "llama-3".
+
+    Example:
+        >>> write_tokens("shard.bin", np.array([50256, 464], np.uint16))
+        >>> read_tokens("shard.bin")
+        array([50256,   464], dtype=uint16)
+        >>> write_tokens("shard3.bin", np.array([128000, 9906]), kind="llama3")
+        >>> read_tokens("shard3.bin")
+        array([128000,   9906], dtype=uint32)
+    """
+    path = os.fspath(path)
+    if kind not in TOKEN_FORMATS:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, TOKEN_FORMATS))}, got {kind!r}")
+    fmt = TOKEN_FORMATS[kind]
+    tok = np.asarray(tokens)
+    if tok.ndim != 1 or tok.size == 0:
+        raise _fail(path, f"tokens must be a non-empty 1-D array, got shape {tok.shape}", "pass a flat token list")
+    if not np.issubdtype(tok.dtype, np.integer):
+        raise _fail(path, f"tokens have dtype {tok.dtype}", "pass integer token ids")
+    top = int(np.iinfo(np.dtype(fmt.dtype)).max)
+    if tok.min() < 0 or tok.max() > top:
+        name = np.dtype(fmt.dtype).name
+        fix = "write kind='llama3' (uint32 tokens)" if kind == "gpt2" else "check the token ids"
+        raise _fail(path, f"token ids span [{tok.min()}, {tok.max()}], outside {name} ({fmt.describe()})", fix)
+    if tok.size >= 2**31:
+        raise _fail(path, f"{tok.size} tokens do not fit the int32 count", "split the shard")
+    ints = np.zeros(HEADER_INTS, dtype="<i4")
+    ints[:3] = [fmt.magic, fmt.version, tok.size]
+    with _atomic_writer(path) as f:
+        _write_array(f, ints)
+        _write_array(f, tok.astype(fmt.dtype))

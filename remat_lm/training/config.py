@@ -1,0 +1,465 @@
+"""TrainConfig: every training setting, validated once; the CLI flags are generated from its fields.
+
+Each field's `metadata` carries its help text (and `choices` where the set is closed), so the flag
+name, type, default and help cannot drift apart (`build_parser`); the recompute flags' come from
+`remat_lm.training.flags.FLAGS`, the table `python -m remat_lm.models.llmc verify` uses too. Validation that needs only the
+values lives in `TrainConfig.__post_init__`; validation that needs files, devices or the model
+(data, `--init_from`, `--resume`, `--mesh` against the device count) happens in
+`remat_lm.training.prepare.prepare`, still before anything is written.
+
+Example:
+    >>> cfg = TrainConfig(preset="tiny", num_iterations=3, activation_recompute=True,
+    ...                   recompute_method="uniform", recompute_num_layers=2)
+    >>> cfg.recompute_configs()[0][1].granularity
+    'full'
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import typing
+from typing import Sequence
+
+from remat_lm.models.attention import ATTENTION, DEFAULT_TILE
+from remat_lm.models.family import NAMES as model_family_names
+from remat import RecomputeConfig
+from remat_lm import argtypes
+from remat_lm.training import deepspeed as remat_deepspeed
+from remat_lm.training import flags as recompute_flags
+from remat.config import AutoRecompute
+from remat.planner import parse_size
+
+MODELS = model_family_names  # the model-family registry (remat_lm.models.family)
+DTYPES = ("float32", "bfloat16")
+MESH_AXES = ("data", "fsdp", "tensor")
+TENSOR_AXIS = "tensor"  # Megatron-style tensor (and sequence) parallelism: remat_lm/training/sharding.py
+DEFAULT_PRESET = "tiny"
+DEFAULT_PROMPT_TOKENS = 32  # the default sample prompt: this many tokens from the start of the validation data
+SEED_MAX = 2**31 - 1  # the seed enters the jitted init as an int32
+
+
+# Every flag that names a path, and the fix for an empty one.
+PATH_FLAGS = {
+    "data": "pass a file or glob pattern, or drop --data for the default corpus",
+    "val_data": "pass a file or glob pattern, or drop --val_data to hold out the end of --data",
+    "init_from": "pass an llm.c .bin model file or a checkpoint directory, or drop --init_from for a fresh init",
+    "deepspeed_config": "pass a DeepSpeed JSON config file, or drop --deepspeed_config",
+    "tokenizer": "pass llm.c's gpt2_tokenizer.bin, or drop --tokenizer",
+    "checkpoint_dir": "pass a directory to save into, or drop --checkpoint_dir to save nothing",
+    "log_jsonl": "pass a file path, or drop --log_jsonl to write no log",
+}
+
+
+class UsageError(ValueError):
+    """A bad flag value or bad input file: `train.py` prints its one-line message and exits 2."""
+
+
+def _f(default, help: str, **meta):
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def _r(name: str):
+    """A field whose flag is `remat_lm.training.flags.FLAGS[name]` (the one table of recompute flags)."""
+    flag = recompute_flags.BY_NAME[name]
+    return dataclasses.field(default=flag.default, metadata={"recompute_flag": name, "help": flag.help})
+
+
+def model_presets(model: str) -> tuple[str, ...]:
+    """The preset names of `model` ("gpt2" or "llama3"), from the model-family registry."""
+    from remat_lm.models.family import get
+
+    return tuple(get(model).presets)
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """'data=2,fsdp=4' → {'data': 2, 'fsdp': 4}; a missing axis is 1.
+
+    Example:
+      >>> parse_mesh("fsdp=8")
+      {'data': 1, 'fsdp': 8, 'tensor': 1}
+    """
+    out = {a: 1 for a in MESH_AXES}
+    seen = set()
+    for part in (p.strip() for p in spec.split(",")):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        value = value.strip()
+        if not eq or name not in MESH_AXES or name in seen or not _ascii_int(value) or int(value) < 1:
+            raise ValueError(f"--mesh {spec!r}: expected AXIS=N[,AXIS=N] with axes {', '.join(MESH_AXES)} "
+                             f"and N >= 1, e.g. --mesh data=2,fsdp=4")
+        seen.add(name)
+        out[name] = int(value)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a training run; one CLI flag per field (`--<field name>`)."""
+    # -- model
+    model: str = _f("gpt2", "model family", choices=MODELS)
+    preset: str = _f(DEFAULT_PRESET, "model preset: gpt2 tiny|d12|d24|d36|d48, llama3 tiny|1b|8b")
+    n_layer: int | None = _f(None, "override the preset's number of layers")
+    n_head: int | None = _f(None, "override the preset's number of attention heads")
+    n_embd: int | None = _f(None, "override the preset's width")
+    block_size: int | None = _f(None, "override the preset's maximum sequence length (default: the preset's, "
+                                      "raised to --sequence_length when that is longer and no --init_from)")
+    vocab_size: int | None = _f(None, "vocabulary size (default: 256 for byte-level text data, else the preset's)")
+    init_from: str | None = _f(None, "initialize from an llm.c model .bin file or an orbax checkpoint "
+                                     "directory written by this script (shapes must match the preset)", metavar="PATH")
+    dtype: str = _f("float32", "compute dtype (parameters and optimizer state stay float32)", choices=DTYPES)
+    dropout: float = _f(0.0, "dropout probability")
+    # -- activation recompute: names, types, defaults and help come from remat_lm.training.flags.FLAGS (shared with
+    #    `python -m remat_lm.models.llmc verify`); the values are validated once, by remat.RecomputeConfig
+    activation_recompute: bool = _r("activation_recompute")
+    recompute_granularity: str | None = _r("recompute_granularity")
+    recompute_method: str = _r("recompute_method")
+    memory_budget: str | None = _r("memory_budget")
+    recompute_num_layers: int = _r("recompute_num_layers")
+    recompute_modules: str | None = _r("recompute_modules")
+    remat_policy: str | None = _r("remat_policy")
+    use_reentrant: bool = _r("use_reentrant")
+    scan_layers: bool = _r("scan_layers")
+    recompute_segments: str | None = _r("recompute_segments")
+    recompute_every: int | None = _r("recompute_every")
+    cpu_checkpointing: bool = _r("cpu_checkpointing")
+    distribute_saved_activations: bool = _f(False, "keep each recompute region's input split along T over the "
+                                                   "mesh's tensor axis between the forward and the backward, "
+                                                   "gathered before its recomputation (Megatron's "
+                                                   "--distribute-saved-activations); needs granularity full, "
+                                                   "--mesh tensor=N (N > 1) and --no-sequence_parallel")
+    deepspeed_config: str | None = _r("deepspeed_config")
+    loss_chunk: int = _f(0, "compute the LM head and cross-entropy over chunks of N positions, each "
+                            "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)")
+    attention: str = _f("auto", "attention core: tiled (query tiles, masked tiles skipped; any backend) | xla "
+                                "(the whole T x T scores) | cudnn (cuDNN flash attention: NVIDIA GPU, bfloat16, "
+                                "no dropout) | pallas (Pallas TPU splash attention: TPU, T a multiple of 128, no dropout) | auto "
+                                "(for the platform built for: cudnn on an NVIDIA GPU, pallas on TPU, where they apply, "
+                                "else tiled)", choices=ATTENTION)
+    attention_tile: int = _f(DEFAULT_TILE, "query tile of --attention tiled")
+    # -- optimization
+    batch_size: int = _f(16, "micro-batch size (sequences per forward/backward)")
+    sequence_length: int = _f(64, "tokens per sequence T")
+    grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step (tokens per step = "
+                                  "batch_size * sequence_length * grad_accum_steps)")
+    num_iterations: int = _f(3000, "optimizer steps to train for (the step count to stop at when resuming)")
+    learning_rate: float = _f(3e-3, "peak learning rate (AdamW)")
+    warmup_iters: int = _f(30, "linear warmup steps")
+    lr_decay: float = _f(0.1, "cosine-decay the learning rate to this fraction of its peak")
+    lr_decay_iters: int | None = _f(None, "steps of the warmup+cosine schedule (default --num_iterations; on "
+                                          "--resume, the saved run's)")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
+    grad_clip: float = _f(1.0, "clip gradients to this global norm (0: no clipping)")
+    seed: int = _f(1337, f"seed for initialization, data order and dropout (0..{SEED_MAX})")
+    # -- data
+    data: tuple[str, ...] = _f((), "training data: llm.c token shards (*.bin, magic 20240520) or text files "
+                                    "(byte-level tokens); glob patterns allowed; default: the Python "
+                                    "standard library's source files")
+    val_data: tuple[str, ...] = _f((), "validation data, as --data (default: the last 2%% of the training "
+                                        "tokens are held out)")
+    val_every: int = _f(250, "evaluate every N steps and at the last step (0: never)")
+    val_steps: int = _f(8, "batches per evaluation")
+    # -- samples (remat_lm/training/samples.py)
+    sample_every: int = _f(0, "print a short generation every N steps and at the last step (0: never)")
+    sample_length: int = _f(128, "tokens generated per sample")
+    prompt: str | None = _f(None, "sample prompt text (default: the first %d tokens of the validation data)"
+                            % DEFAULT_PROMPT_TOKENS)
+    temperature: float = _f(0.0, "sampling temperature (0: greedy)")
+    top_k: int | None = _f(None, "sample among the k most likely tokens only (needs --temperature > 0)")
+    tokenizer: str | None = _f(None, "llm.c tokenizer file (gpt2_tokenizer.bin, magic 20240328) to decode and "
+                                     "encode samples of llm.c token data", metavar="FILE")
+    # -- checkpoints and logs
+    checkpoint_dir: str | None = _f(None, "orbax checkpoint directory (asynchronous, atomic saves)", metavar="DIR")
+    checkpoint_every: int = _f(0, "save every N steps (0: only at the end); needs --checkpoint_dir")
+    keep_checkpoints: int = _f(3, "how many of the latest checkpoints to keep")
+    resume: bool = _f(False, "continue from the latest complete checkpoint in --checkpoint_dir")
+    log_jsonl: str | None = _f(None, "write one JSON object per step to this file (appended to on --resume)",
+                                metavar="PATH")
+    mesh: str = _f("data=1,fsdp=1", "device mesh: batch sharded over data x fsdp, parameters and optimizer "
+                                    "state over fsdp; tensor=N splits attention heads and MLP hidden units over "
+                                    "N devices (Megatron tensor parallelism), e.g. data=2,fsdp=2,tensor=2",
+                   metavar="data=N,fsdp=M,tensor=K")
+    sequence_parallel: bool = _f(True, "with tensor=N > 1 in --mesh: keep activations between attention and MLP "
+                                       "(norms, residual adds, dropout) split along T over tensor (Megatron's "
+                                       "sequence parallelism); --no-sequence_parallel keeps them whole on each "
+                                       "tensor device")
+    memory_report: bool = _f(False, "print what the backward keeps (by tagged name) and XLA's compiled "
+                                    "memory for the train step, then exit without training")
+    dry_run: bool = _f(False, "validate everything, build and compile the train step, print a summary, "
+                              "and exit without training or writing")
+    progress: bool = _f(True, "show a tqdm progress bar (on stderr)")
+    profile_steps: str | None = _f(None, "write a jax.profiler trace (TensorBoard/Perfetto) of steps A+1..B, e.g. "
+                                         "0:3 for the first three, to <checkpoint_dir>/profile, else beside "
+                                         "--log_jsonl (x.jsonl -> x.profile), else runs/profile", metavar="A:B")
+    preflight: bool = _f(True, "before the first step, compare the compiled step's peak memory with the "
+                               "devices' (GPU: bytes_limit; CPU: available host RAM) and stop with advice "
+                               "(exit 2) when it does not fit")
+
+    def __post_init__(self):
+        if isinstance(self.data, str):
+            object.__setattr__(self, "data", (self.data,))
+        if isinstance(self.val_data, str):
+            object.__setattr__(self, "val_data", (self.val_data,))
+        object.__setattr__(self, "data", tuple(self.data))
+        object.__setattr__(self, "val_data", tuple(self.val_data))
+        self._check_paths()
+        if self.model not in MODELS:
+            raise UsageError(f"--model {self.model!r} is not valid; use one of {', '.join(MODELS)}")
+        presets = model_presets(self.model)
+        if self.preset not in presets:
+            raise UsageError(f"--preset {self.preset!r} is not a {self.model} preset; use one of {', '.join(presets)}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
+        if self.attention not in ATTENTION:
+            raise UsageError(f"--attention {self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters", "top_k"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise UsageError(f"--{name} {v!r} must be a positive integer (or left unset for the default)")
+        for name, lo in (("batch_size", 1), ("sequence_length", 1), ("grad_accum_steps", 1),
+                         ("num_iterations", 1), ("warmup_iters", 0), ("attention_tile", 1), ("val_every", 0),
+                         ("val_steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("sample_every", 0), ("sample_length", 1), ("loss_chunk", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < lo:
+                raise UsageError(f"--{name} {v!r} must be an integer >= {lo}")
+        if not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX:
+            raise UsageError(f"--seed {self.seed!r} is out of range; use an integer in 0..{SEED_MAX}")
+        for name, lo, hi, closed in (("learning_rate", 0.0, math.inf, False), ("lr_decay", 0.0, 1.0, True),
+                                     ("weight_decay", 0.0, math.inf, True), ("grad_clip", 0.0, math.inf, True),
+                                     ("dropout", 0.0, 1.0, "left"), ("temperature", 0.0, math.inf, True)):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+                (lo <= v <= hi) if closed is True else (lo <= v < hi) if closed == "left" else (lo < v <= hi))
+            if not ok:
+                rng = {True: f"[{lo}, {hi}]", "left": f"[{lo}, {hi})", False: f"({lo}, {hi}]"}[closed]
+                raise UsageError(f"--{name} {v!r} must be a finite number in {rng}")
+        if self.top_k is not None and self.temperature == 0:
+            raise UsageError(f"--top_k {self.top_k} samples among the k most likely tokens, but --temperature 0 is "
+                             f"greedy; add --temperature (e.g. 0.8) or drop --top_k")
+        unused = [f for f, on in (("--prompt", self.prompt is not None), ("--temperature", self.temperature > 0),
+                                  ("--top_k", self.top_k is not None)) if on]
+        if unused and self.sample_every == 0:
+            raise UsageError(f"{unused[0]} sets up samples, which are off; add --sample_every N (samples every N "
+                             f"steps and at the last)")
+        if self.resume and not self.checkpoint_dir:
+            raise UsageError("--resume needs --checkpoint_dir DIR (the directory to continue from)")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise UsageError("--checkpoint_every needs --checkpoint_dir DIR")
+        if self.resume and self.init_from:
+            raise UsageError("--resume and --init_from both choose the starting weights; pass only one")
+        if self.memory_report and self.dry_run:
+            raise UsageError("--memory_report and --dry_run are two different exits; pass only one")
+        try:
+            parse_mesh(self.mesh)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if self.profile_steps is not None:
+            from remat_lm.training.profile import parse_steps
+            try:
+                parse_steps(self.profile_steps, self.num_iterations)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        if self.deepspeed_config is not None:  # read by recompute_configs: a FIFO would block, /dev/zero never end
+            from remat_lm.training.checks import check_input_file
+            check_input_file(self.deepspeed_config, "--deepspeed_config", "pass a DeepSpeed JSON config file")
+        self.recompute_configs()  # validates the recompute flags
+
+    def _check_paths(self) -> None:
+        """UsageError for an empty path flag (it read as "unset": nothing saved, no log, a fresh
+        init) and a --prompt that is not UTF-8 text."""
+        for name, fix in PATH_FLAGS.items():
+            v = getattr(self, name)
+            for p in (v if isinstance(v, tuple) else () if v is None else (v,)):
+                if not str(p).strip():
+                    raise UsageError(f"--{name} {p!r} is an empty path; {fix}")
+        if self.prompt is not None:
+            try:
+                self.prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # bytes of argv that are not UTF-8 arrive as lone surrogates
+                raise UsageError(f"--prompt holds bytes that are not UTF-8 (at character {e.start}); pass UTF-8 "
+                                 f"text") from None
+
+    # -- derived settings
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.recompute_method.split(","))
+
+    @property
+    def granularity(self) -> str:
+        """The effective granularity (see `--activation_recompute`)."""
+        return recompute_flags.granularity(self.activation_recompute, self.recompute_granularity,
+                                           regions=any(v is not None for v in (self.recompute_segments,
+                                                                               self.recompute_every,
+                                                                               self.deepspeed_config)))
+
+    def recompute_configs(self) -> list:
+        """[(label, RecomputeConfig)]: one entry, or one per method of a `--recompute_method` comma list;
+        [("auto", remat.config.AutoRecompute)] for `--recompute_method auto` (the planner's request).
+
+        Raises UsageError naming the flag and the fix for every inconsistent combination.
+        """
+        if len(self.methods) > 1 and not self.memory_report and "auto" not in self.methods:
+            raise UsageError(f"--recompute_method {self.recompute_method!r}: a comma list compares methods and "
+                             f"needs --memory_report; pass one method to train")
+        try:
+            out = recompute_flags.from_flags({k: getattr(self, k) for k in recompute_flags.BY_NAME},
+                                             tensor_axis=self._partition_axis)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if self.distribute_saved_activations:
+            if isinstance(out[0][1], AutoRecompute):
+                raise UsageError("--recompute_method auto cannot be combined with --distribute_saved_activations "
+                                 "(the planner does not model split region inputs); drop "
+                                 "--distribute_saved_activations")
+            self._check_distribute(out)
+            out = [(label + "+distributed", dataclasses.replace(rc, shard_saved_axis=TENSOR_AXIS)) for label, rc in out]
+        return out
+
+    @property
+    def tensor_size(self) -> int:
+        """The size of the mesh's tensor axis (1: no tensor parallelism)."""
+        return parse_mesh(self.mesh)[TENSOR_AXIS]
+
+    @property
+    def _partition_axis(self) -> str | None:
+        """Where region inputs can be split: the tensor axis, unless absent or sequence parallelism
+        already splits them along T over it (DeepSpeed's partition_activations maps here)."""
+        return TENSOR_AXIS if self.tensor_size > 1 and not self.sequence_parallel else None
+
+    def _check_distribute(self, configs) -> None:
+        """UsageError when --distribute_saved_activations cannot apply."""
+        flag = "--distribute_saved_activations"
+        if self.tensor_size <= 1:
+            raise UsageError(f"{flag} splits each region's saved input over the mesh's tensor axis, but --mesh "
+                             f"{self.mesh} has none; add tensor=N (N > 1) to --mesh, e.g. --mesh tensor=2, or drop {flag}")
+        if self.sequence_parallel:
+            raise UsageError(f"{flag}: with sequence parallelism (on by default with --mesh tensor=N) region inputs "
+                             f"are already split along T over tensor (as in Megatron, the two exclude each other); "
+                             f"add --no-sequence_parallel or drop {flag}")
+        g = configs[0][1].granularity
+        if g != "full":
+            raise UsageError(f"{flag} keeps the inputs of whole-layer recompute regions: it needs "
+                             f"--recompute_granularity full (or just --activation_recompute), not {g}")
+        if any(rc.offload_inputs for _, rc in configs):
+            src = "--cpu_checkpointing" if self.cpu_checkpointing else "--deepspeed_config cpu_checkpointing"
+            raise UsageError(f"{flag} and {src} both decide where region inputs wait (split over tensor, or in host "
+                             f"memory); pass only one")
+        if any(rc.shard_saved_axis for _, rc in configs):
+            raise UsageError(f"{flag} and --deepspeed_config partition_activations ask for the same thing; pass "
+                             f"only one")
+
+    @property
+    def deepspeed(self):
+        """The `--deepspeed_config` file's validated activation_checkpointing block (None without one)."""
+        if self.deepspeed_config is None:
+            return None
+        try:
+            return remat_deepspeed.load(self.deepspeed_config)
+        except ValueError as e:
+            raise UsageError(f"--deepspeed_config {e}") from None
+
+    def deepspeed_notes(self) -> list[str]:
+        """What each `--deepspeed_config` setting became (printed at start-up); [] without one."""
+        ds = self.deepspeed
+        return [] if ds is None else ds.notes(self._partition_axis,
+                                              sequence_parallel=self.tensor_size > 1 and self.sequence_parallel)
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """--memory_budget in bytes (None when unset)."""
+        if self.memory_budget is None:
+            return None
+        try:
+            return parse_size(self.memory_budget)
+        except ValueError as e:
+            raise UsageError(f"--memory_budget: {e}") from None
+
+    @property
+    def recompute(self) -> RecomputeConfig | AutoRecompute:
+        """The recompute setting of a training run (a single method): a RecomputeConfig, or the
+        AutoRecompute request that `remat_lm.training.compile.plan_memory` answers."""
+        return self.recompute_configs()[0][1]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.sequence_length * self.grad_accum_steps
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _ascii_int(text: str) -> bool:
+    try:
+        argtypes.parse_int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ------------------------------------------------------------------------------------------------
+# The CLI, generated from the fields.
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): `train.py: error: ...`, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _flag_spec(f: dataclasses.Field, tp) -> dict:
+    meta = dict(f.metadata)
+    kw: dict = {"help": meta.pop("help")}
+    kw.update(meta)
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), tp) if optional else tp
+    if base is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(base) is tuple:
+        kw.update(nargs="+", type=str, metavar="PATH")
+    else:
+        kw["type"] = {int: argtypes.integer(), float: argtypes.real()}.get(base, base)  # ASCII digits only
+    kw["default"] = f.default
+    if kw.get("action") is None and "metavar" not in kw and "choices" not in kw:
+        kw["metavar"] = {int: "N", float: "X", str: "STR"}.get(base, None)
+    if f.default not in (None, (), False) and kw.get("action") is None:
+        kw["help"] += " (default: %(default)s)"
+    return kw
+
+
+def build_parser(prog: str = "train.py", description: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser: one `--<field>` per TrainConfig field, with its type, default and help."""
+    p = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if "recompute_flag" in f.metadata:
+            p.add_argument(f"--{f.name}", **recompute_flags.argparse_kwargs(recompute_flags.BY_NAME[f.name]))
+        else:
+            p.add_argument(f"--{f.name}", **_flag_spec(f, hints[f.name]))
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None, prog: str = "train.py",
+                     description: str | None = None) -> TrainConfig:
+    """Parse flags into a TrainConfig. Raises UsageError for invalid values; argparse itself exits 2
+    (one line) for unknown flags and values outside a flag's choices.
+
+    Example:
+      >>> config_from_args(["--preset", "tiny", "--num_iterations", "3"]).num_iterations
+      3
+    """
+    ns = build_parser(prog, description).parse_args(argv)
+    return TrainConfig(**vars(ns))
+
+
+def usage_exit(message: str, prog: str = "train.py") -> typing.NoReturn:
+    """Print `prog: error: message` on one line to stderr and exit 2."""
+    one_line = " ".join(str(message).split())
+    sys.stderr.write(f"{prog}: error: {one_line}\n")
+    raise SystemExit(2)

@@ -1,0 +1,278 @@
+"""The recompute flags of every command line (train.py, `python -m remat_lm.models.llmc verify`).
+
+One table, `FLAGS`, defines the vocabulary: each flag's name, type, default, help and the
+`RecomputeConfig` field it sets. `train.py` (via `remat_lm.training.TrainConfig`) and `remat_lm.models.llmc verify`
+both generate their argparse flags from it (`argparse_kwargs`, `add_arguments`), so names, help
+and parsing are the same everywhere. `from_flags` turns flag values into `RecomputeConfig`s (or an
+`AutoRecompute` request for `--recompute_method auto`). The settings are validated once, by
+`RecomputeConfig` (which also refuses every setting that another would make it ignore); this module
+only checks what a config cannot see (`--activation_recompute` against `--recompute_granularity`,
+`--deepspeed_config` against a granularity) and rewords a `RecomputeConfigError` so that it names
+the flags of its fields (`flag_error`; a setting refused because recompute is off reads "needs
+recompute turned on; add --activation_recompute").
+
+Example:
+    >>> recompute_configs(activation_recompute=True, methods=("uniform",), num_layers=2)
+    [('full/uniform/2', RecomputeConfig(granularity='full', method='uniform', ...))]
+    >>> from_flags({"activation_recompute": True, "recompute_every": 2})[0][0]
+    'full/every/2'
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any, Mapping
+
+from remat_lm import argtypes
+from remat import names as _names
+from remat import policies
+from remat.config import GRANULARITIES, METHODS, AutoRecompute, RecomputeConfig, RecomputeConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One recompute flag, `--<name>`.
+
+    Args:
+      name: the flag without dashes (also the `TrainConfig` field).
+      type: bool (`--name` / `--no-name`), int or str; a default of None means "unset".
+      default: the value when the flag is not given.
+      help: the help text.
+      field: the `RecomputeConfig` field it sets (None: it sets none directly).
+      choices, metavar: as argparse's.
+      train_only: only `train.py` has it (it needs the train step).
+    """
+    name: str
+    type: type
+    default: Any
+    help: str
+    field: str | None = None
+    choices: tuple | None = None
+    metavar: str | None = None
+    train_only: bool = False
+
+
+FLAGS = (
+    Flag("activation_recompute", bool, False, "turn activation recompute on; without --recompute_granularity it "
+         "means granularity full"),
+    Flag("recompute_granularity", str, None, "none | full (whole layers) | selective (sub-modules inside every "
+         "layer); default: full with --activation_recompute, else none", "granularity", choices=GRANULARITIES),
+    Flag("recompute_method", str, "none", "for granularity full: none (each layer a region) | uniform (runs of "
+         "--recompute_num_layers layers) | block (first --recompute_num_layers layers) | auto (train.py: a setting "
+         "per layer, planned to fit --memory_budget); with --memory_report a comma list gives one row per method",
+         "method", metavar="{" + ",".join(METHODS + ("auto",)) + "}"),
+    Flag("memory_budget", str, None, "with --recompute_method auto: the compiled peak per device to fit "
+         "(arguments + outputs + temp - aliased of the train step), e.g. 12GiB, 512MiB or a number of bytes",
+         "budget", metavar="SIZE", train_only=True),
+    Flag("recompute_num_layers", int, 1, "the N of --recompute_method uniform/block (1..n_layer); no other method "
+         "takes it", "num_layers"),
+    Flag("recompute_modules", str, None, "selective granularity: comma list of sub-modules to recompute, from "
+         f"{','.join(_names.MODULES)} (default core_attn); not with --remat_policy, which replaces them", "modules"),
+    Flag("remat_policy", str, None, "what a recompute region saves, a remat.policies name: "
+         + ", ".join(policies.names()) + " (selective modules combine with '+', e.g. core_attn+mlp)", "policy"),
+    Flag("use_reentrant", bool, False, "recompute through a custom_vjp that saves only region inputs (full "
+         "granularity only)", "use_reentrant"),
+    Flag("scan_layers", bool, False, "run the layers under lax.scan (constant compile time in depth)"),
+    Flag("recompute_segments", str, None, "explicit recompute regions as half-open layer ranges, e.g. 0-3,3-5 "
+         "(layers 0-2 one region, 3-4 another); layers in no range are not rematerialized; replaces "
+         "--recompute_method; turns recompute on (granularity full)", "segments", metavar="A-B,C-D"),
+    Flag("recompute_every", int, None, "checkpoint every k-th layer: layers 0, k, 2k, ... are each a region, the "
+         "layers between them are not rematerialized; replaces --recompute_method; turns recompute on (granularity "
+         "full)", "every", metavar="K"),
+    Flag("cpu_checkpointing", bool, False, "keep each recompute region's input in pinned host memory between the "
+         "forward and the backward (DeepSpeed's cpu_checkpointing; on CPU nothing moves)", "offload_inputs"),
+    Flag("deepspeed_config", str, None, "a DeepSpeed JSON config whose activation_checkpointing block sets the "
+         "recompute settings (number_checkpoints, cpu_checkpointing, partition_activations, ...); turns recompute "
+         "on (granularity full)", metavar="FILE.json"),
+)
+BY_NAME = {f.name: f for f in FLAGS}
+
+# The flag that sets each RecomputeConfig field, for error messages (two come from --deepspeed_config).
+FIELD_FLAGS = {**{f.field: f"--{f.name}" for f in FLAGS if f.field},
+               "regions": "--deepspeed_config number_checkpoints",
+               "shard_saved_axis": "--deepspeed_config partition_activations"}
+
+
+# Text flags that hold numbers: ASCII digits only (int() would misread or reject '²'), named in the error.
+_ARG_TYPES = {"recompute_segments": argtypes.ascii_digits("0-3,3-5")}
+_INT = argtypes.integer()  # one object, so every parser's recompute flags have the same type
+
+
+def argparse_kwargs(flag: Flag) -> dict:
+    """`parser.add_argument(f"--{flag.name}", **argparse_kwargs(flag))`: the one way a flag is parsed.
+
+    Example:
+      >>> argparse_kwargs(BY_NAME["recompute_every"])["type"]("2")
+      2
+    """
+    kw: dict = {"help": flag.help, "default": flag.default}
+    if flag.type is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw["type"] = _ARG_TYPES.get(flag.name) or {int: _INT}.get(flag.type, flag.type)
+        if flag.choices is not None:
+            kw["choices"] = flag.choices
+        kw["metavar"] = flag.metavar or (None if flag.choices else {int: "N", str: "STR"}[flag.type])
+        if flag.default is not None:
+            kw["help"] += " (default: %(default)s)"
+    return kw
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, train: bool = True) -> None:
+    """Add every recompute flag (without the train.py-only ones unless `train`) to `parser`."""
+    for f in FLAGS:
+        if train or not f.train_only:
+            parser.add_argument(f"--{f.name}", **argparse_kwargs(f))
+
+
+def defaults() -> dict:
+    """{flag name: default} of every recompute flag."""
+    return {f.name: f.default for f in FLAGS}
+
+
+def granularity(activation_recompute: bool, recompute_granularity: str | None, *, regions: bool = False) -> str:
+    """`--activation_recompute` alone means granularity full; so does a flag that chooses the regions
+    (`regions`: `--recompute_segments`, `--recompute_every` or `--deepspeed_config` given)."""
+    if recompute_granularity is None:
+        return "full" if activation_recompute or regions else "none"
+    return recompute_granularity
+
+
+def flag_error(e: RecomputeConfigError) -> str:
+    """A RecomputeConfigError's message in flag words: `granularity='full'` → `--recompute_granularity
+    full`, prefixed by the flags of its fields unless it already starts with one.
+
+    Example:
+      >>> try:
+      ...     RecomputeConfig(granularity="full", every=0)
+      ... except RecomputeConfigError as e:
+      ...     flag_error(e)
+      '--recompute_every 0 must be an integer >= 1 (every k-th layer is a region)'
+    """
+    def sub(m):
+        flag, value = FIELD_FLAGS[m.group(1)], m.group(2)
+        if value == "True":
+            return flag
+        return f"{flag} {value[1:-1] if value[:1] == value[-1:] == chr(39) else value}"
+
+    pattern = r"\b(?:recompute[ _])?(" + "|".join(map(re.escape, FIELD_FLAGS)) + r")=('[^']*'|[^\s;:)]+)"
+    msg = re.sub(pattern, sub, re.sub(r"^recompute ", "", str(e)))
+    flags = [FIELD_FLAGS.get(f, f) for f in e.fields]
+    return msg if any(msg.startswith(f) for f in flags) else f"{' and '.join(flags)}: {msg}"
+
+
+def recompute_configs(*, activation_recompute: bool = False, recompute_granularity: str | None = None,
+                      methods: tuple = ("none",), num_layers: int = 1, modules: str | None = None,
+                      policy: str | None = None, use_reentrant: bool = False, segments: str | None = None,
+                      every: int | None = None, cpu_checkpointing: bool = False, deepspeed=None,
+                      tensor_axis: str | None = None) -> list:
+    """[(label, RecomputeConfig)], one per method; ValueError naming the flag and the fix otherwise.
+
+    `segments` ('0-3,3-5'), `every` (k) and `cpu_checkpointing` are `--recompute_segments`,
+    `--recompute_every` and `--cpu_checkpointing`; `deepspeed` is a `remat_lm.training.deepspeed.DeepSpeedCheckpointing`
+    (`--deepspeed_config`), which turns recompute on at granularity full; `tensor_axis` is the mesh's
+    tensor-parallel axis, if any, for its `partition_activations`.
+    """
+    method_flag = ",".join(methods)
+    g = granularity(activation_recompute, recompute_granularity,
+                    regions=deepspeed is not None or segments is not None or every is not None)
+    # What a RecomputeConfig cannot see: flag words. Every other rule is RecomputeConfig's.
+    if activation_recompute and g == "none":
+        raise ValueError("--activation_recompute contradicts --recompute_granularity none; drop one of them")
+    if deepspeed is not None and g != "full":
+        raise ValueError(f"--deepspeed_config checkpoints whole layers (granularity full) but --recompute_granularity "
+                         f"is {g}; drop --recompute_granularity")
+    # The flag words of each field's value, for a setting refused because recompute is off.
+    given = {"method": method_flag, "num_layers": num_layers, "modules": modules, "policy": policy,
+             "use_reentrant": None, "segments": segments, "every": every, "offload_inputs": None}
+    takes_n = [m for m in methods if m in ("uniform", "block")]
+    out = []
+    for m in methods:
+        # a comma list (--memory_report) compares methods: --recompute_num_layers is the N of those that take one
+        n = 1 if takes_n and m not in takes_n else num_layers
+        kw = dict(granularity=g, method=m, num_layers=n, policy=policy, use_reentrant=use_reentrant,
+                  segments=segments, every=every, offload_inputs=bool(cpu_checkpointing), modules=modules)
+        if deepspeed is not None:
+            kw.update(deepspeed.recompute_kwargs(tensor_axis))
+        try:
+            rc = RecomputeConfig(**kw)
+        except RecomputeConfigError as e:
+            raise ValueError(_off_error(e, given, recompute_granularity) if g == "none" else flag_error(e)) from None
+        label = g if g != "full" else f"full/{m}" + (f"/{num_layers}" if m != "none" else "")
+        if segments is not None:
+            label = f"full/segments/{segments}"
+        elif every is not None:
+            label = f"full/every/{every}"
+        elif rc.regions is not None:
+            label = f"full/regions/{rc.regions}"
+        label += "+offload" if rc.offload_inputs else ""
+        out.append((label, rc))
+    return out
+
+
+def _off_error(e: RecomputeConfigError, given: dict, recompute_granularity: str | None) -> str:
+    """A setting RecomputeConfig refused because granularity is none, in flag words: the flag that
+    would be ignored and how to turn recompute on."""
+    field = next((f for f in e.fields if f != "granularity"), None)
+    if "granularity" not in e.fields or field not in given:
+        return flag_error(e)
+    flag = FIELD_FLAGS[field]
+    shown = flag if given[field] is None else f"{flag} {given[field]}"
+    on = "--activation_recompute" + (" --recompute_granularity selective" if field == "modules" else "")
+    if recompute_granularity is not None:  # the user said none
+        on = f"--recompute_granularity {'selective' if field == 'modules' else 'full'} (not none)"
+    return f"{shown} needs recompute turned on; add {on}, or drop {flag}"
+
+
+def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None) -> list:
+    """Flag values ({flag name: value}; missing ones take their defaults) → [(label, RecomputeConfig)],
+    one per `--recompute_method` entry, or [("auto", AutoRecompute)] for `--recompute_method auto`.
+    ValueError naming the flag and the fix.
+    """
+    v = {**defaults(), **{k: values[k] for k in BY_NAME if k in values}}
+    methods = tuple(m.strip() for m in str(v["recompute_method"]).split(","))
+    if "auto" in methods or v["memory_budget"] is not None:
+        return [("auto", _auto_request(v, methods))]
+    deepspeed = None
+    if v["deepspeed_config"] is not None:
+        from remat_lm.training import deepspeed as _deepspeed
+        try:
+            deepspeed = _deepspeed.load(v["deepspeed_config"])
+        except ValueError as e:
+            raise ValueError(f"--deepspeed_config {e}") from None
+    return recompute_configs(
+        activation_recompute=v["activation_recompute"], recompute_granularity=v["recompute_granularity"],
+        methods=methods, num_layers=v["recompute_num_layers"], modules=v["recompute_modules"],
+        policy=v["remat_policy"], use_reentrant=v["use_reentrant"], segments=v["recompute_segments"],
+        every=v["recompute_every"], cpu_checkpointing=v["cpu_checkpointing"], deepspeed=deepspeed,
+        tensor_axis=tensor_axis)
+
+
+def _auto_request(v: dict, methods: tuple) -> AutoRecompute:
+    """`--recompute_method auto --memory_budget SIZE` → AutoRecompute; the planner chooses every
+    other recompute setting, so giving one is an error naming it."""
+    from remat.planner import parse_size
+
+    if methods != ("auto",):
+        if "auto" in methods:
+            raise ValueError(f"--recompute_method {v['recompute_method']}: auto plans every layer itself; pass "
+                             f"--recompute_method auto alone")
+        raise ValueError(f"--memory_budget {v['memory_budget']} needs --recompute_method auto (the planner that "
+                         f"fits it); add --recompute_method auto or drop --memory_budget")
+    if v["memory_budget"] is None:
+        raise ValueError("--recompute_method auto needs --memory_budget SIZE (e.g. 12GiB), the compiled peak "
+                         "to fit; add it, or choose --recompute_method none/uniform/block")
+    try:
+        budget = parse_size(v["memory_budget"])
+    except ValueError as e:
+        raise ValueError(f"--memory_budget: {e}") from None
+    fixed = ("activation_recompute", "recompute_method", "memory_budget")
+    for f in FLAGS:
+        value = v[f.name]
+        if f.name in fixed or value == f.default or (f.name == "recompute_granularity" and value == "full"):
+            continue
+        why = ("XLA's cost analysis counts a scanned layer once, so the planner needs the loop layout"
+               if f.name == "scan_layers" else "auto chooses the policy of every layer itself")
+        raise ValueError(f"--recompute_method auto cannot be combined with --{f.name} ({why}); drop --{f.name}")
+    return AutoRecompute(budget)

@@ -1,0 +1,107 @@
+"""What a prepared run is: `memory_report` (what the backward keeps, by tagged name, and XLA's
+compiled memory, one column per recompute setting; `--memory_report`) and `describe` (the
+summary printed at the start and by `--dry_run`).
+
+Example:
+    >>> setup = prepare(TrainConfig(preset="tiny", activation_recompute=True, memory_report=True))
+    >>> print(memory_report(setup))
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import remat
+from remat_lm.training import log as log_lib
+from remat_lm.training.compile import compile_train_step
+
+# NOTE: XLA:CPU has one memory space: pinned host memory is the same host RAM as "device" memory, so
+# offloading (--cpu_checkpointing, an offload_names policy) compiles and runs but moves nothing and
+# saves nothing. The run says so rather than let a CPU run look like it tested the offload.
+CPU_OFFLOAD = "on a cpu backend pinned host memory is the same host RAM: nothing moves"
+
+
+def _saved_cell(res, name: str) -> str:
+    """One cell of the saved table: `count x bytes of each`, or `count, total` where sizes differ."""
+    count, total = res.by_name().get(name, (0, 0))
+    if not count:
+        return "-"
+    # by_name's own key of each row (one-row SavedResiduals), so the grouping cannot drift from it
+    sizes = {r.bytes for r in res.rows if next(iter(type(res)((r,)).by_name())) == name}
+    fmt = remat.memory.format_bytes
+    return f"{count} x {fmt(total // count)}" if len(sizes) == 1 else f"{count}, {fmt(total)} total"
+
+
+def memory_report(setup) -> str:
+    """What the backward keeps (by tagged name) and XLA's compiled memory, one column per config."""
+    cfg = setup.cfg
+    params = setup.abstract_state["params"]
+    xy = jax.ShapeDtypeStruct((cfg.batch_size, cfg.sequence_length), jnp.int32)
+    cols = []
+    for label, mcfg in setup.mcfgs:
+        with jax.set_mesh(setup.mesh):  # --distribute_saved_activations constrains with PartitionSpecs
+            res = remat.memory.saved_residuals(lambda p, x, y, m=mcfg: setup.fam.loss_fn(p, m, x, y), params, xy, xy)
+        cm = remat.memory.compiled_stats(compile_train_step(setup, mcfg))
+        comp = {"temp": cm.temp, "arguments": cm.argument, "outputs": cm.output, "aliased": cm.alias,
+                "peak estimate": cm.peak_estimate}
+        cols.append((label, res, comp))
+    names = []
+    for _, res, _ in cols:
+        names += [k for k in res.by_name() if k not in names]
+    mib = remat.memory.format_bytes
+    table = [[_saved_cell(res, n) for _, res, _ in cols] for n in names]
+    w0, w = 46, max(18, *(len(c[0]) + 2 for c in cols), *(len(x) + 2 for row in table for x in row))
+    dev = setup.mesh.devices.flat[0]
+    lines = [f"memory report: {cfg.model} {cfg.preset} ({setup.fam.num_params(setup.mcfg):,} params), micro-batch "
+             f"{cfg.batch_size}x{cfg.sequence_length}, {cfg.dtype}, mesh {cfg.mesh} on {setup.mesh.size} "
+             f"{dev.platform} device(s)",
+             "", "saved for the backward of one micro-batch, by tagged name: count x bytes of each "
+                 "(count, total where their sizes differ)",
+             "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
+    for n, cells in zip(names, table):
+        lines.append(f"  {n[:w0 - 2]}".ljust(w0) + "".join(x.rjust(w) for x in cells))
+    lines.append("  total (intermediates)".ljust(w0) + "".join(mib(r.intermediates).rjust(w) for _, r, _ in cols))
+    lines.append("  total (with arguments)".ljust(w0) + "".join(mib(r.total).rjust(w) for _, r, _ in cols))
+    if dev.platform == "cpu" and any(res.offloaded for _, res, _ in cols):
+        lines.append(f"  (host) rows: {CPU_OFFLOAD}")
+    lines += ["", "XLA's compiled train step, per device", "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
+    for k in ("temp", "arguments", "outputs", "aliased", "peak estimate"):
+        lines.append(f"  {k}".ljust(w0) + "".join(mib(comp[k]).rjust(w) for _, _, comp in cols))
+    wl = max(len(c[0]) for c in cols) + 2
+    lines += ["", "summary, one row per setting",
+              "  " + "setting".ljust(wl) + "saved (intermediates)".rjust(22) + "compiled temp".rjust(16)
+              + "peak estimate".rjust(16)]
+    for label, res, comp in cols:
+        lines.append("  " + label.ljust(wl) + mib(res.intermediates).rjust(22) + mib(comp["temp"]).rjust(16)
+                     + mib(comp["peak estimate"]).rjust(16))
+    return "\n".join(lines)
+
+
+def describe(setup, compiled=None) -> str:
+    """A summary of the run (printed at the start and by --dry_run)."""
+    cfg, m = setup.cfg, setup.mcfg
+    rc = m.recompute
+    segs = remat.plan(m.n_layer, rc) if rc.enabled else ()
+    regions = sum(1 for s in segs if s.checkpointed)
+    lines = [
+        f"model    {cfg.model} {cfg.preset if setup.init_params is None else 'from ' + str(cfg.init_from)}: "
+        f"{setup.fam.num_params(m):,} params, {m.n_layer} layers, "
+        f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
+        + (", scan" if m.scan_layers else ""),
+        f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy() if rc.layer_policies is None else 'per layer'}"
+                                            f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else "")
+        + (f"; loss over chunks of {m.loss_chunk} positions" if m.loss_chunk else ""),
+        f"data     {setup.train_ds.description}: {setup.train_ds.n_tokens:,} tokens"
+        + (f"; val {setup.val_ds.description}: {setup.val_ds.n_tokens:,} tokens" if setup.val_ds else ""),
+        f"batch    {cfg.batch_size} x {cfg.sequence_length} x {cfg.grad_accum_steps} accum = "
+        f"{cfg.tokens_per_step:,} tokens/step, {setup.fam.flops_per_token(m, cfg.sequence_length) / 1e6:,.1f} "
+        f"MFLOP/token",
+        f"mesh     {cfg.mesh} over {setup.mesh.size} {setup.mesh.devices.flat[0].platform} device(s)",
+    ]
+    lines[2:2] = [f"deepspeed {note}" for note in cfg.deepspeed_notes()]
+    ds = cfg.deepspeed
+    if rc.offload_inputs and setup.mesh.devices.flat[0].platform == "cpu" and not (ds and ds.cpu_checkpointing):
+        lines.insert(2, f"offload  region inputs wait in pinned host memory (--cpu_checkpointing); {CPU_OFFLOAD}")
+    if compiled is not None:
+        lines.append(f"memory   {remat.memory.format_bytes(log_lib.compiled_estimate(compiled))} per device (compiled est.)")
+    return "\n".join(lines)
