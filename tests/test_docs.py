@@ -1,0 +1,187 @@
+"""The README and docs/*.md as a user reads them: every documented command of this project starts
+(`--help`), every flag a documented command passes is one its program accepts, every relative link
+and `#anchor` resolves, every `docs/BENCHMARKS.md, "Section"` citation in the tree names a heading
+that exists, and the README's Python examples run.
+
+The commands are found in code (fenced blocks and inline spans): `python -m MODULE ...` for the
+project's own modules (`remat`, `remat_lm`, `examples`) and `python train.py ...`. All of them
+answer `--help` in one subprocess (one JAX import, each module run with `runpy` as `python -m`
+would), so the whole check costs a few seconds. A module with sub-commands (`llmc verify`) is
+asked for each sub-command's help too. The examples take no flags and are only looked up (they run
+whole in tests/test_examples.py). Commands under `## History` in docs/BENCHMARKS.md record
+what ran then: their modules must still exist, their flags may have changed since.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "notebooks" / "README.md"]
+OWN = ("remat", "remat_lm", "examples")
+
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+_INLINE = re.compile(r"(`+)(.+?)\1", re.S)
+_COMMAND = re.compile(r"python3?\s+(?:-m\s+([\w.]+)|(train\.py))([^\n#;|&`]*)")
+_FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
+
+
+def _code(text: str) -> list[str]:
+    """The fenced blocks (continuation lines joined) and the inline code spans of a markdown text."""
+    blocks = [b.replace("\\\n", " ") for b in _FENCE.findall(text)]
+    prose = _FENCE.sub("", text)
+    return blocks + [m.group(2) for m in _INLINE.finditer(prose)]
+
+
+def _current(path: pathlib.Path) -> str:
+    """The file's text, without docs/BENCHMARKS.md's `## History` part (commands as they ran then)."""
+    text = path.read_text()
+    return text.split("\n## History", 1)[0] if path.name == "BENCHMARKS.md" else text
+
+
+def commands(current_only: bool = False) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(doc, program, flags) for every documented command of this project, in order, deduplicated.
+    The program is a module name or `train.py`."""
+    seen, out = set(), []
+    for path in DOCS:
+        text = _current(path) if current_only else path.read_text()
+        for code in _code(text):
+            for m in _COMMAND.finditer(code):
+                program = m.group(1) or m.group(2)
+                if program.endswith(".") or program.split(".")[0] not in OWN + ("train",):
+                    continue  # a template (`examples.<name>`) or another project's module (pytest, pip)
+                key = (path.relative_to(ROOT).as_posix(), program, tuple(_FLAG.findall(m.group(3))))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(key)
+    return out
+
+
+# NOTE: one subprocess answers every program's `--help` (and each sub-command's): importing JAX
+# and the models once is most of the cost, and `runpy` runs a module exactly as `python -m` does.
+# A sub-command is a word in braces in the usage line's positionals, argparse's `{verify}`.
+_PROBE = r"""
+import contextlib, io, json, re, runpy, sys
+out = {}
+def ask(program, argv):
+    buf = io.StringIO()
+    sys.argv = [program] + argv
+    code = 0
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            if program.endswith(".py"):
+                runpy.run_path(program, run_name="__main__")
+            else:
+                runpy.run_module(program, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException as e:
+            code, _ = 1, buf.write(f"{type(e).__name__}: {e}")
+    return code, buf.getvalue()
+for program in json.loads(sys.argv[1]):
+    if program.startswith("examples."):  # no flags; run whole by tests/test_examples.py
+        import importlib.util
+        out[program] = (0 if importlib.util.find_spec(program) else 1, "")
+        continue
+    code, text = ask(program, ["--help"])
+    usage = re.sub(r"-[\w-]+\s+\{[^}]*\}", "", text.split("\n\n", 1)[0])  # options' choices
+    for sub in re.findall(r"\{([\w,-]+)\}", usage):
+        for word in sub.split(","):
+            code2, text2 = ask(program, [word, "--help"])
+            code, text = max(code, code2), text + "\n" + text2
+    out[program] = (code, text)
+print("\n@@PROBE@@" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, tuple[int, str]]:
+    programs = sorted({p for _, p, _ in commands()})
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(programs)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert "@@PROBE@@" in r.stdout, r.stderr[-3000:]
+    return {k: tuple(v) for k, v in json.loads(r.stdout.split("@@PROBE@@", 1)[1]).items()}
+
+
+def test_the_docs_document_commands():
+    """The extractor finds the commands a user copies (so the checks below cannot pass empty)."""
+    programs = {p for _, p, _ in commands(current_only=True)}
+    assert {"train.py", "remat_lm.bench.policies", "remat_lm.bench.attention"} <= programs, programs
+
+
+def test_every_documented_program_answers_help(helps):
+    bad = {p: text[-400:] for p, (code, text) in helps.items() if code != 0}
+    assert not bad, f"these documented programs fail `--help`: {bad}"
+
+
+@pytest.mark.parametrize("doc,program,flags", commands(current_only=True),
+                         ids=lambda v: v if isinstance(v, str) else " ".join(v)[:60])
+def test_documented_flags_exist(helps, doc, program, flags):
+    code, text = helps[program]
+    missing = [f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)]
+    assert not missing, f"{doc}: `{program}` documents {missing}, which its --help does not list"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _FENCE.sub("", path.read_text()).splitlines():
+        if m := re.match(r"#{1,6}\s+(.*)", line):
+            s = _slug(m.group(1))
+            n = seen.get(s, 0)
+            seen[s] = n + 1
+            out.add(s if n == 0 else f"{s}-{n}")
+    return out
+
+
+def _headings(path: pathlib.Path) -> set[str]:
+    return {m.group(1).strip() for m in re.finditer(r"^#{1,6}\s+(.*)$", _FENCE.sub("", path.read_text()), re.M)}
+
+
+def test_relative_links_and_anchors_resolve():
+    bad = []
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _FENCE.sub("", path.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                bad.append(f"{path.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{path.name}: {target} (no such heading)")
+    assert not bad, bad
+
+
+def test_benchmark_citations_name_sections():
+    """`docs/BENCHMARKS.md, "Attention cores"` in a comment or a doc names a heading of that file."""
+    headings = _headings(ROOT / "docs" / "BENCHMARKS.md")
+    files = [*DOCS, *ROOT.glob("remat/*.py"), *ROOT.glob("remat_lm/**/*.py"), ROOT / "train.py"]
+    cited = {(f.relative_to(ROOT).as_posix(), s) for f in files
+             for s in re.findall(r'BENCHMARKS\.md,\s+"([^"]+)"', f.read_text())}
+    assert cited, "no citation found: the pattern no longer matches how the tree cites the benchmarks"
+    missing = [(f, s) for f, s in cited if not any(h == s or h.startswith(s + " ") for h in headings)]
+    assert not missing, f"cited sections that docs/BENCHMARKS.md lacks: {missing}"
+
+
+def test_readme_python_examples_run():
+    """The README's ```python blocks, in order, in one namespace (a later block may use an
+    earlier block's names), run as written."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    assert blocks
+    ns: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), ns)
