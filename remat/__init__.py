@@ -14,10 +14,13 @@ from remat.check import CheckpointError
 from remat.checkpoint import checkpoint
 from remat.config import RecomputeConfig
 from remat.plan import Segment, plan
+from remat import regions
+from remat.regions import block, count, every, per_layer, segments, uniform
 from remat.planner import BudgetPlan, plan_for_budget
 from remat.stack import apply_layers
 from remat import memory
 
-__all__ = ["BudgetPlan", "CheckpointError", "RecomputeConfig", "Segment", "apply_layers", "checkpoint", "memory",
-           "names", "plan", "plan_for_budget", "policies"]
+__all__ = ["BudgetPlan", "CheckpointError", "RecomputeConfig", "Segment", "apply_layers", "block", "checkpoint",
+           "count", "every", "memory", "names", "per_layer", "plan", "plan_for_budget", "policies", "regions",
+           "segments", "uniform"]
 __version__ = "0.1.0"

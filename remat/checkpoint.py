@@ -293,7 +293,7 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
 
 
 def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, policy=None,
-               determinism_check: bool | str = True, static_argnums: Sequence[int] = (),
+               determinism_check: bool | str | None = None, static_argnums: Sequence[int] = (),
                prevent_cse: bool = True, name: str | None = None, tie_to_cotangent: bool = True,
                shard_saved=None, offload_saved: Sequence[int] = (), **kwargs):
     """Run `fn(*args, **kwargs)` keeping less for the backward pass and recomputing the rest.
@@ -309,13 +309,16 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
         `jax.custom_vjp` that saves only the inputs and re-traces `fn` in the backward.
       policy: a `remat.policies` name or a JAX policy callable (non-reentrant only); default saves
         nothing inside the region.
-      determinism_check: (reentrant) compare the recomputation's output shapes, dtypes and
-        shardings with the forward's at trace time; `"structure"` also compares the traced programs
-        (operations and their parameters, wiring, shapes, dtypes, literal values and closed-over
-        constant values: `remat.check.fingerprint`) and differentiates the forward's own program;
-        `"values"` (debugging, costs memory) also keeps the forward's outputs and compares the
-        recomputed values at run time, raising CheckpointError above VALUES_RTOL. On the
-        non-reentrant path (one trace, nothing can differ) only True (the default) or False.
+      determinism_check: what to compare between the forward and the recomputation. None
+        (default): the check that applies: with `use_reentrant=True` the recomputation's output
+        shapes, dtypes and shardings against the forward's at trace time; on `jax.checkpoint` none
+        (it traces once and recomputes that program: nothing can differ). False: no check. With
+        `use_reentrant=True` only (elsewhere refused): True (the shape/dtype/sharding check),
+        `"structure"` (also the traced programs: operations and their parameters, wiring, shapes,
+        dtypes, literal values and closed-over constant values, `remat.check.fingerprint`; the
+        backward differentiates the forward's own program) or `"values"` (debugging, costs memory:
+        also keeps the forward's outputs and compares the recomputed values at run time, raising
+        CheckpointError above VALUES_RTOL).
       static_argnums: positions of arguments passed through untraced.
       prevent_cse: passed to `jax.checkpoint`.
       name: region name used in error messages (default `fn.__name__`).
@@ -429,7 +432,8 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
 
     def go(flat_fn, dyn):
         if use_reentrant:
-            return _reentrant(flat_fn, dyn, name=region, determinism_check=determinism_check, storage=storage)
+            check = True if determinism_check is None else determinism_check  # the check that applies
+            return _reentrant(flat_fn, dyn, name=region, determinism_check=check, storage=storage)
         if tie_to_cotangent:
             return _tied(flat_fn, dyn, policy=policy, prevent_cse=prevent_cse, storage=storage)
         return jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)(*dyn)

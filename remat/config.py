@@ -6,42 +6,40 @@ from typing import Literal, Union
 
 from remat import names as _names
 from remat import policies as _policies
+from remat import regions as _regions
+from remat.errors import RecomputeConfigError, lit, refuse
+from remat.regions import parse_segments  # noqa: F401  (its home was here)
 
 GRANULARITIES = ("none", "full", "selective")
 METHODS = ("none", "uniform", "block")
-DETERMINISM_CHECKS = (True, False, "structure", "values")
-
-
-class RecomputeConfigError(ValueError):
-    """A bad recompute setting. `fields` names the RecomputeConfig field(s) at fault, so a command
-    line can name its flag (`remat_lm.training.flags.flag_error`) without validating the settings again."""
-
-    def __init__(self, fields, message: str):
-        super().__init__(message)
-        self.fields = (fields,) if isinstance(fields, str) else tuple(fields)
+DETERMINISM_CHECKS = (None, True, False, "structure", "values")
+# The keywords that spell which layers are regions, besides `layers` and Megatron's method/num_layers.
+LAYER_KEYWORDS = ("segments", "every", "regions", "layer_policies")
 
 
 def check_region(use_reentrant: bool, policy, determinism_check, enabled: bool = True) -> None:
     """The rules for one recompute region's options, shared by `RecomputeConfig` and
     `remat.checkpoint` (one copy of the rules). Raises RecomputeConfigError."""
     if not isinstance(use_reentrant, bool):
-        raise RecomputeConfigError("use_reentrant", f"use_reentrant={use_reentrant!r} must be True or False")
+        raise refuse("{use_reentrant} must be True or False", use_reentrant=use_reentrant, valid=(True, False))
     if use_reentrant and policy is not None:
-        raise RecomputeConfigError(("use_reentrant", "policy"),
-                                   f"use_reentrant=True saves only the inputs, so policy={policy!r} has no effect; "
-                                   f"drop the policy or use_reentrant")
-    if not (isinstance(determinism_check, bool) or determinism_check in ("structure", "values")):
-        raise RecomputeConfigError("determinism_check", f"determinism_check={determinism_check!r} is not valid; use "
-                                   f"True, False, 'structure' or 'values'")
+        raise refuse("{use_reentrant} saves only the inputs, so {policy} has no effect; drop the {policy!n} or "
+                     "{use_reentrant!n}", use_reentrant=use_reentrant, policy=policy)
+    if not (determinism_check is None or isinstance(determinism_check, bool)
+            or determinism_check in ("structure", "values")):
+        raise refuse("{determinism_check} is not valid; use None (the check that applies), True, False, "
+                     "'structure' or 'values'", determinism_check=determinism_check, valid=DETERMINISM_CHECKS)
     # NOTE: jax.checkpoint (the non-reentrant path) traces the function once and recomputes that very
-    # program, so there is no second trace whose program or values could differ: "structure" and
-    # "values" cannot apply there and are refused rather than ignored. True (the default) is accepted
-    # everywhere: it checks what can differ, which there is nothing.
-    if isinstance(determinism_check, str) and enabled and not use_reentrant:
-        raise RecomputeConfigError(("determinism_check", "use_reentrant"),
-                                   f"determinism_check={determinism_check!r} needs use_reentrant=True (jax.checkpoint "
-                                   "traces once and recomputes that same program, so only the reentrant path, which "
-                                   "traces again, can differ); add use_reentrant=True or drop the check")
+    # program, so there is no second trace whose shapes, program or values could differ: no check
+    # applies there. The default, None, means "the check that applies" (shapes, dtypes and shardings
+    # on the reentrant path, nothing on jax.checkpoint); False means none; any other value asks for a
+    # check that only the reentrant path can make, so without use_reentrant=True it is refused
+    # rather than silently ignored.
+    if determinism_check not in (None, False) and enabled and not use_reentrant:
+        raise refuse("{determinism_check} needs {use_reentrant=True} (jax.checkpoint traces once and recomputes "
+                     "that same program, so only the reentrant path, which traces again, can differ); add "
+                     "{use_reentrant=True} or leave {determinism_check!n} unset",
+                     determinism_check=determinism_check, use_reentrant=use_reentrant, valid=(None, False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +51,8 @@ class RecomputeConfig:
         (every layer saves its tagged activations except those of `modules`).
       method: for `full` only. `none`: each layer is a region; `uniform`: each run of
         `num_layers` consecutive layers is one region; `block`: the first `num_layers` layers are
-        regions, the rest are not rematerialized.
+        regions, the rest are not rematerialized. (Megatron's spelling of `layers=remat.uniform(n)`
+        and `layers=remat.block(n)`.)
       num_layers: the N of `uniform`/`block` (any other method takes only the default, 1).
       policy: a `remat.policies` name for what a region saves; default `full` (nothing) for
         granularity `full` and the `modules` preset for `selective`. Not with `modules` (a policy
@@ -62,34 +61,34 @@ class RecomputeConfig:
         `"core_attn,mlp"`); granularity `selective` only, default `("core_attn",)`.
       use_reentrant: (a bool) recompute through a `jax.custom_vjp` that saves only region inputs,
         instead of `jax.checkpoint`. Granularity `full` only.
-      layer_policies: one policy name (or None: not rematerialized) per layer, for granularity
-        `full` with method `none`: what `remat.plan_for_budget` chooses. Overrides `policy`.
-      segments: explicit recompute regions, the tutorial's `ManualCheckpoint`: half-open layer ranges
-        `((start, stop), ...)` in increasing order, not overlapping (e.g. `((0, 3), (3, 5))`: layers
-        0-2 form one region, layers 3-4 another). Layers in no segment (gaps) are not
-        rematerialized. Also accepted as the CLI string `"0-3,3-5"`. Granularity `full`, method `none`.
-      every: checkpoint every k-th layer (Megatron/PyTorch `checkpoint_every=k`): layers 0, k, 2k, ...
-        are each a recompute region (of one layer); the layers between them are not
-        rematerialized. `every=1` is the same as method `none`. Granularity `full`, method `none`.
-      regions: split the layers into this many contiguous recompute regions of near-equal size (the
-        first L mod N have one layer more; DeepSpeed's `number_checkpoints`). Granularity `full`,
-        method `none`.
-      offload_inputs: keep each region's saved inputs in pinned host memory between the forward and
-        the backward (DeepSpeed's `cpu_checkpointing`). On CPU it compiles and moves nothing.
+      determinism_check: what to compare between the forward and the recomputation, which only the
+        reentrant path can differ in (it traces the layer again). None (default): the check that
+        applies: output shapes, dtypes and shardings at trace time with `use_reentrant=True`, none
+        on `jax.checkpoint` (one trace, nothing can differ). With `use_reentrant=True` only: True
+        (that same check), `"structure"` (also the traced program: operations, shapes, dtypes,
+        literal and constant values; see `remat.check.fingerprint`) or `"values"` (also the values
+        at run time, for debugging). False: no check.
       shard_saved_axis: a mesh axis name: each region keeps its input (B, T, C) sharded along T over
         that axis between forward and backward and all-gathers it before recomputing (Megatron's
-        distribute_saved_activations). Needs a mesh context (`jax.set_mesh`).
-      determinism_check: compare the recomputation's output shapes/dtypes/shardings with the
-        forward's at trace time (`True`), also its traced program (`"structure"`: operations, shapes,
-        dtypes, literal and constant values; see `remat.check.fingerprint`), also its values at run
-        time (`"values"`, for debugging), or not (`False`). `"structure"` and `"values"` need
-        `use_reentrant=True`: `jax.checkpoint` traces once, so nothing else can differ.
+        distribute_saved_activations). Granularity `full` (as in Megatron), not with
+        `offload_inputs`. Needs a mesh context (`jax.set_mesh`).
+      offload_inputs: keep each region's saved inputs in pinned host memory between the forward and
+        the backward (DeepSpeed's cpu_checkpointing). On CPU it compiles and moves nothing.
+      layers: which layers are regions, one `remat.regions` value: `remat.uniform(n)`,
+        `remat.block(n)`, `remat.every(k)`, `remat.segments((0, 3), (3, 5))`, `remat.count(n)`,
+        `remat.per_layer(policies)`; None (default): each layer is a region. Granularity `full`.
+      segments, every, regions, layer_policies: other spellings of `layers` (`segments((0, 3), (3, 5))`
+        or `"0-3,3-5"`, `every(k)`, `count(n)`, `per_layer(policies)`), accepted and turned into it;
+        read back, each gives the part of `layers` it spells (else None), as `method` and
+        `num_layers` do for `uniform`/`block`.
     Every setting that would be ignored is refused (RecomputeConfigError naming both fields): a
     policy, modules, use_reentrant or a determinism check with granularity `none`, modules outside
-    `selective` or beside a policy, num_layers without `uniform`/`block`.
+    `selective` or beside a policy, num_layers without `uniform`/`block`, two choices of the regions.
     Example:
       >>> RecomputeConfig(granularity="full", method="uniform", num_layers=2)
       RecomputeConfig(granularity='full', method='uniform', num_layers=2, ...)
+      >>> RecomputeConfig(granularity="full", layers=_regions.uniform(2)).method
+      'uniform'
     """
     granularity: Literal["none", "full", "selective"] = "none"
     method: Literal["none", "uniform", "block"] = "none"
@@ -97,52 +96,49 @@ class RecomputeConfig:
     policy: str | None = None
     modules: tuple[str, ...] | None = None
     use_reentrant: bool = False
-    determinism_check: Union[bool, str] = True
-    layer_policies: tuple | None = None
+    determinism_check: Union[bool, str, None] = None
+    layer_policies: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
     shard_saved_axis: str | None = None
-    segments: tuple | None = None
-    every: int | None = None
-    regions: int | None = None
+    segments: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+    every: int | None = dataclasses.field(default=None, repr=False, compare=False)
+    regions: int | None = dataclasses.field(default=None, repr=False, compare=False)
     offload_inputs: bool = False
+    layers: _regions.Layers | None = None
 
     def __post_init__(self):
         if isinstance(self.modules, str):  # accept "core_attn,mlp" from a CLI or a user
             object.__setattr__(self, "modules", tuple(m.strip() for m in self.modules.split(",") if m.strip()))
         elif self.modules is not None:
             object.__setattr__(self, "modules", tuple(self.modules))
-        g, m = self.granularity, self.method
+        g, m, n = self.granularity, self.method, self.num_layers
         if g not in GRANULARITIES:
-            raise RecomputeConfigError("granularity", f"recompute granularity={g!r} is not valid; use one of "
-                                       f"{', '.join(GRANULARITIES)}")
+            raise refuse(f"{{recompute granularity}} is not valid; use one of {', '.join(GRANULARITIES)}",
+                         granularity=g, valid=GRANULARITIES)
         if m not in METHODS:
-            raise RecomputeConfigError("method", f"recompute method={m!r} is not valid; use one of "
-                                       f"{', '.join(METHODS)}")
-        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool):
-            raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers!r} must be an int")
-        if m in ("uniform", "block") and self.num_layers < 1:
-            raise RecomputeConfigError("num_layers", f"recompute num_layers={self.num_layers} must be >= 1 with "
-                                       f"method={m!r} (the number of layers per region for uniform, of checkpointed "
-                                       "layers for block)")
+            raise refuse(f"{{recompute method}} is not valid; use one of {', '.join(METHODS)}", method=m,
+                         valid=METHODS)
+        if not _is_int(n):
+            raise refuse("{recompute num_layers} must be an int", num_layers=n, valid="an int >= 1")
+        method_layers = {"uniform": _regions.uniform, "block": _regions.block}[m](n) if m != "none" else None
         if g == "none" and m != "none":
-            raise RecomputeConfigError(("method", "granularity"), f"recompute method={m!r} was given but "
-                                       "granularity='none' turns recompute off; set granularity='full' "
-                                       "(--activation_recompute --recompute_granularity full) or drop the method")
+            raise refuse("{recompute method} was given but {granularity} turns recompute off; set "
+                         "{granularity=full} or drop the {method!n}", method=m, granularity=g)
         if g == "selective" and m != "none":
-            raise RecomputeConfigError("method", f"recompute method={m!r} applies to granularity='full' only; "
-                                       "selective recompute acts inside every layer: use method='none'")
-        if m not in ("uniform", "block") and self.num_layers != 1:
-            raise RecomputeConfigError(("num_layers", "method"), f"recompute num_layers={self.num_layers} is the N of "
-                                       f"method='uniform' or method='block', and method={m!r} would ignore it; "
-                                       "choose one of those methods, or leave num_layers=1 (the default)")
+            raise refuse("{recompute method} applies to {granularity=full} only; selective recompute acts inside "
+                         "every layer: use {method=none}", method=m, granularity=g)
+        if m == "none" and n != 1:
+            raise refuse("{recompute num_layers} is the N of {method=uniform} or {method=block}, and {method} would "
+                         "ignore it; choose one of those methods, or leave {num_layers=1} (the default)",
+                         num_layers=n, method=m, valid=(1,))
         for flag in ("use_reentrant", "offload_inputs"):
             if not isinstance(getattr(self, flag), bool):
-                raise RecomputeConfigError(flag, f"recompute {flag}={getattr(self, flag)!r} must be True or False")
+                raise refuse(f"{{recompute {flag}}} must be True or False", **{flag: getattr(self, flag)},
+                             valid=(True, False))
         if self.modules is not None:
             unknown = [x for x in self.modules if x not in _names.MODULES]
             if unknown or not self.modules:
-                raise RecomputeConfigError("modules", f"recompute modules={self.modules!r}: unknown "
-                                           f"{unknown or 'empty list'}; "
-                                           f"valid modules: {', '.join(_names.MODULES)}")
+                raise refuse(f"{{recompute modules}}: unknown {lit(unknown or 'empty list')}; valid modules: "
+                             f"{', '.join(_names.MODULES)}", modules=self.modules, valid=_names.MODULES)
         self._check_ignored()
         if g == "selective" and self.modules is None:
             object.__setattr__(self, "modules", ("core_attn",))
@@ -150,34 +146,38 @@ class RecomputeConfig:
             try:
                 _policies.validate(self.policy)
             except ValueError as e:
-                raise RecomputeConfigError("policy", f"recompute policy={self.policy!r}: {e}") from None
+                raise refuse(f"{{recompute policy}}: {lit(e)}", policy=self.policy) from None
         if self.use_reentrant and g == "selective":
-            raise RecomputeConfigError("use_reentrant", "use_reentrant=True cannot be combined with "
-                                       "granularity='selective': the reentrant path saves only each region's "
-                                       "inputs, so selective saving means nothing there; use granularity='full' "
-                                       "with use_reentrant, or drop use_reentrant")
+            raise refuse("{use_reentrant} cannot be combined with {granularity}: the reentrant path saves only "
+                         "each region's inputs, so selective saving means nothing there; use {granularity=full} "
+                         "with {use_reentrant!n}, or drop {use_reentrant!n}", use_reentrant=True, granularity=g)
         check_region(self.use_reentrant, self.policy, self.determinism_check, self.enabled)
+        self._resolve_layers(method_layers)
         if self.layer_policies is not None:
-            object.__setattr__(self, "layer_policies", tuple(self.layer_policies))
-            if g != "full" or m != "none" or self.use_reentrant or self.policy is not None:
-                raise RecomputeConfigError("layer_policies", "layer_policies (one policy per layer) needs "
-                                           "granularity='full', method='none', no policy and no use_reentrant: it "
-                                           "already says what every layer does")
             for i, p in enumerate(self.layer_policies):
                 if p is not None:
                     try:
                         _policies.validate(p)
                     except ValueError as e:
-                        raise RecomputeConfigError("layer_policies", f"layer_policies[{i}]: {e}") from None
-        self._check_manual()
-        if self.offload_inputs and (g == "none" or self.shard_saved_axis is not None):
-            raise RecomputeConfigError(("offload_inputs", "granularity") if g == "none" else "offload_inputs",
-                                       "offload_inputs=True (cpu_checkpointing) needs recompute "
-                                       "on (granularity full or selective) and no shard_saved_axis (a region input "
-                                       "is either offloaded or sharded)")
-        if self.shard_saved_axis is not None and (not isinstance(self.shard_saved_axis, str) or g == "none"):
-            raise RecomputeConfigError("shard_saved_axis", f"shard_saved_axis={self.shard_saved_axis!r} must be a "
-                                       "mesh axis name and needs recompute on (granularity full or selective)")
+                        raise refuse(f"{{layer_policies!n}}[{i}]: {lit(e)}",
+                                     layer_policies=self.layer_policies) from None
+        axis = self.shard_saved_axis
+        if axis is not None:
+            if not isinstance(axis, str):
+                raise refuse("{recompute shard_saved_axis} must be a mesh axis name (a str)", shard_saved_axis=axis,
+                             valid="a mesh axis name")
+            if g == "none":
+                raise refuse("{recompute shard_saved_axis} needs recompute on: it keeps the inputs of whole-layer "
+                             "recompute regions, so it needs {granularity=full}", shard_saved_axis=axis,
+                             granularity=g, valid="granularity 'full'")
+            if g != "full":
+                raise refuse(f"{{recompute shard_saved_axis}} keeps the inputs of whole-layer recompute regions: it "
+                             f"needs {{granularity=full}}, not {lit(g)} (as Megatron's distribute_saved_activations)",
+                             shard_saved_axis=axis, granularity=g, valid="granularity 'full'")
+            if self.offload_inputs:
+                raise refuse("{recompute shard_saved_axis!n} and {offload_inputs!n} both decide where region inputs "
+                              "wait (sharded over a mesh axis, or in host memory); pass only one",
+                             shard_saved_axis=axis, offload_inputs=True)
 
     def _check_ignored(self):
         """Refuse a setting that the granularity (or another setting) would ignore, naming both."""
@@ -187,64 +187,74 @@ class RecomputeConfig:
             dc = self.determinism_check
             given = [(f, v) for f, v in (("policy", self.policy), ("modules", shown_modules),
                                          ("use_reentrant", True if self.use_reentrant else None),
-                                         ("determinism_check", dc if dc in ("structure", "values") else None))
+                                         ("determinism_check", None if dc is False else dc),
+                                         ("offload_inputs", True if self.offload_inputs else None))
                      if v is not None]
             if given:
                 field, value = given[0]
-                raise RecomputeConfigError((field, "granularity"), f"recompute {field}={value!r} has no effect with "
-                                           "granularity='none' (recompute is off); set granularity='full' (or "
-                                           f"'selective'), or drop {field}")
+                raise refuse(f"{{recompute {field}}} has no effect with {{granularity}} (recompute is off); set "
+                             f"{{granularity=full}} (or 'selective'), or drop {{{field}!n}}",
+                             **{field: value}, granularity=g)
         if g == "full" and self.modules is not None:
-            raise RecomputeConfigError(("modules", "granularity"), f"recompute modules={shown_modules!r} applies to "
-                                       "granularity='selective' only; granularity='full' recomputes whole layers: "
-                                       "choose what a region saves with a policy, or use granularity='selective'")
+            raise refuse("{recompute modules} applies to {granularity=selective} only; {granularity} recomputes whole "
+                         "layers: choose what a region saves with a {policy!n}, or use {granularity=selective}",
+                         modules=shown_modules, granularity=g)
         if g == "selective" and self.modules is not None and self.policy is not None:
-            raise RecomputeConfigError(("modules", "policy"), f"recompute policy={self.policy!r} replaces the "
-                                       f"selective preset, so modules={shown_modules!r} would be ignored; pass one "
-                                       f"of them (e.g. policy='{'+'.join(self.modules)}' is that preset)")
+            raise refuse(f"{{recompute policy}} replaces the selective preset, so {{modules}} would be ignored; pass "
+                         f"one of them (e.g. {{policy={'+'.join(self.modules)}}} is that preset)",
+                         modules=shown_modules, policy=self.policy)
 
-    def _check_manual(self):
-        """Validate (and normalize) `segments` and `every`."""
-        if isinstance(self.segments, str):
-            object.__setattr__(self, "segments", parse_segments(self.segments))
-        elif self.segments is not None:
-            try:
-                segs = tuple((a, b) for a, b in self.segments)
-            except (TypeError, ValueError):
-                raise RecomputeConfigError("segments", f"recompute segments={self.segments!r} must be (start, stop) "
-                                           "pairs, e.g. ((0, 3), (3, 5)) or '0-3,3-5'") from None
-            object.__setattr__(self, "segments", segs)
-        segs, k = self.segments, self.every
-        if segs is not None:
-            if not segs:
-                raise RecomputeConfigError("segments", "recompute segments=() is empty; give at least one (start, "
-                                           "stop) range, e.g. '0-3'")
-            prev = 0
-            for a, b in segs:
-                if not (_is_int(a) and _is_int(b)) or a < prev or b <= a:
-                    raise RecomputeConfigError("segments", f"recompute segments={_fmt_segments(segs)}: ({a!r}, "
-                                               f"{b!r}) is not valid; segments are half-open layer ranges start-stop "
-                                               "with start < stop, in increasing order and not overlapping, e.g. "
-                                               "0-3,3-5")
-                prev = b
-        if k is not None and (not _is_int(k) or k < 1):
-            raise RecomputeConfigError("every", f"recompute every={k!r} must be an integer >= 1 (every k-th layer is "
-                                       "a region)")
-        r = self.regions
-        if r is not None and (not _is_int(r) or r < 1):
-            raise RecomputeConfigError("regions", f"recompute regions={r!r} must be an integer >= 1 (the number of "
-                                       "recompute regions)")
-        given = [(f, v) for f, v in (("segments", segs), ("every", k), ("regions", r)) if v is not None]
-        if len(given) > 1:
-            raise RecomputeConfigError(tuple(f for f, _ in given), f"recompute {' and '.join(f for f, _ in given)} "
-                                       "each say which layers are regions; pass only one")
-        for field, value in given:
-            if self.granularity != "full" or self.method != "none" or self.layer_policies is not None:
-                shown = _fmt_segments(value) if field == "segments" else value
-                raise RecomputeConfigError((field, "method" if self.method != "none" else "granularity"), "recompute "
-                                           f"{field}={shown!r} needs granularity='full' and method='none' (it "
-                                           "replaces the method) and no layer_policies; got "
-                                           f"granularity={self.granularity!r}, method={self.method!r}")
+    def _resolve_layers(self, method_layers) -> None:
+        """Turn the spellings of which layers are regions into the one value `layers`, refusing two
+        different ones and one the granularity cannot use, then fill in the other spellings."""
+        g, m = self.granularity, self.method
+        spelled = {}  # keyword -> the spec it spells (a keyword that fails to build raises here)
+        for field, build in zip(LAYER_KEYWORDS, (_regions.Segments, _regions.Every, _regions.Count,
+                                                 _regions.PerLayer)):
+            if getattr(self, field) is not None:
+                spelled[field] = build(getattr(self, field))
+        layers = self.layers
+        if layers is not None:
+            if not isinstance(layers, _regions.Layers):
+                raise refuse("{layers} is not a region spec; use remat.uniform(n), remat.block(n), remat.every(k), "
+                             "remat.segments(...), remat.count(n) or remat.per_layer(...)", layers=layers,
+                             valid="a remat.regions spec")
+            # the other spellings may only repeat it (dataclasses.replace passes them all)
+            for field, spec in list(spelled.items()) + ([("method", method_layers)] if method_layers else []):
+                if spec != layers:
+                    raise refuse(f"{{recompute layers}} and {{{field}}} each say which layers are regions; pass only "
+                                 "one", layers=layers, **{field: getattr(self, field)})
+            if g != "full":
+                raise refuse("{recompute layers} applies to {granularity=full} only; with {granularity} "
+                             + ("recompute is off" if g == "none" else "each layer is a region"),
+                             layers=layers, granularity=g, valid="granularity 'full'")
+            if isinstance(layers, _regions.PerLayer) and (self.use_reentrant or self.policy is not None):
+                raise refuse("{recompute layers} (one policy per layer) needs no {policy!n} and no "
+                             "{use_reentrant!n}: it already says what every layer does", layers=layers,
+                             policy=self.policy, use_reentrant=self.use_reentrant)
+        else:
+            manual = [f for f in ("segments", "every", "regions") if f in spelled]
+            if len(manual) > 1:
+                raise refuse(" and ".join(["{recompute %s!n}" % manual[0]] + ["{%s!n}" % f for f in manual[1:]])
+                             + " each say which layers are regions; pass only one",
+                             **{f: spelled[f].spelling()[f] for f in manual})
+            if manual and (g != "full" or m != "none" or "layer_policies" in spelled):
+                field = manual[0]
+                other = ("method", "granularity") if m != "none" else ("granularity", "method")
+                raise refuse(f"{{recompute {field}}} needs {{granularity=full}} and {{method=none}} (it replaces "
+                             "the method) and no {layer_policies!n}; got {granularity}, {method}",
+                             **{field: spelled[field].spelling()[field]}, **{o: getattr(self, o) for o in other},
+                             valid="granularity 'full' and method 'none'")
+            if "layer_policies" in spelled and (g != "full" or m != "none" or self.use_reentrant
+                                                or self.policy is not None):
+                raise refuse("{layer_policies!n} (one policy per layer) needs {granularity=full}, {method=none}, no "
+                             "{policy!n} and no {use_reentrant!n}: it already says what every layer does",
+                             layer_policies=self.layer_policies, granularity=g, method=m)
+            layers = next(iter(spelled.values()), method_layers)
+        spelling = dict(method="none", num_layers=1, **dict.fromkeys(LAYER_KEYWORDS))
+        spelling.update(layers.spelling() if layers is not None else {})
+        for field, value in dict(spelling, layers=layers).items():
+            object.__setattr__(self, field, value)
 
     @property
     def enabled(self) -> bool:
@@ -268,23 +278,10 @@ class RecomputeConfig:
           RecomputeConfig(granularity='full', method='block', num_layers=2, ...)
           >>> RecomputeConfig(granularity="full", method="block", num_layers=5).validate_for(4)
           Traceback (most recent call last):
-          remat.config.RecomputeConfigError: recompute_num_layers=5 exceeds n_layer=4...
+          remat.errors.RecomputeConfigError: recompute_num_layers=5 exceeds n_layer=4...
         """
-        if self.layer_policies is not None and len(self.layer_policies) != n_layers:
-            raise RecomputeConfigError("layer_policies", f"layer_policies has {len(self.layer_policies)} entries for "
-                                       f"n_layer={n_layers}; give one per layer")
-        if self.segments is not None and self.segments[-1][1] > n_layers:
-            raise RecomputeConfigError("segments", f"recompute_segments={_fmt_segments(self.segments)} reaches layer "
-                                       f"{self.segments[-1][1]} but n_layer={n_layers}; stops must be <= {n_layers}")
-        if self.every is not None and self.every > n_layers:
-            raise RecomputeConfigError("every", f"recompute_every={self.every} exceeds n_layer={n_layers}; use "
-                                       f"1..{n_layers}")
-        if self.regions is not None and self.regions > n_layers:
-            raise RecomputeConfigError("regions", f"recompute regions={self.regions} exceeds n_layer={n_layers}; use "
-                                       f"1..{n_layers} (the region count: DeepSpeed's number_checkpoints)")
-        if self.method in ("uniform", "block") and self.num_layers > n_layers:
-            raise RecomputeConfigError("num_layers", f"recompute_num_layers={self.num_layers} exceeds "
-                                       f"n_layer={n_layers}; use 1..{n_layers}")
+        if self.layers is not None:
+            self.layers.check(n_layers)
         return self
 
 
@@ -304,35 +301,9 @@ class AutoRecompute:
 
     def __post_init__(self):
         if not _is_int(self.budget) or self.budget < 1:
-            raise RecomputeConfigError("budget", f"recompute budget={self.budget!r} must be a number of bytes >= 1")
+            raise refuse("{recompute budget} must be a number of bytes >= 1", budget=self.budget,
+                         valid="a number of bytes >= 1")
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _fmt_segments(segs) -> str:
-    return ",".join(f"{a}-{b}" for a, b in segs) if segs else repr(segs)
-
-
-def _ascii_int(text: str) -> bool:
-    """Digits 0-9 only (`str.isdigit` also takes '²' and '٣', which `int` reads or refuses)."""
-    text = text.strip()
-    return bool(text) and text.isascii() and text.isdigit()
-
-
-def parse_segments(spec: str) -> tuple:
-    """'0-3,3-5' → ((0, 3), (3, 5)): half-open layer ranges start-stop.
-
-    Example:
-      >>> parse_segments("0-3,3-5")
-      ((0, 3), (3, 5))
-    """
-    out = []
-    for part in (p.strip() for p in spec.split(",")):
-        a, dash, b = part.partition("-")
-        if not dash or not _ascii_int(a) or not _ascii_int(b):
-            raise RecomputeConfigError("segments", f"recompute segments {spec!r}: {part!r} is not START-STOP; give "
-                                       "half-open layer ranges, e.g. 0-3,3-5 (layers 0,1,2 and 3,4)")
-        out.append((int(a), int(b)))
-    return tuple(out)

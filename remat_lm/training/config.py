@@ -305,7 +305,8 @@ class TrainConfig:
                              f"needs --memory_report; pass one method to train")
         try:
             out = recompute_flags.from_flags({k: getattr(self, k) for k in recompute_flags.BY_NAME},
-                                             tensor_axis=self._partition_axis)
+                                             tensor_axis=self._partition_axis,
+                                             distribute_axis=TENSOR_AXIS if self.distribute_saved_activations else None)
         except ValueError as e:
             raise UsageError(str(e)) from None
         if self.distribute_saved_activations:
@@ -313,8 +314,7 @@ class TrainConfig:
                 raise UsageError("--recompute_method auto cannot be combined with --distribute_saved_activations "
                                  "(the planner does not model split region inputs); drop "
                                  "--distribute_saved_activations")
-            self._check_distribute(out)
-            out = [(label + "+distributed", dataclasses.replace(rc, shard_saved_axis=TENSOR_AXIS)) for label, rc in out]
+            self._check_distribute()
         return out
 
     @property
@@ -328,8 +328,9 @@ class TrainConfig:
         already splits them along T over it (DeepSpeed's partition_activations maps here)."""
         return TENSOR_AXIS if self.tensor_size > 1 and not self.sequence_parallel else None
 
-    def _check_distribute(self, configs) -> None:
-        """UsageError when --distribute_saved_activations cannot apply."""
+    def _check_distribute(self) -> None:
+        """UsageError when the mesh leaves --distribute_saved_activations nothing to split (what it
+        needs of the recompute settings is RecomputeConfig's rule for `shard_saved_axis`)."""
         flag = "--distribute_saved_activations"
         if self.tensor_size <= 1:
             raise UsageError(f"{flag} splits each region's saved input over the mesh's tensor axis, but --mesh "
@@ -338,17 +339,6 @@ class TrainConfig:
             raise UsageError(f"{flag}: with sequence parallelism (on by default with --mesh tensor=N) region inputs "
                              f"are already split along T over tensor (as in Megatron, the two exclude each other); "
                              f"add --no-sequence_parallel or drop {flag}")
-        g = configs[0][1].granularity
-        if g != "full":
-            raise UsageError(f"{flag} keeps the inputs of whole-layer recompute regions: it needs "
-                             f"--recompute_granularity full (or just --activation_recompute), not {g}")
-        if any(rc.offload_inputs for _, rc in configs):
-            src = "--cpu_checkpointing" if self.cpu_checkpointing else "--deepspeed_config cpu_checkpointing"
-            raise UsageError(f"{flag} and {src} both decide where region inputs wait (split over tensor, or in host "
-                             f"memory); pass only one")
-        if any(rc.shard_saved_axis for _, rc in configs):
-            raise UsageError(f"{flag} and --deepspeed_config partition_activations ask for the same thing; pass "
-                             f"only one")
 
     @property
     def deepspeed(self):

@@ -7,9 +7,10 @@ and parsing are the same everywhere. `from_flags` turns flag values into `Recomp
 `AutoRecompute` request for `--recompute_method auto`). The settings are validated once, by
 `RecomputeConfig` (which also refuses every setting that another would make it ignore); this module
 only checks what a config cannot see (`--activation_recompute` against `--recompute_granularity`,
-`--deepspeed_config` against a granularity) and rewords a `RecomputeConfigError` so that it names
-the flags of its fields (`flag_error`; a setting refused because recompute is off reads "needs
-recompute turned on; add --activation_recompute").
+`--deepspeed_config` against a granularity, two flags that set one field) and words a
+`RecomputeConfigError` in flags: it renders the error's template with the flag of each field
+(`flag_error`, reading `e.settings`, never the message text; a setting refused because recompute is
+off reads "needs recompute turned on; add --activation_recompute").
 
 Example:
     >>> recompute_configs(activation_recompute=True, methods=("uniform",), num_layers=2)
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from typing import Any, Mapping
 
 from remat_lm import argtypes
 from remat import names as _names
 from remat import policies
 from remat.config import GRANULARITIES, METHODS, AutoRecompute, RecomputeConfig, RecomputeConfigError
+from remat.errors import library_word
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +140,30 @@ def granularity(activation_recompute: bool, recompute_granularity: str | None, *
     return recompute_granularity
 
 
-def flag_error(e: RecomputeConfigError) -> str:
-    """A RecomputeConfigError's message in flag words: `granularity='full'` → `--recompute_granularity
-    full`, prefixed by the flags of its fields unless it already starts with one.
+# Fields set by an on/off flag: named without a value (`--distribute_saved_activations`, not its axis).
+_SWITCHES = ("use_reentrant", "offload_inputs", "shard_saved_axis")
+
+
+def flag_word(flags: Mapping[str, str] = FIELD_FLAGS):
+    """How a command line names a setting in an error (for `RecomputeConfigError.render`): the flag
+    of its field with the value as typed (`--recompute_every 2`, `--use_reentrant`,
+    `--recompute_segments 0-3,3-5`), or the flag alone. A field without a flag keeps the library's words."""
+    def word(name: str, value, with_value: bool) -> str:
+        flag = flags.get(name)
+        if flag is None:
+            return library_word(name, value, with_value)
+        if not with_value or value is None or value is True or name in _SWITCHES:
+            return flag
+        if isinstance(value, tuple):  # segments ((0, 3), (3, 5)) or modules ("core_attn", "mlp")
+            value = ",".join(f"{p[0]}-{p[1]}" if isinstance(p, tuple) else str(p) for p in value)
+        return f"{flag} {value}"
+    return word
+
+
+def flag_error(e: RecomputeConfigError, flags: Mapping[str, str] = FIELD_FLAGS) -> str:
+    """A RecomputeConfigError in flag words, rendered from its fields (`e.template`, `e.settings`):
+    `granularity='full'` reads `--recompute_granularity full`. Prefixed by the flags of its fields
+    when it does not start with one (always so for an error without a template).
 
     Example:
       >>> try:
@@ -150,55 +172,56 @@ def flag_error(e: RecomputeConfigError) -> str:
       ...     flag_error(e)
       '--recompute_every 0 must be an integer >= 1 (every k-th layer is a region)'
     """
-    def sub(m):
-        flag, value = FIELD_FLAGS[m.group(1)], m.group(2)
-        if value == "True":
-            return flag
-        return f"{flag} {value[1:-1] if value[:1] == value[-1:] == chr(39) else value}"
-
-    pattern = r"\b(?:recompute[ _])?(" + "|".join(map(re.escape, FIELD_FLAGS)) + r")=('[^']*'|[^\s;:)]+)"
-    msg = re.sub(pattern, sub, re.sub(r"^recompute ", "", str(e)))
-    flags = [FIELD_FLAGS.get(f, f) for f in e.fields]
-    return msg if any(msg.startswith(f) for f in flags) else f"{' and '.join(flags)}: {msg}"
+    msg = e.render(flag_word(flags))
+    named = [flags.get(f, f) for f in e.fields]
+    return msg if any(msg.startswith(f) for f in named) else f"{' and '.join(named)}: {msg}"
 
 
 def recompute_configs(*, activation_recompute: bool = False, recompute_granularity: str | None = None,
                       methods: tuple = ("none",), num_layers: int = 1, modules: str | None = None,
                       policy: str | None = None, use_reentrant: bool = False, segments: str | None = None,
                       every: int | None = None, cpu_checkpointing: bool = False, deepspeed=None,
-                      tensor_axis: str | None = None) -> list:
+                      tensor_axis: str | None = None, distribute_axis: str | None = None) -> list:
     """[(label, RecomputeConfig)], one per method; ValueError naming the flag and the fix otherwise.
 
     `segments` ('0-3,3-5'), `every` (k) and `cpu_checkpointing` are `--recompute_segments`,
     `--recompute_every` and `--cpu_checkpointing`; `deepspeed` is a `remat_lm.training.deepspeed.DeepSpeedCheckpointing`
     (`--deepspeed_config`), which turns recompute on at granularity full; `tensor_axis` is the mesh's
-    tensor-parallel axis, if any, for its `partition_activations`.
+    tensor-parallel axis, if any, for its `partition_activations`; `distribute_axis` is the axis
+    train.py's `--distribute_saved_activations` splits region inputs over (its `shard_saved_axis`).
     """
-    method_flag = ",".join(methods)
     g = granularity(activation_recompute, recompute_granularity,
                     regions=deepspeed is not None or segments is not None or every is not None)
-    # What a RecomputeConfig cannot see: flag words. Every other rule is RecomputeConfig's.
+    # What a RecomputeConfig cannot see: flag words (two flags for one field, a flag that implies a
+    # granularity). Every rule about the settings themselves is RecomputeConfig's.
     if activation_recompute and g == "none":
         raise ValueError("--activation_recompute contradicts --recompute_granularity none; drop one of them")
     if deepspeed is not None and g != "full":
         raise ValueError(f"--deepspeed_config checkpoints whole layers (granularity full) but --recompute_granularity "
                          f"is {g}; drop --recompute_granularity")
-    # The flag words of each field's value, for a setting refused because recompute is off.
-    given = {"method": method_flag, "num_layers": num_layers, "modules": modules, "policy": policy,
-             "use_reentrant": None, "segments": segments, "every": every, "offload_inputs": None}
+    base = dict(granularity=g, policy=policy, use_reentrant=use_reentrant, segments=segments, every=every,
+                offload_inputs=bool(cpu_checkpointing), modules=modules)
+    flags = dict(FIELD_FLAGS)  # the flag that set each field, for messages
+    if deepspeed is not None:
+        base.update(deepspeed.recompute_kwargs(tensor_axis))
+        if deepspeed.cpu_checkpointing and not cpu_checkpointing:
+            flags["offload_inputs"] = "--deepspeed_config cpu_checkpointing"
+    if distribute_axis is not None:
+        if base.get("shard_saved_axis") is not None:
+            raise ValueError("--distribute_saved_activations and --deepspeed_config partition_activations ask for the "
+                             "same thing; pass only one")
+        base["shard_saved_axis"] = distribute_axis
+        flags["shard_saved_axis"] = "--distribute_saved_activations"
     takes_n = [m for m in methods if m in ("uniform", "block")]
     out = []
     for m in methods:
         # a comma list (--memory_report) compares methods: --recompute_num_layers is the N of those that take one
         n = 1 if takes_n and m not in takes_n else num_layers
-        kw = dict(granularity=g, method=m, num_layers=n, policy=policy, use_reentrant=use_reentrant,
-                  segments=segments, every=every, offload_inputs=bool(cpu_checkpointing), modules=modules)
-        if deepspeed is not None:
-            kw.update(deepspeed.recompute_kwargs(tensor_axis))
         try:
-            rc = RecomputeConfig(**kw)
+            rc = RecomputeConfig(method=m, num_layers=n, **base)
         except RecomputeConfigError as e:
-            raise ValueError(_off_error(e, given, recompute_granularity) if g == "none" else flag_error(e)) from None
+            raise ValueError(_off_error(e, flags, recompute_granularity, ",".join(methods))
+                             or flag_error(e, flags)) from None
         label = g if g != "full" else f"full/{m}" + (f"/{num_layers}" if m != "none" else "")
         if segments is not None:
             label = f"full/segments/{segments}"
@@ -207,25 +230,31 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
         elif rc.regions is not None:
             label = f"full/regions/{rc.regions}"
         label += "+offload" if rc.offload_inputs else ""
+        label += "+distributed" if distribute_axis is not None else ""
         out.append((label, rc))
     return out
 
 
-def _off_error(e: RecomputeConfigError, given: dict, recompute_granularity: str | None) -> str:
-    """A setting RecomputeConfig refused because granularity is none, in flag words: the flag that
-    would be ignored and how to turn recompute on."""
-    field = next((f for f in e.fields if f != "granularity"), None)
-    if "granularity" not in e.fields or field not in given:
-        return flag_error(e)
-    flag = FIELD_FLAGS[field]
-    shown = flag if given[field] is None else f"{flag} {given[field]}"
-    on = "--activation_recompute" + (" --recompute_granularity selective" if field == "modules" else "")
+# The settings that mean nothing with recompute off, worded "needs recompute turned on" on a command line.
+_OFF_FIELDS = ("method", "num_layers", "modules", "policy", "use_reentrant", "segments", "every", "offload_inputs")
+
+
+def _off_error(e: RecomputeConfigError, flags: Mapping[str, str], recompute_granularity: str | None,
+               method_flag: str) -> str | None:
+    """A setting RecomputeConfig refused because granularity is none (`e.settings`), in flag words: the
+    flag that would be ignored and how to turn recompute on; None for any other error."""
+    if e.settings.get("granularity") != "none" or e.field not in _OFF_FIELDS:
+        return None
+    flag = flags[e.field]
+    shown = flag_word(flags)(e.field, method_flag if e.field == "method" else e.value, True)
+    on = "--activation_recompute" + (" --recompute_granularity selective" if e.field == "modules" else "")
     if recompute_granularity is not None:  # the user said none
-        on = f"--recompute_granularity {'selective' if field == 'modules' else 'full'} (not none)"
+        on = f"--recompute_granularity {'selective' if e.field == 'modules' else 'full'} (not none)"
     return f"{shown} needs recompute turned on; add {on}, or drop {flag}"
 
 
-def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None) -> list:
+def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
+               distribute_axis: str | None = None) -> list:
     """Flag values ({flag name: value}; missing ones take their defaults) → [(label, RecomputeConfig)],
     one per `--recompute_method` entry, or [("auto", AutoRecompute)] for `--recompute_method auto`.
     ValueError naming the flag and the fix.
@@ -246,7 +275,7 @@ def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None) -> 
         methods=methods, num_layers=v["recompute_num_layers"], modules=v["recompute_modules"],
         policy=v["remat_policy"], use_reentrant=v["use_reentrant"], segments=v["recompute_segments"],
         every=v["recompute_every"], cpu_checkpointing=v["cpu_checkpointing"], deepspeed=deepspeed,
-        tensor_axis=tensor_axis)
+        tensor_axis=tensor_axis, distribute_axis=distribute_axis)
 
 
 def _auto_request(v: dict, methods: tuple) -> AutoRecompute:

@@ -1,0 +1,330 @@
+"""Which layers are recompute regions: one value, `RecomputeConfig(layers=...)`.
+
+Each spec knows how to split n layers into `Segment`s (`split`) and what it needs of n (`check`).
+`RecomputeConfig` keeps exactly one (Megatron's `method`/`num_layers` and the keywords `segments`,
+`every`, `regions`, `layer_policies` are other spellings of the same value), so two choices of the
+regions cannot be combined; without one, each layer is a region (Megatron's method `none`).
+
+| spec | regions | also spelled |
+|---|---|---|
+| `uniform(n)` | each run of n consecutive layers (the last may be shorter) | `method="uniform", num_layers=n` |
+| `block(n)` | the first n layers, one region each; the rest are not rematerialized | `method="block", num_layers=n` |
+| `every(k)` | layers 0, k, 2k, ..., one region each; the layers between are not | `every=k` |
+| `segments((0, 3), (3, 5))` | those half-open layer ranges; layers in none are not | `segments=...` or `"0-3,3-5"` |
+| `count(n)` | n contiguous regions of near-equal size (DeepSpeed's number_checkpoints) | `regions=n` |
+| `per_layer((None, "mlp", ...))` | a policy per layer, None: not rematerialized | `layer_policies=...` |
+
+Example:
+    >>> import remat
+    >>> cfg = remat.RecomputeConfig(granularity="full", layers=remat.segments((0, 2)))
+    >>> [tuple(s) for s in remat.plan(4, cfg)]
+    [(0, 2, True), (2, 4, False)]
+    >>> cfg == remat.RecomputeConfig(granularity="full", segments="0-2")
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from remat.errors import lit, refuse, show
+
+
+class Segment(NamedTuple):
+    """Layers [start, stop); `checkpointed` regions keep only their input (or what the policy saves)."""
+    start: int
+    stop: int
+    checkpointed: bool
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class Layers:
+    """Base of the specs. `field` is the RecomputeConfig keyword that also spells the spec and
+    names it in errors; `spelling()` gives those keywords."""
+    field: str
+
+    def split(self, n_layers: int) -> tuple[Segment, ...]:
+        raise NotImplementedError
+
+    def check(self, n_layers: int) -> None:
+        """RecomputeConfigError unless the spec fits a stack of `n_layers` layers."""
+
+    def spelling(self) -> dict:
+        return {self.field: getattr(self, dataclasses.fields(self)[0].name)}
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Uniform(Layers):
+    """Each run of `n` consecutive layers is one region (Megatron's method `uniform`)."""
+    n: int
+    field = "num_layers"
+
+    def __post_init__(self):
+        _check_n(self.n, "uniform", "layers per region")
+
+    def __repr__(self):
+        return f"uniform({self.n})"
+
+    def split(self, n_layers):
+        return tuple(Segment(i, min(i + self.n, n_layers), True) for i in range(0, n_layers, self.n))
+
+    def check(self, n_layers):
+        _check_num_layers(self.n, n_layers)
+
+    def spelling(self):
+        return {"method": "uniform", "num_layers": self.n}
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Block(Layers):
+    """The first `n` layers are each a region; the rest run without remat (Megatron's method `block`)."""
+    n: int
+    field = "num_layers"
+
+    def __post_init__(self):
+        _check_n(self.n, "block", "checkpointed layers")
+
+    def __repr__(self):
+        return f"block({self.n})"
+
+    def split(self, n_layers):
+        segs = [Segment(i, i + 1, True) for i in range(self.n)]
+        return tuple(segs + ([Segment(self.n, n_layers, False)] if self.n < n_layers else []))
+
+    def check(self, n_layers):
+        _check_num_layers(self.n, n_layers)
+
+    def spelling(self):
+        return {"method": "block", "num_layers": self.n}
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Every(Layers):
+    """Layers 0, k, 2k, ... are each a region of one layer; the layers between them are not
+    rematerialized (PyTorch/Megatron `checkpoint_every=k`)."""
+    k: int
+    field = "every"
+
+    def __post_init__(self):
+        if not _is_int(self.k) or self.k < 1:
+            raise refuse("{recompute every} must be an integer >= 1 (every k-th layer is a region)",
+                         every=self.k, valid="an integer >= 1")
+
+    def __repr__(self):
+        return f"every({self.k})"
+
+    def split(self, n_layers):
+        segs = []
+        for i in range(0, n_layers, self.k):
+            segs.append(Segment(i, i + 1, True))
+            if self.k > 1 and i + 1 < n_layers:
+                segs.append(Segment(i + 1, min(i + self.k, n_layers), False))
+        return tuple(segs)
+
+    def check(self, n_layers):
+        if self.k > n_layers:
+            raise refuse(f"{{recompute_every}} exceeds n_layer={n_layers}; use 1..{n_layers}", every=self.k,
+                         valid=f"1..{n_layers}")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Segments(Layers):
+    """Explicit regions: half-open layer ranges ((start, stop), ...) in increasing order, not
+    overlapping (the tutorial's ManualCheckpoint). Layers in no range are not rematerialized."""
+    ranges: tuple
+    field = "segments"
+
+    def __post_init__(self):
+        given = self.ranges
+        if isinstance(given, str):
+            object.__setattr__(self, "ranges", parse_segments(given))
+        else:
+            try:
+                object.__setattr__(self, "ranges", tuple((a, b) for a, b in given))
+            except (TypeError, ValueError):
+                raise refuse("{recompute segments} must be (start, stop) pairs, e.g. ((0, 3), (3, 5)) or '0-3,3-5'",
+                             segments=given, valid="(start, stop) pairs") from None
+        if not self.ranges:
+            raise refuse("{recompute segments} is empty; give at least one (start, stop) range, e.g. '0-3'",
+                         segments=self.ranges, valid="at least one (start, stop) range")
+        prev = 0
+        for a, b in self.ranges:
+            if not (_is_int(a) and _is_int(b)) or a < prev or b <= a:
+                raise refuse(f"{{recompute segments}}: ({a!r}, {b!r}) is not valid; segments are half-open layer "
+                             "ranges start-stop with start < stop, in increasing order and not overlapping, e.g. "
+                             "0-3,3-5", segments=self.ranges, valid="increasing, non-overlapping start-stop ranges")
+            prev = b
+
+    def __repr__(self):
+        return f"segments({show(self.ranges)!r})"
+
+    def split(self, n_layers):
+        segs, at = [], 0
+        for a, b in self.ranges:
+            if a > at:
+                segs.append(Segment(at, a, False))
+            segs.append(Segment(a, b, True))
+            at = b
+        return tuple(segs + ([Segment(at, n_layers, False)] if at < n_layers else []))
+
+    def check(self, n_layers):
+        stop = self.ranges[-1][1]
+        if stop > n_layers:
+            raise refuse(f"{{recompute_segments}} reaches layer {stop} but n_layer={n_layers}; stops must be <= "
+                         f"{n_layers}", segments=self.ranges, valid=f"stops <= {n_layers}")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Count(Layers):
+    """`n` contiguous regions of near-equal size, the first L mod n one layer longer (DeepSpeed's
+    `number_checkpoints`)."""
+    n: int
+    field = "regions"
+
+    def __post_init__(self):
+        if not _is_int(self.n) or self.n < 1:
+            raise refuse("{recompute regions} must be an integer >= 1 (the number of recompute regions)",
+                         regions=self.n, valid="an integer >= 1")
+
+    def __repr__(self):
+        return f"count({self.n})"
+
+    def split(self, n_layers):
+        q, r = divmod(n_layers, self.n)
+        stops = [(i + 1) * q + min(i + 1, r) for i in range(self.n)]
+        return tuple(Segment(a, b, True) for a, b in zip([0] + stops[:-1], stops))
+
+    def check(self, n_layers):
+        if self.n > n_layers:
+            raise refuse(f"{{recompute regions}} exceeds n_layer={n_layers}; use 1..{n_layers} (the region count: "
+                         "DeepSpeed's number_checkpoints)", regions=self.n, valid=f"1..{n_layers}")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class PerLayer(Layers):
+    """One policy per layer (None: not rematerialized), each layer its own region: what
+    `remat.plan_for_budget` chooses. The policies are checked by RecomputeConfig."""
+    policies: tuple
+    field = "layer_policies"
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "policies", tuple(self.policies))
+        except TypeError:
+            raise refuse("{layer_policies} must be a sequence of policies, one per layer (None: not "
+                         "rematerialized)", layer_policies=self.policies,
+                         valid="one policy (or None) per layer") from None
+
+    def __repr__(self):
+        return f"per_layer({self.policies!r})"
+
+    def split(self, n_layers):
+        return tuple(Segment(i, i + 1, p is not None) for i, p in enumerate(self.policies))
+
+    def check(self, n_layers):
+        if len(self.policies) != n_layers:
+            raise refuse(f"{{layer_policies!n}} has {len(self.policies)} entries for n_layer={n_layers}; give one per "
+                         "layer", layer_policies=self.policies, valid=f"{n_layers} entries")
+
+
+def uniform(n: int) -> Uniform:
+    """Each run of `n` consecutive layers is one region (= `method="uniform", num_layers=n`).
+
+    Example:
+      >>> [tuple(s) for s in uniform(2).split(5)]
+      [(0, 2, True), (2, 4, True), (4, 5, True)]
+    """
+    return Uniform(n)
+
+
+def block(n: int) -> Block:
+    """The first `n` layers are each a region, the rest are not rematerialized (= `method="block"`).
+
+    Example:
+      >>> [tuple(s) for s in block(2).split(4)]
+      [(0, 1, True), (1, 2, True), (2, 4, False)]
+    """
+    return Block(n)
+
+
+def every(k: int) -> Every:
+    """Layers 0, k, 2k, ... are each a region; the layers between are not rematerialized.
+
+    Example:
+      >>> [tuple(s) for s in every(2).split(4)]
+      [(0, 1, True), (1, 2, False), (2, 3, True), (3, 4, False)]
+    """
+    return Every(k)
+
+
+def segments(*ranges) -> Segments:
+    """Explicit regions: half-open layer ranges, or one string `"0-3,3-5"`.
+
+    Example:
+      >>> [tuple(s) for s in segments((0, 3), (3, 5)).split(6)]
+      [(0, 3, True), (3, 5, True), (5, 6, False)]
+      >>> segments("0-3,3-5") == segments((0, 3), (3, 5))
+      True
+    """
+    return Segments(ranges[0] if len(ranges) == 1 and isinstance(ranges[0], str) else ranges)
+
+
+def count(n: int) -> Count:
+    """`n` contiguous regions of near-equal size (DeepSpeed's `number_checkpoints`).
+
+    Example:
+      >>> [tuple(s) for s in count(2).split(5)]
+      [(0, 3, True), (3, 5, True)]
+    """
+    return Count(n)
+
+
+def per_layer(policies) -> PerLayer:
+    """A policy name or JAX policy per layer, None where a layer is not rematerialized.
+
+    Example:
+      >>> [tuple(s) for s in per_layer((None, "core_attn", "mlp")).split(3)]
+      [(0, 1, False), (1, 2, True), (2, 3, True)]
+    """
+    return PerLayer(policies)
+
+
+def _check_n(n, method: str, what: str) -> None:
+    if not _is_int(n):
+        raise refuse("{recompute num_layers} must be an int", num_layers=n, valid="an int >= 1")
+    if n < 1:
+        raise refuse(f"{{recompute num_layers}} must be >= 1 with {{method={method}}} (the number of layers per "
+                     "region for uniform, of checkpointed layers for block)", num_layers=n, method=method,
+                     valid="an int >= 1")
+
+
+def _check_num_layers(n: int, n_layers: int) -> None:
+    if n > n_layers:
+        raise refuse(f"{{recompute_num_layers}} exceeds n_layer={n_layers}; use 1..{n_layers}", num_layers=n,
+                     valid=f"1..{n_layers}")
+
+
+def parse_segments(spec: str) -> tuple:
+    """'0-3,3-5' → ((0, 3), (3, 5)): half-open layer ranges start-stop.
+
+    Example:
+      >>> parse_segments("0-3,3-5")
+      ((0, 3), (3, 5))
+    """
+    out = []
+    for part in (p.strip() for p in spec.split(",")):
+        a, dash, b = part.partition("-")
+        if not dash or not _ascii_int(a) or not _ascii_int(b):
+            raise refuse(f"{{recompute segments}}: {lit(repr(part))} is not START-STOP; give half-open layer ranges, "
+                         "e.g. 0-3,3-5 (layers 0,1,2 and 3,4)", segments=spec, valid="START-STOP ranges")
+        out.append((int(a), int(b)))
+    return tuple(out)
+
+
+def _ascii_int(text: str) -> bool:
+    """Digits 0-9 only (`str.isdigit` also takes '²' and '٣', which `int` reads or refuses)."""
+    text = text.strip()
+    return bool(text) and text.isascii() and text.isdigit()
