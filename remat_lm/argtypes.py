@@ -57,9 +57,9 @@ def usage_error(prog: str, message) -> int:
       >>> import contextlib, io
       >>> err = io.StringIO()
       >>> with contextlib.redirect_stderr(err):
-      ...     status = usage_error("python -m remat_lm.llmc verify", "model.bin: not an llm.c model file\n")
-      >>> status, err.getvalue()
-      (2, 'python -m remat_lm.llmc verify: error: model.bin: not an llm.c model file\n')
+      ...     status = usage_error("python -m remat_lm.llmc verify", "model.bin: not an llm.c model file")
+      >>> status, err.getvalue().strip()
+      (2, 'python -m remat_lm.llmc verify: error: model.bin: not an llm.c model file')
     """
     print(f"{prog}: error: {_one_line(message)}", file=sys.stderr)
     return 2
