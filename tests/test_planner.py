@@ -268,7 +268,7 @@ def test_cli_budget_too_small_states_the_minimum(text_file):
 
     cfg = config_from_args(["--recompute_method", "auto", "--memory_budget", "1KiB", "--data", text_file] + SMALL)
     with pytest.raises(UsageError, match=r"--memory_budget 1KiB: .*below the minimum of [0-9.]+ [KMG]iB") as e:
-        remat_lm.training.run(cfg)
+        training.run(cfg)
     assert "smaller micro-batch" in str(e.value)
 
 
