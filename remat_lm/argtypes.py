@@ -1,8 +1,14 @@
-"""Value types for the command lines (train.py, `python -m models.*`, `python -m bench.*`).
+"""The command-line kit of every program (train.py, `python -m remat_lm.sample`, `python -m
+remat_lm.llmc verify`, `python -m remat_lm.bench.*`): one parser class, one usage-error convention,
+one label for a recompute setting, and the value types.
 
-One place for how a number on a command line is read: ASCII digits only, checked bounds, and an
-error that argparse prefixes with the flag (`argument --steps: expected an integer >= 1, got '0'`).
-`Parser` is argparse with that error on one line (`prog: error: ...`, exit 2, no usage block).
+- Usage errors are one line on stderr, `prog: error: message`, exit status 2, no traceback and no
+  usage block: `Parser` (argparse's own errors), `usage_error` / `usage_exit` (bad input found
+  after parsing) and `run` (a `main()` whose `SystemExit("message")` is such an error).
+- `config_label(rc)`: the one short name of a RecomputeConfig (`full/uniform/2`, `selective
+  core_attn`), for memory-report columns, run summaries and benchmark rows.
+- Numbers: ASCII digits only, checked bounds, and an error that argparse prefixes with the flag
+  (`argument --steps: expected an integer >= 1, got '0'`).
 
 # NOTE: why not `type=int`. Python's int() and float() accept every Unicode decimal digit
 # (int('٣') == 3) and str.isdigit() is true for superscripts that int() then rejects ('²'), so a
@@ -22,17 +28,97 @@ import argparse
 import math
 import re
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 _INT = re.compile(r"[+-]?[0-9]+")
 _REAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line on stderr, `prog: error: message`, exit 2."""
+    """argparse whose usage errors are one line on stderr, `prog: error: message (see --help)`, exit 2."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see --help)\n")
+
+
+def _one_line(message) -> str:
+    return " ".join(str(message).split())
+
+
+class UsageError(ValueError):
+    """Bad input a program reports as a usage error: its one-line message, exit 2 (train.py raises it
+    for a bad flag value or input file, found while parsing or preparing)."""
+
+
+def usage_error(prog: str, message) -> int:
+    """Print `prog: error: message` as one line on stderr; return 2 (the usage-error status).
+
+    Example:
+      >>> import contextlib, io
+      >>> err = io.StringIO()
+      >>> with contextlib.redirect_stderr(err):
+      ...     status = usage_error("python -m remat_lm.llmc verify", "model.bin: not an llm.c model file")
+      >>> status, err.getvalue().strip()
+      (2, 'python -m remat_lm.llmc verify: error: model.bin: not an llm.c model file')
+    """
+    print(f"{prog}: error: {_one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def usage_exit(prog: str, message) -> NoReturn:
+    """`usage_error`, then exit with its status 2."""
+    raise SystemExit(usage_error(prog, message))
+
+
+def run(main: Callable[[], int], prog: str) -> int:
+    """Run a program's `main()`: a `SystemExit` carrying a message (bad input found after argument
+    parsing) becomes a usage error, `prog: error: message` and status 2, like argparse's own.
+
+    Example:
+      >>> if __name__ == "__main__":
+      ...     sys.exit(run(main, "python -m remat_lm.bench.policies"))
+    """
+    try:
+        return main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            return usage_error(prog, e.code)
+        raise
+
+
+def config_label(rc) -> str:
+    """The short name of a `remat.RecomputeConfig`: granularity, then what picks the regions, then
+    the policy and where region inputs are kept.
+
+    Examples: `none`; `selective core_attn+mlp`; `full/none` (every layer a region);
+    `full/uniform/2`; `full/segments/0-3,3-5`; `full/every/2`; `full/regions/4`; `full/per-layer`
+    (`layer_policies`); then `+offload` (offload_inputs), `+distributed` (shard_saved_axis) and
+    ` policy=dots`.
+
+    Example:
+      >>> from remat import RecomputeConfig
+      >>> config_label(RecomputeConfig(granularity="full", method="uniform", num_layers=2, policy="dots"))
+      'full/uniform/2 policy=dots'
+      >>> config_label(RecomputeConfig(granularity="selective")), config_label(RecomputeConfig())
+      ('selective core_attn', 'none')
+    """
+    if rc.granularity == "none":
+        return "none"
+    if rc.granularity == "selective":  # a policy replaces the modules' preset
+        label = "selective" + ("" if rc.policy else " " + "+".join(rc.modules))
+    elif rc.segments is not None:
+        label = "full/segments/" + ",".join(f"{a}-{b}" for a, b in rc.segments)
+    elif rc.every is not None:
+        label = f"full/every/{rc.every}"
+    elif rc.regions is not None:
+        label = f"full/regions/{rc.regions}"
+    elif rc.layer_policies is not None:
+        label = "full/per-layer"
+    else:
+        label = f"full/{rc.method}" + (f"/{rc.num_layers}" if rc.method != "none" else "")
+    label += "+offload" if rc.offload_inputs else ""
+    label += "+distributed" if rc.shard_saved_axis is not None else ""
+    return label + (f" policy={rc.policy}" if rc.policy and rc.layer_policies is None else "")
 
 
 def foreign_digit(text: str) -> str | None:
@@ -152,9 +238,3 @@ def ascii_digits(example: str) -> Callable[[str], str]:
 
     parse.__name__ = "text"
     return parse
-
-
-def usage_error(prog: str, message: str) -> int:
-    """Print `prog: error: message` as one line on stderr; return 2 (the usage-error status)."""
-    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
-    return 2

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import llmc_reference as ref
-from remat_lm.models import attention, gpt2, layers
+from remat_lm.models import attention, gpt2
 from remat import memory, policies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,8 +71,8 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max() / np.abs(np.asarray(b, np.float64)).max())
 
 
-@pytest.mark.parametrize("case, kernel", _params(*[(c, "online") for c in CASES], ("T%tile", "prefix")))
-def test_tiled_matches_float64_reference(case, kernel):
+@pytest.mark.parametrize("case", _params(*[(c,) for c in CASES]))
+def test_tiled_matches_float64_reference(case):
     # float32 against float64: every value is a sum of at most T products rounded at ~6e-8
     # relative (the online kernel adds one rescaling per key tile); 1e-6 of the largest entry
     # leaves room for that and for nothing like a wrong mask, a dropped tile or a misplaced group
@@ -80,11 +80,11 @@ def test_tiled_matches_float64_reference(case, kernel):
     B, T, H, K, D, tile = CASES[case]
     q, k, v, dy = _inputs(B, T, H, K, D)
     y0, g0 = _reference(q, k, v, dy, H, K)
-    fn = lambda q, k, v: attention.tiled_causal_attention(q, k, v, H, K, tile=tile, kernel=kernel)
+    fn = lambda q, k, v: attention.tiled_causal_attention(q, k, v, H, K, tile=tile)
     y, g = jax.jit(lambda *a: _vjp(fn, *a))(q, k, v, dy)
     assert _rel(y, y0) <= 1e-6
     for name, a, b in zip("qkv", g, g0):
-        assert _rel(a, b) <= 1e-6, (case, kernel, f"d{name}", _rel(a, b))
+        assert _rel(a, b) <= 1e-6, (case, f"d{name}", _rel(a, b))
 
 
 @pytest.mark.parametrize("case, dtype", _params(("T%tile", "float32"), ("K<H", "bfloat16"),
@@ -104,7 +104,7 @@ def test_tiled_matches_xla_core_with_dropout(case, dtype):
     dt = jnp.dtype(dtype)
     q, k, v, dy = (jnp.asarray(a, dt) for a in _inputs(B, T, H, K, D, seed=1))
     key = jax.random.key(3)
-    xla = lambda q, k, v: layers.causal_attention(q, k, v, H, K, dropout_rate=0.3, key=key)
+    xla = lambda q, k, v: attention.xla_causal_attention(q, k, v, H, K, dropout_rate=0.3, key=key)
     tiled = lambda q, k, v: attention.tiled_causal_attention(q, k, v, H, K, tile=tile, dropout_rate=0.3, key=key)
     (y0, g0), (y, g) = jax.jit(lambda *a: (_vjp(xla, *a), _vjp(tiled, *a)))(q, k, v, dy)
     nodrop = attention.tiled_causal_attention(q, k, v, H, K, tile=tile)
@@ -130,7 +130,6 @@ def test_dropout_bits_are_a_function_of_position():
     many = np.asarray(keep(key, rate, (4, 4, 2, 64, 64), 0))  # 131,072 draws
     assert abs(many.mean() - 0.75) < 5 * math.sqrt(0.75 * 0.25 / many.size)  # binomial, 5 sigma
     assert abs(many[..., 0::2].mean() - many[..., 1::2].mean()) < 0.01  # neighbouring keys alike
-    np.testing.assert_array_equal(np.asarray(layers.attention_dropout_mask(key, rate, shape)), full)
 
 
 def _layer_grad(fn, T, H=2, D=16):
@@ -149,21 +148,18 @@ def _hlo_instructions(compiled):
 
 def test_online_program_size_does_not_grow_with_tiles():
     # The online kernel's loops are traced once: one attention layer's forward + backward has the
-    # same number of HLO instructions at 4 and at 128 tiles (T=8192, tile 64: the prefix kernel
-    # would unroll 8k backward blocks; it needed MAX_TILES and a widened tile for this), and the
-    # long sequence compiles like the short one.
+    # same number of HLO instructions at 4 and at 128 tiles (T=8192, tile 64: an unrolled kernel
+    # would have 8k backward blocks), and the long sequence compiles like the short one.
     fn = lambda q, k, v: attention.tiled_causal_attention(q, k, v, 2, 2, tile=64)
     small, long = _layer_grad(fn, 256), _layer_grad(fn, 8192)
     assert _hlo_instructions(long) == _hlo_instructions(small), (_hlo_instructions(small), _hlo_instructions(long))
-    prefix = lambda q, k, v: attention.tiled_causal_attention(q, k, v, 2, 2, tile=64, kernel="prefix")
-    assert _hlo_instructions(_layer_grad(prefix, 1024)) > 3 * _hlo_instructions(_layer_grad(prefix, 256))
 
 
 def test_tiled_temp_grows_as_T_times_tile():
     # One attention layer's forward + backward, read from what XLA compiled: doubling T doubles
     # the tiled core's temp (blocks are tile × T) and quadruples the xla core's (T × T scores).
     tiled = lambda q, k, v: attention.tiled_causal_attention(q, k, v, 2, 2, tile=64)
-    xla = lambda q, k, v: layers.causal_attention(q, k, v, 2, 2)
+    xla = lambda q, k, v: attention.xla_causal_attention(q, k, v, 2, 2)
     # (Measured 1.55× and 3.96×: the online kernel's temp is O(T·D) accumulators plus one (t, t) tile.)
     t1, t2 = _layer_temp(tiled, 512), _layer_temp(tiled, 1024)
     x1, x2 = _layer_temp(xla, 512), _layer_temp(xla, 1024)
@@ -177,9 +173,6 @@ def test_resolve_and_switch():
     assert attention.resolve("tiled", jnp.bfloat16, 64) == "tiled"
     with pytest.raises(ValueError, match="attention='flash' is not valid; use one of auto, tiled, xla, cudnn"):
         attention.resolve("flash", jnp.float32, 64)
-    with pytest.raises(ValueError, match="kernel='flash' is not valid; use one of online, prefix"):
-        attention.tiled_causal_attention(jnp.zeros((1, 8, 8)), jnp.zeros((1, 8, 8)), jnp.zeros((1, 8, 8)), 2, 2,
-                                         kernel="flash")
     if jax.default_backend() != "gpu":  # this machine has no cuDNN: the library says so and names the fix
         q = jnp.zeros((1, 8, 32), jnp.bfloat16)
         with pytest.raises(ValueError, match="use attention='tiled'"):
@@ -243,26 +236,3 @@ def test_train_attention_flag(tmp_path):
     assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "--attention cudnn cannot run" in lines[0] and "use --attention tiled" in lines[0]
     assert not (tmp_path / "l.jsonl").exists()
-
-
-@pytest.mark.parametrize("T,tile", [(1024, 8), (100_000, 128), (37, 16), (4096, 128)])
-def test_prefix_tile_count_is_bounded_and_tiles_cover_the_sequence(T, tile):
-    # The prefix kernel's unrolled program grows as (T/tile)²: past MAX_TILES the tile widens (a
-    # T=100000 step compiled for over ten minutes in >12 GiB before this bound).
-    tiles = attention._tiles(T, tile)
-    assert len(tiles) <= attention.MAX_TILES
-    assert tiles[0][0] == 0 and tiles[-1][1] == T and all(e == a2 for (_, e), (a2, _) in zip(tiles, tiles[1:]))
-    if -(-T // tile) <= attention.MAX_TILES:
-        assert len(tiles) == -(-T // tile)  # within the bound the tile is as asked
-
-
-@pytest.mark.slow  # the prefix kernel is kept for remat_lm.bench.attention's comparison only
-def test_prefix_widened_tiles_match_the_float64_reference():
-    # T=70 at tile 1 asks for 70 tiles: widened to 3 rows (24 tiles, the last one 1 row).
-    B, T, H, K, D = 1, 70, 2, 1, 4
-    assert len(attention._tiles(T, 1)) == 24
-    q, k, v, dy = _inputs(B, T, H, K, D)
-    fn = lambda q, k, v: attention.tiled_causal_attention(q, k, v, H, K, tile=1, kernel="prefix")
-    y, g = jax.jit(lambda *a: _vjp(fn, *a))(q, k, v, dy)
-    y_ref, g_ref = _reference(q, k, v, dy, H, K)
-    assert _rel(y, y_ref) <= 1e-6 and max(_rel(a, b) for a, b in zip(g, g_ref)) <= 1e-6

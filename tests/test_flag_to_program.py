@@ -160,8 +160,8 @@ def test_dry_run_compiles_the_same_program(data):
 
 
 def test_verify_and_train_share_the_recompute_flags():
-    """`python -m remat_lm.models.llmc verify` parses the recompute flags exactly as train.py does."""
-    from remat_lm.models import llmc
+    """`python -m remat_lm.llmc verify` parses the recompute flags exactly as train.py does."""
+    from remat_lm import llmc
 
     train = {a.dest: a for a in build_parser()._actions}
     verify_parser = None

@@ -1,4 +1,4 @@
-"""remat_lm.models.llmc: load/save for the Flax models and `python -m remat_lm.models.llmc verify` against reference states.
+"""remat_lm.models.llmc: load/save for the Flax models, and `python -m remat_lm.llmc verify` against reference states.
 
 Reference states come from tests/llmc_reference.py, an independent float64 NumPy forward and
 hand-written backward (checked by finite differences in test_llmc_io.py).
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import llmc_reference as ref
+from remat_lm import llmc as llmc_cli
 from remat_lm.models import llmc
 from remat_lm.models.llmc_io import read_model, write_model, write_state
 
@@ -44,7 +45,7 @@ RECOMPUTE_FLAGS = [
 @pytest.mark.parametrize("flags", RECOMPUTE_FLAGS, ids=lambda f: " ".join(f) or "none")
 def test_verify_passes_for_every_recompute_setting(files, flags, capsys):
     kind, _, d = files
-    assert llmc.main(["verify", str(d / "model.bin"), str(d / "state.bin"), *flags]) == 0
+    assert llmc_cli.main(["verify", str(d / "model.bin"), str(d / "state.bin"), *flags]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and "attn.c_attn.w" in out and "loss" in out
 
@@ -54,7 +55,7 @@ def test_verify_fails_on_a_wrong_reference(files, tmp_path, capsys):
     st = llmc.load_state(d / "state.bin", llmc.load(d / "model.bin")[0])
     st["grads"]["ln_f.w"] = st["grads"]["ln_f.w"] + 1e-2
     write_state(tmp_path / "bad.bin", kind, header, st["x"], st["y"], st["logits"], st["loss"], st["grads"])
-    assert llmc.main(["verify", str(d / "model.bin"), str(tmp_path / "bad.bin")]) == 1
+    assert llmc_cli.main(["verify", str(d / "model.bin"), str(tmp_path / "bad.bin")]) == 1
     assert "failing: ln_f.w" in capsys.readouterr().out
 
 
@@ -97,7 +98,7 @@ def test_bad_files_exit_2_with_one_line(files, tmp_path, capsys):
     for name, (data, needle) in _bad(tmp_path, files).items():
         p = tmp_path / f"{name}.bin"
         p.write_bytes(data)
-        assert llmc.main(["verify", str(p), str(d / "state.bin")]) == 2, name
+        assert llmc_cli.main(["verify", str(p), str(d / "state.bin")]) == 2, name
         err = capsys.readouterr().err
         assert needle in err and str(p) in err and err.count("\n") == 1, (name, err)
 
@@ -111,8 +112,8 @@ def test_state_that_does_not_fit_the_model(files, tmp_path, capsys):
     lg, ls, gr = ref.forward_backward(okind, other, t, x, y)
     write_state(tmp_path / "foreign.bin", okind, other, x, y, lg.astype(np.float32), np.float32(ls),
                 {k: v.astype(np.float32) for k, v in gr.items()})
-    assert llmc.main(["verify", str(d / "model.bin"), str(tmp_path / "foreign.bin")]) == 2
-    assert capsys.readouterr().err.startswith("python -m remat_lm.models.llmc verify: error: ")
+    assert llmc_cli.main(["verify", str(d / "model.bin"), str(tmp_path / "foreign.bin")]) == 2
+    assert capsys.readouterr().err.startswith("python -m remat_lm.llmc verify: error: ")
 
 
 def test_truncated_llama_header_accepts_overrides(tmp_path):
@@ -130,9 +131,9 @@ def test_truncated_llama_header_accepts_overrides(tmp_path):
 
 def test_cli_bad_input_prints_no_traceback(tmp_path):
     (tmp_path / "empty.bin").write_bytes(b"")
-    r = subprocess.run([sys.executable, "-m", "remat_lm.models.llmc", "verify", str(tmp_path / "empty.bin"),
+    r = subprocess.run([sys.executable, "-m", "remat_lm.llmc", "verify", str(tmp_path / "empty.bin"),
                         str(tmp_path / "missing.bin")], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "empty.bin" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "remat_lm.models.llmc", "verify", "a", "b", "--recompute_method", "zig"],
+    r = subprocess.run([sys.executable, "-m", "remat_lm.llmc", "verify", "a", "b", "--recompute_method", "zig"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "zig" in r.stderr

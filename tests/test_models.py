@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from remat_lm.bench.common import REFERENCE_BATCH, reference_config
-from remat_lm.models import gpt2, layers, llama3
+from remat_lm.models import attention, gpt2, layers, llama3
 from remat import RecomputeConfig, memory
 
 MODELS = {"gpt2": gpt2, "llama3": llama3}
@@ -247,7 +247,7 @@ def _plain_attention(q, k, v, H, K, rate=0.0, key=None):
     s = jnp.where(jnp.tril(jnp.ones((Tq, Tq), bool)), s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     if rate:
-        p = jnp.where(layers.attention_dropout_mask(key, rate, p.shape), p / (1 - rate), 0.0)
+        p = jnp.where(attention.dropout_keep(key, rate, p.shape), p / (1 - rate), 0.0)
     return jnp.einsum("bkgqs,bskd->bqkgd", p, vh).reshape(q.shape)
 
 
@@ -268,13 +268,13 @@ LEAN = {  # id: (lean fn, plain fn, args)
     "rms_norm": (lambda x, w: layers.rms_norm(x, w, 1e-5), _plain_rms, (_rand(3, (B, T, _C), 3.0), 1.0 + _rand(4, (_C,), 0.1))),
     "gelu_tanh": (layers.gelu_tanh, functools.partial(jax.nn.gelu, approximate=True), (_rand(5, (B, T, 4 * _C), 3.0),)),
     "swiglu": (layers.swiglu, lambda g, u: jax.nn.silu(g) * u, (_rand(6, (B, T, 96), 3.0), _rand(7, (B, T, 96)))),
-    "attention_mha": (lambda q, k, v: layers.causal_attention(q, k, v, _H, _H),
+    "attention_mha": (lambda q, k, v: attention.xla_causal_attention(q, k, v, _H, _H),
                       lambda q, k, v: _plain_attention(q, k, v, _H, _H),
                       (_rand(8, (B, T, _C)), _rand(9, (B, T, _C)), _rand(10, (B, T, _C)))),
-    "attention_gqa": (lambda q, k, v: layers.causal_attention(q, k, v, _H, 2),
+    "attention_gqa": (lambda q, k, v: attention.xla_causal_attention(q, k, v, _H, 2),
                       lambda q, k, v: _plain_attention(q, k, v, _H, 2),
                       (_rand(11, (B, T, _C)), _rand(12, (B, T, _C // 2)), _rand(13, (B, T, _C // 2)))),
-    "attention_dropout": (lambda q, k, v: layers.causal_attention(q, k, v, _H, 2, dropout_rate=0.2, key=jax.random.key(3)),
+    "attention_dropout": (lambda q, k, v: attention.xla_causal_attention(q, k, v, _H, 2, dropout_rate=0.2, key=jax.random.key(3)),
                           lambda q, k, v: _plain_attention(q, k, v, _H, 2, 0.2, jax.random.key(3)),
                           (_rand(14, (B, T, _C)), _rand(15, (B, T, _C // 2)), _rand(16, (B, T, _C // 2)))),
     "cross_entropy": (lambda z: layers.cross_entropy(z, _TARGETS, 200),  # 256 columns, 200 valid
@@ -304,7 +304,7 @@ def test_lean_piece_matches_plain(piece):
 
 def test_lean_attention_keeps_no_square_tensors():
     q, k, v = LEAN["attention_gqa"][2]
-    saved = memory.saved_residuals(lambda q, k, v: layers.causal_attention(q, k, v, _H, 2).sum(), q, k, v)
+    saved = memory.saved_residuals(lambda q, k, v: attention.xla_causal_attention(q, k, v, _H, 2).sum(), q, k, v)
     assert not any(len(r.shape) >= 4 and r.shape[-2:] == (T, T) for r in saved.rows), saved.table()
     assert saved.intermediates <= 4 * B * _H * T, saved.table()  # only the log-sum-exp
 

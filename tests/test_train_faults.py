@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from remat_lm.models import gpt2, llama3
+from remat_lm import llmc as llmc_cli
 from remat_lm.models import llmc
 from remat_lm.models.llmc_io import LlmcFormatError, read_model
 from remat_lm.training import UsageError, config_from_args, prepare
@@ -164,7 +165,7 @@ def test_fifo_model_file_exits_2(tmp_path, text_file, alarm, capsys):
     os.mkfifo(fifo)
     with pytest.raises(LlmcFormatError, match="is a FIFO .named pipe., not a regular file"):
         read_model(fifo)
-    assert llmc.main(["verify", str(fifo), str(fifo)]) == 2
+    assert llmc_cli.main(["verify", str(fifo), str(fifo)]) == 2
     assert "FIFO" in _one_line(capsys.readouterr().err)
     with pytest.raises(UsageError, match=f"--init_from {fifo}: it is a FIFO .named pipe., not a regular file"):
         prepare(config_from_args(TINY + ["--data", text_file, "--init_from", str(fifo)]))
@@ -177,7 +178,7 @@ def test_non_finite_weights_exit_2_naming_file_and_tensor(bad, tmp_path, text_fi
     params["blocks"]["h_1"]["mlp"]["c_fc"]["w"] = params["blocks"]["h_1"]["mlp"]["c_fc"]["w"].at[3, 5].set(bad)
     path = tmp_path / "bad.bin"
     llmc.save(str(path), cfg, params)
-    assert llmc.main(["verify", str(path), str(tmp_path / "unused_state.bin")]) == 2
+    assert llmc_cli.main(["verify", str(path), str(tmp_path / "unused_state.bin")]) == 2
     line = _one_line(capsys.readouterr().err)
     assert str(path) in line and "tensor mlp.c_fc.w holds 1 non-finite values" in line, line
     with pytest.raises(UsageError, match=f"--init_from {path}: tensor mlp.c_fc.w holds 1 non-finite"):

@@ -1,4 +1,4 @@
-"""Bad numbers on every command line (bench CLIs, remat_lm.models.sample, remat_lm.models.llmc, train.py) and a signal
+"""Bad numbers on every command line (bench CLIs, remat_lm.models.sample, remat_lm.llmc, train.py) and a signal
 while train.py is still importing: exit 2 (or 130/143) with one line naming the flag, no traceback,
 no hang.
 
@@ -51,7 +51,7 @@ CASES = {
                                   "seed": ("-1", "4294967296", "18446744073709551616", "abc", "²"),
                                   "temperature": NONNEGREAL, "norm_eps": POSREAL, "rope_theta": POSREAL,
                                   "ffn_dim_multiplier": POSREAL}),
-    "remat_lm.models.llmc": (("verify", "model.bin", "state.bin"),
+    "remat_lm.llmc": (("verify", "model.bin", "state.bin"),
                     {"loss_chunk": NONNEG, "recompute_num_layers": ("abc", "1.5", "²", "٣"),
                      "recompute_every": ("abc", "1.5", "²", "٣"), "recompute_segments": ("²-3", "0-٣"),
                      "norm_eps": POSREAL, "rope_theta": POSREAL, "ffn_dim_multiplier": POSREAL}),
@@ -63,7 +63,7 @@ class _Accepted(Exception):
 
 
 def _prog(module: str) -> str:
-    return f"python -m {module}" + (" verify" if module == "remat_lm.models.llmc" else "")
+    return f"python -m {module}" + (" verify" if module == "remat_lm.llmc" else "")
 
 
 def _main(module: str, argv, capsys) -> tuple:
@@ -127,8 +127,8 @@ def test_unknown_model_is_one_line(capsys):
 ])
 def test_llmc_verify_recompute_errors_name_verify_flags(argv, needle, capsys):
     """verify takes no --memory_budget: its recompute errors name what it accepts (before any file is read)."""
-    rc, lines = _main("remat_lm.models.llmc", ["verify", "model.bin", "state.bin", *argv], capsys)
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("python -m remat_lm.models.llmc verify: error: "), lines
+    rc, lines = _main("remat_lm.llmc", ["verify", "model.bin", "state.bin", *argv], capsys)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("python -m remat_lm.llmc verify: error: "), lines
     assert needle in lines[0] and "--memory_budget" not in lines[0], lines
     if "auto" in needle:
         assert "none, uniform, block" in lines[0]
@@ -175,7 +175,7 @@ PROCESSES = [
     ["-m", "remat_lm.bench.step_profile", "--top", "0"],
     ["-m", "remat_lm.bench.torch_peer", "--steps", "²"],
     ["-m", "remat_lm.models.sample", "ckpt", "--seed", "18446744073709551616"],
-    ["-m", "remat_lm.models.llmc", "verify", "m.bin", "s.bin", "--loss_chunk", "-1"],
+    ["-m", "remat_lm.llmc", "verify", "m.bin", "s.bin", "--loss_chunk", "-1"],
 ]
 
 

@@ -230,9 +230,9 @@ def test_consistent_settings_are_still_accepted(kwargs):
     (["--activation_recompute"], "full/none"),
     (["--recompute_num_layers", "1"], "none"),  # the default value, given explicitly: nothing ignored
     (["--activation_recompute", "--recompute_method", "uniform", "--recompute_num_layers", "2"], "full/uniform/2"),
-    (["--recompute_granularity", "selective", "--remat_policy", "dots"], "selective"),
-    (["--recompute_granularity", "selective", "--recompute_modules", "mlp"], "selective"),
-    (["--activation_recompute", "--remat_policy", "dots"], "full/none"),
+    (["--recompute_granularity", "selective", "--remat_policy", "dots"], "selective policy=dots"),
+    (["--recompute_granularity", "selective", "--recompute_modules", "mlp"], "selective mlp"),
+    (["--activation_recompute", "--remat_policy", "dots"], "full/none policy=dots"),
     (["--activation_recompute", "--use_reentrant"], "full/none"),
     (["--recompute_every", "2"], "full/every/2"),  # a region choice turns recompute on (granularity full)
     (["--recompute_segments", "0-1"], "full/segments/0-1"),

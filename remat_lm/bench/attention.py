@@ -1,17 +1,14 @@
-"""Attention cores at long sequences: compiled temp and step time, the xla core, the tiled core and
-the tiled core's former static-prefix kernel.
+"""Attention cores at long sequences: compiled temp and step time, the xla core against the tiled core.
 
     python -m remat_lm.bench.attention                                  # T = 1024, 2048, 4096
     python -m remat_lm.bench.attention --seqs 1024 --steps 3 --json out/bench/attention.json
     python -m remat_lm.bench.attention --tile_sweep 64,128,256 --shapes 8x256,1x1024   # the default tile
-    python -m remat_lm.bench.attention --cores xla,tiled                # without the prefix rows
 
 GPT-2, 8 layers, C=256, 4 heads, B=1, vocabulary 1024, float32 (the reference width at long
 sequences). Per T, the settings none / full / selective core_attn, each with `attention="xla"`
-(the whole (T, T) scores, `remat_lm.models.layers.causal_attention`), `attention="tiled"`
-(`remat_lm.models.attention`, the online-softmax kernel, tile `--tile`) and `prefix` (`attention="tiled"`
-compiled with `remat_lm.models.attention.TILED_KERNEL = "prefix"`, the static-prefix kernel that was the
-tiled core before 2026-12-01), are compiled first and then timed round-robin
+(the whole (T, T) scores, `remat_lm.models.attention.xla_causal_attention`) and `attention="tiled"`
+(the online-softmax kernel, `remat_lm.models.attention.tiled_causal_attention`, tile `--tile`), are
+compiled first and then timed round-robin
 (`remat_lm.bench.common.interleaved_ms`), one warm-up step and `--steps` timed ones, the median reported.
 A step is jitted `jax.value_and_grad(loss_fn)`; temp is XLA's compiled temp buffer of that step
 (`remat.memory.compiled_stats`). The layers run under `lax.scan` (`--no-scan` for the Python
@@ -20,7 +17,6 @@ loop): the layer body compiles once, so T=4096 compiles in seconds rather than m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import sys
@@ -37,18 +33,7 @@ SHAPE = dict(n_layer=_REF["n_layer"], n_embd=_REF["n_embd"], n_head=_REF["n_head
 SEQS = (1024, 2048, 4096)
 SETTINGS = {"none": RecomputeConfig(), "full": RecomputeConfig(granularity="full"),
             "selective core_attn": RecomputeConfig(granularity="selective", modules=("core_attn",))}
-CORES = ("xla", "prefix", "tiled")
-
-
-@contextlib.contextmanager
-def _kernel(name: str):
-    """Compile with the tiled core's `name` kernel (remat_lm.models.attention.TILED_KERNEL), restored after."""
-    from remat_lm.models import attention
-    old, attention.TILED_KERNEL = attention.TILED_KERNEL, name
-    try:
-        yield
-    finally:
-        attention.TILED_KERNEL = old
+CORES = ("xla", "tiled")
 
 
 def run(seqs=SEQS, *, batch: int = 1, steps: int = 3, tile: int = DEFAULT_TILE, scan: bool = True,
@@ -72,10 +57,9 @@ def run(seqs=SEQS, *, batch: int = 1, steps: int = 3, tile: int = DEFAULT_TILE, 
         for name, rc in SETTINGS.items():
             for core in cores:
                 log(f"T={T}: compiling {name} / {core} ...")
-                cfg = dataclasses.replace(base, attention="tiled" if core == "prefix" else core)
-                with _kernel("prefix" if core == "prefix" else "online"):  # traced and compiled here
-                    cases[(name, core)] = policies.prepare("gpt2", cfg, policies.Setting(f"{name} {core}", rc),
-                                                           params, idx, targets)
+                cfg = dataclasses.replace(base, attention=core)
+                cases[(name, core)] = policies.prepare("gpt2", cfg, policies.Setting(f"{name} {core}", rc),
+                                                       params, idx, targets)
         log(f"T={T}: timing {len(cases)} settings, {steps} interleaved rounds after 1 warm-up ...")
         times = interleaved_ms({f"{n} {c}": case.step for (n, c), case in cases.items()}, n=steps, warmup=1)
         for (name, core), case in cases.items():
@@ -89,11 +73,10 @@ def run(seqs=SEQS, *, batch: int = 1, steps: int = 3, tile: int = DEFAULT_TILE, 
     return {"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}
 
 
-def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int = 64, kernels=("online", "prefix"),
-               log=None) -> dict:
+def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int = 64, log=None) -> dict:
     """One attention core's forward + backward (the reference width: 4 heads of 64), per (B, T):
-    compiled temp and step time of the xla core and of the tiled core at each tile and kernel
-    (rows "tiled t" for the online kernel, "prefix t"), interleaved.
+    compiled temp and step time of the xla core and of the tiled core at each tile (rows "tiled t"),
+    interleaved.
 
     Example:
       >>> res = tile_sweep([(1, 64)], [16, 32], steps=1)
@@ -101,18 +84,16 @@ def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int 
     import jax
     import jax.numpy as jnp
 
-    from remat_lm.models import attention, layers
+    from remat_lm.models import attention
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     info, rows = machine(), []
     for B, T in shapes:
         x = jnp.full((B, T, n_head * head_dim), 0.01, jnp.float32)
-        cores = {"xla": lambda q, k, v: layers.causal_attention(q, k, v, n_head, n_head)}
+        cores = {"xla": lambda q, k, v: attention.xla_causal_attention(q, k, v, n_head, n_head)}
         for t in tiles:
-            for kern in kernels:
-                if t <= T:
-                    cores[f"{'tiled' if kern == 'online' else kern} {t}"] = functools.partial(
-                        lambda q, k, v, t, kern: attention.tiled_causal_attention(q, k, v, n_head, n_head, tile=t,
-                                                                                  kernel=kern), t=t, kern=kern)
+            if t <= T:
+                cores[f"tiled {t}"] = functools.partial(
+                    lambda q, k, v, t: attention.tiled_causal_attention(q, k, v, n_head, n_head, tile=t), t=t)
         steps_by, temps = {}, {}
         for name, fn in cores.items():
             log(f"B={B} T={T}: compiling {name} ...")
@@ -124,7 +105,7 @@ def tile_sweep(shapes, tiles, *, steps: int = 5, n_head: int = 4, head_dim: int 
             rows.append(dict(batch=B, seq=T, core=name, temp_bytes=temps[name], step_ms=median(times[name]),
                              temp_vs_xla=temps[name] / temps["xla"],
                              time_vs_xla=median(times[name]) / median(times["xla"])))
-    return {"meta": dict(info, steps=steps, n_head=n_head, head_dim=head_dim, kernels=list(kernels), command=None),
+    return {"meta": dict(info, steps=steps, n_head=n_head, head_dim=head_dim, command=None),
             "rows": rows}
 
 
@@ -195,19 +176,15 @@ def main(argv=None) -> int:
                    help="instead: one attention layer at these tiles, e.g. 64,128,256")
     p.add_argument("--shapes", type=_shapes, default="8x256,1x1024,1x4096", help="with --tile_sweep: BxT shapes")
     p.add_argument("--cores", default=",".join(CORES), help=f"comma-separated, from {', '.join(CORES)} (xla needed)")
-    p.add_argument("--kernels", default="online,prefix", help="with --tile_sweep: the tiled kernels to time")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
     a = p.parse_args(argv)
     if a.tile_sweep:
         tiles, shapes = list(a.tile_sweep), list(a.shapes)
-        kernels = tuple(k for k in a.kernels.split(",") if k)
-        if not kernels or any(k not in ("online", "prefix") for k in kernels):
-            raise SystemExit(f"--kernels {a.kernels!r}: give online and/or prefix, e.g. --kernels online,prefix")
-        return common.publish(tile_sweep(shapes, tiles, steps=a.steps, kernels=kernels), sweep_report,
+        return common.publish(tile_sweep(shapes, tiles, steps=a.steps), sweep_report,
                               "remat_lm.bench.attention", argv, a.json)
     cores = tuple(c for c in a.cores.split(",") if c)
     if "xla" not in cores or any(c not in CORES for c in cores):
-        raise SystemExit(f"--cores {a.cores!r}: give xla and any of prefix, tiled, e.g. --cores xla,tiled")
+        raise SystemExit(f"--cores {a.cores!r}: give xla and optionally tiled, e.g. --cores xla,tiled")
     res = run(a.seqs, batch=a.batch, steps=a.steps, tile=a.tile, scan=a.scan, n_layer=a.n_layer, n_embd=a.n_embd,
               n_head=a.n_head, vocab=a.vocab, cores=cores)
     return common.publish(res, report, "remat_lm.bench.attention", argv, a.json)

@@ -11,6 +11,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from remat.memory import GiB, MiB, format_bytes  # noqa: F401  (the one byte unit and formatter)
+from remat_lm import argtypes
 
 # NOTE: the reference shape of MEASUREMENTS.md, defined here once so that every figure in docs/
 # can say which shape it was taken on (remat_lm.bench.policies `--preset ref`, remat_lm.bench.planner,
@@ -127,22 +128,14 @@ def loadavg() -> list[float] | None:
 
 
 def cli(main: Callable[[], int], module: str) -> int:
-    """Run a bench module's `main()` as `python -m bench.<module>`: bad input found after argument
-    parsing (a SystemExit carrying a message) exits 2 with `python -m bench.<module>: error: ...`,
-    like argparse's own usage errors, instead of 1.
+    """Run a bench module's `main()` as `python -m remat_lm.bench.<module>` (`remat_lm.argtypes.run`:
+    bad input found after argument parsing exits 2 with `python -m remat_lm.bench.<module>: error: ...`).
 
     Example:
       >>> if __name__ == "__main__":
       ...     sys.exit(cli(main, "policies"))
     """
-    import sys
-    try:
-        return main()
-    except SystemExit as e:
-        if isinstance(e.code, str):
-            print(f"python -m bench.{module}: error: {e.code}", file=sys.stderr)
-            return 2
-        raise
+    return argtypes.run(main, f"python -m remat_lm.bench.{module}")
 
 
 def publish(res: dict, report: Callable[[dict], str], module: str, argv, json_path: str | None) -> int:

@@ -366,7 +366,7 @@ def targets_from_model(models: dict) -> dict:
     head's second forward); full remat's throughput: the ratio of executed FLOPs per token, none
     over full; full remat's largest batch over none's: the ratio of their bytes per sequence (the
     limit → ∞ form of `predicted_batch`, within 1% of it at the H200's limit)."""
-    n, f = remat_lm.models.get("none"), remat_lm.models.get("full")
+    n, f = models.get("none"), models.get("full")
     if not (n and f):
         return {}
     return {"mfu": 0.45 * n["model_flops_per_token"] / n["flops_per_token"],
@@ -471,7 +471,7 @@ def parent(a) -> int:
     every = _all_settings(n_layer)
     models = {name: analytic(a, every[name][1]) for name in names}
     meta["analytic"] = {name: dict(m, predicted_batch=predicted_batch(m, NOMINAL_LIMIT),
-                                   predicted_cost_s=predicted_cost(a, name, m, NOMINAL_LIMIT)) for name, m in remat_lm.models.items()}
+                                   predicted_cost_s=predicted_cost(a, name, m, NOMINAL_LIMIT)) for name, m in models.items()}
     meta["goals"] = targets_from_model(models) or None
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

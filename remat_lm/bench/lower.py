@@ -11,7 +11,6 @@ tests/test_lowering.py runs the same functions over the recompute settings.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 import sys
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from remat import RecomputeConfig
+from remat_lm.argtypes import Parser, integer
 from remat_lm.training import flags as remat_flags
 from remat.memory import PLATFORMS, building_for, lowered_for
 
@@ -193,15 +193,15 @@ def report(mcfg, platform: str, *, tensor: int = 1) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m remat_lm.bench.lower", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m remat_lm.bench.lower", description=__doc__.split("\n\n")[0])
     p.add_argument("--platform", default="tpu", choices=PLATFORMS)
     p.add_argument("--model", default="gpt2", choices=("gpt2", "llama3"))
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--attention", default="auto")
-    p.add_argument("--loss_chunk", type=int, default=0)
-    p.add_argument("--seq", type=int, default=128, help="sequence length T (the Pallas kernel needs a multiple of 128)")
-    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel mesh axis (host devices)")
+    p.add_argument("--loss_chunk", type=integer(0), default=0)
+    p.add_argument("--seq", type=integer(1), default=128, help="sequence length T (the Pallas kernel needs a multiple of 128)")
+    p.add_argument("--tensor", type=integer(1), default=1, help="tensor-parallel mesh axis (host devices)")
     remat_flags.add_arguments(p, train=False)
     a = p.parse_args(argv)
     try:

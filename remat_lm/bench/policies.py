@@ -33,7 +33,7 @@ from remat_lm.bench.common import (REFERENCE, REFERENCE_BATCH, MiB, Target, fmt,
 from remat_lm.models import family
 from remat import RecomputeConfig
 from remat.memory import compiled_stats, saved_residuals
-from remat_lm.argtypes import Parser, integer
+from remat_lm.argtypes import Parser, config_label, integer
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -59,16 +59,6 @@ def default_settings(n_layer: int) -> list[Setting]:
         Setting("none (bf16)", RecomputeConfig(), "bfloat16", base="none (bf16)"),
         Setting("policy bf16 (bf16)", full(policy="bf16"), "bfloat16", base="none (bf16)"),
     ]
-
-
-def describe(rc: RecomputeConfig) -> str:
-    """`full/uniform/2 policy=dots` style summary of a RecomputeConfig."""
-    if rc.granularity == "none":
-        return "none"
-    if rc.granularity == "selective":
-        return "selective " + "+".join(rc.modules)
-    s = "full" + ("" if rc.method == "none" else f"/{rc.method}/{rc.num_layers}")
-    return s + (f" policy={rc.policy}" if rc.policy else "")
 
 
 def build_config(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, n_head=None,
@@ -146,7 +136,7 @@ def rows_from(cases: list[Case], times: dict) -> list[dict]:
         ms = median(times[c.setting.name])
         base = by.get(c.setting.base, c)
         base_ms = median(times[base.setting.name])
-        out.append(dict(setting=c.setting.name, recompute=describe(c.setting.recompute),
+        out.append(dict(setting=c.setting.name, recompute=config_label(c.setting.recompute),
                         dtype=c.setting.dtype, base=base.setting.name, loss=c.loss,
                         saved_bytes=c.saved, temp_bytes=c.temp, step_ms=ms, flops=c.flops,
                         step_ms_all=times[c.setting.name],

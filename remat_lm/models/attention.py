@@ -1,13 +1,13 @@
-"""Causal attention cores and the one switch between them: `tiled`, `xla`, `cudnn`, or `auto`.
+"""Every causal attention core, and the one switch between them: `tiled`, `xla`, `cudnn`, `pallas`, or `auto`.
 
 - `tiled` (`tiled_causal_attention`): flash-attention style, `lax` loops over query tiles and,
   for each, over the key tiles at or below the diagonal with an online softmax (running max and
   sum); tiles above the diagonal are never computed, forward or backward, only the diagonal tile is
   masked. Keeps q, k, v and the log-sum-exp; compiled temp grows as B·H·T·tile instead of B·H·T²,
-  and the program does not grow with T/tile. (`kernel="prefix"`: the static-prefix kernel it
-  replaced, unrolled per query tile, kept for comparison in remat_lm.bench.attention.)
-- `xla`: `remat_lm.models.layers.causal_attention`, the whole (T, T) score matrix per kv head (the core
-  before this module); the same residuals and dropout bits, for comparison.
+  and the program does not grow with T/tile.
+- `xla` (`xla_causal_attention`): the whole (T, T) score matrix per kv head (the core before the
+  tiled one); the same residuals and dropout bits, for comparison, and the tiled core's program
+  when T fits in one tile.
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (cuDNN flash attention; GPU,
   bf16/fp16, no dropout), its residuals tagged `names.ATTN_PROBS` (see `cudnn_causal_attention`).
 - `pallas`: Pallas TPU splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`, its
@@ -94,43 +94,8 @@ def dropout_keep(key, rate: float, shape, q_offset=0, k_offset=0):
 
 
 # ------------------------------------------------------------------------------------------------
-# The tiled core.
-
-KERNELS = ("online", "prefix")
-# The kernel `tiled` runs when `tiled_causal_attention` is not given one. remat_lm.bench.attention sets it
-# to "prefix" (and back) around the compilation of its comparison rows.
-TILED_KERNEL = "online"
-
-
-def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = DEFAULT_TILE,
-                           dropout_rate: float = 0.0, key=None, kernel: str | None = None):
-    """Causal GQA attention over tiles that skip the masked key tiles; keeps q, k, v and the lse.
-
-    Same arguments and result as `remat_lm.models.layers.causal_attention`, plus `tile` (any T: the last
-    tile may be shorter) and `kernel`: "online" (loops, online softmax; the default) or "prefix"
-    (one unrolled block per query tile over its whole key prefix, at most MAX_TILES tiles).
-    Example:
-      >>> tiled_causal_attention(q, k, v, 4, 2, tile=4).shape  # (B, T, H·D); tests/test_attention.py compares the cores
-      (2, 8, 32)
-    """
-    kernel = TILED_KERNEL if kernel is None else kernel
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r} is not valid; use one of {', '.join(KERNELS)}")
-    if key is None or dropout_rate == 0.0:
-        key, dropout_rate = None, 0.0
-    if q.shape[1] <= tile:  # one tile: a single masked block, nothing to loop over (same result)
-        kernel = "prefix"
-    return (_online if kernel == "online" else _tiled)(q, k, v, key, n_head, n_kv_head, int(tile),
-                                                       float(dropout_rate))
-
-
-# NOTE: the static-prefix kernel (`_tiled`, kernel="prefix"; the tiled core until 2026-12-01).
-# Query tile i reads the keys [0, e_i), e_i its end: a static, growing prefix, whose softmax is
-# taken in one (t × e_i) block, so no running max/sum is needed. Its price is program size: one
-# unrolled block per query tile in the forward and per (query, key) tile pair in the backward, so
-# compile time grows as (T/t)² (MAX_TILES bounds it by widening the tile). The online kernel
-# below replaced it: faster at every measured shape, a quarter of its temp at T=4096, and a
-# program of constant size (docs/BENCHMARKS.md, "Attention cores").
+# Layout, shared by every core. Heads are contiguous in the last axis of q (B, T, H·D) and of k, v
+# (B, T, K·D); query head h = kv·G + g reads kv head kv (llm.c's repeat_kv).
 
 def _split(x, n_kv_head, groups):
     """(B, T, K·G·D) → (B, K, G, T, D)."""
@@ -144,138 +109,159 @@ def _merge(x5):
     return x5.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * D)
 
 
-def _rows(x5, a, b):
-    """Positions [a, b) of every head in a kv group, folded into rows: (B, K, G·(b-a), D)."""
-    B, K, G, _, D = x5.shape
-    return x5[:, :, :, a:b].reshape(B, K, G * (b - a), D)
-
-
-def _unrows(x, G):
-    """(B, K, G·t, ...) → (B, K, G, t, ...)."""
-    return x.reshape(x.shape[:2] + (G, x.shape[2] // G) + x.shape[3:])
-
-
-def _block_probs(qi, ks, a, G, scale, lse=None):
-    """Probabilities of query rows [a, a+t) (all G heads) over keys [0, S), float32, and their lse."""
-    s = jnp.einsum("bkrd,bksd->bkrs", qi, ks, preferred_element_type=F32) * scale  # (B, K, G·t, S)
-    R, S = s.shape[-2:]
-    qpos = a + lax.broadcasted_iota(jnp.int32, (R, S), 0) % (R // G)
-    s = jnp.where(qpos >= lax.broadcasted_iota(jnp.int32, (R, S), 1), s, -jnp.inf)
-    if lse is None:  # the diagonal is never masked, so every row max is finite
-        lse = jax.nn.logsumexp(s, axis=-1)  # (B, K, G·t)
-    return jnp.exp(s - lse[..., None]), lse
-
-
-def _block_keep(key, rate, p, a, G):
-    B, K, R, S = p.shape
-    return dropout_keep(key, rate, (B, K, G, R // G, S), a).reshape(p.shape)
-
-
-def _after(xs, *prev):
-    """The arrays `xs`, made to depend on the arrays `prev`: block i+1 reads them after block i.
-
-    # NOTE: the blocks are independent, and XLA:CPU's scheduler otherwise starts them all
-    # (and slices every key prefix) before finishing any, keeping every block's (t, S) scores
-    # alive at once: O(T²) temp again (measured 392 MiB at T=4096, tile 128, against 776 MiB
-    # untiled). `lax.optimization_barrier` does not hold: XLA:CPU removes it before scheduling.
-    # A data dependency does: one element of each `prev` times zero (XLA keeps x·0 for floats, as it
-    # is NaN for x = NaN or inf), added to the block's inputs where they are sliced anyway. So a
-    # NaN or inf in block i's results turns block i+1's NaN too; the loss is NaN either way.
-    """
-    dep = sum(p.reshape(-1)[0].astype(F32) for p in prev) * 0
-    return tuple((x + dep.astype(x.dtype)) for x in xs)
-
-
-def _fresh(xs, *prev):
-    """Zero buffers `xs` for a loop to write into, made from `prev` (`_after`) so that XLA makes them
-    when `prev` exists, one per layer.
-
-    # NOTE: a plain zeros, or the stacked outputs of `lax.scan`, start from a constant broadcast,
-    # which XLA shares between every loop of the program; under SPMD partitioning XLA:CPU then made
-    # one copy per loop at the start of the program, all live until their loop ran (GPT-2, 8 layers,
-    # tensor=2: 24 copies of (n, B, K, G·t, D) in the forward, before any layer; 6 MiB of a 36 MiB temp).
-    """
-    return _after(xs, *prev)
-
-
-# NOTE: program size. Each pass unrolls one block per query tile, and the backward one per
-# (query tile, key tile) pair on or below the diagonal, so the program grows as (T/tile)²: at
-# T=100000 and tile 128 the backward alone would be ~300k blocks (compiling for tens of minutes in
-# tens of GiB). Past MAX_TILES tiles the tile is widened to ceil(T / MAX_TILES); temp then grows as
-# T²/MAX_TILES instead of T·tile. 32 keeps every measured shape (T ≤ 4096 at tile 128) as it was.
-MAX_TILES = 32
-
-
-def _tiles(T, tile):
-    """[(start, end)] of the query tiles: `tile` rows each (the last may be shorter), at most MAX_TILES."""
-    tile = max(tile, -(-T // MAX_TILES))
-    return [(a, min(a + tile, T)) for a in range(0, T, tile)]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _tiled(q, k, v, key, n_head, n_kv_head, tile, rate):
-    return _tiled_fwd(q, k, v, key, n_head, n_kv_head, tile, rate)[0]
-
-
 def _heads(q, k, v, n_head, n_kv_head):
+    """q (B, K, G, T, D), k and v (B, K, T, D), G, and the score scale 1/sqrt(D)."""
     G = n_head // n_kv_head
     return (_split(q, n_kv_head, G), _split(k, n_kv_head, 1)[:, :, 0], _split(v, n_kv_head, 1)[:, :, 0],
             G, 1.0 / math.sqrt(q.shape[-1] // n_head))
 
 
-def _tiled_fwd(q, k, v, key, n_head, n_kv_head, tile, rate):
-    q5, kh, vh, G, scale = _heads(q, k, v, n_head, n_kv_head)  # (B, K, G, T, D), (B, K, T, D) ×2
-    ys, lses = [], []
-    for a, e in _tiles(q.shape[1], tile):
-        qi, ks, vs = _rows(q5, a, e), kh[:, :, :e], vh[:, :, :e]  # (B, K, G·t, D), (B, K, e, D) ×2
-        if ys:  # one block at a time (see _after)
-            qi, ks, vs = _after((qi, ks, vs), ys[-1], lses[-1])
-        p, lse = _block_probs(qi, ks, a, G, scale)  # (B, K, G·t, e)
-        if rate:
-            p = jnp.where(_block_keep(key, rate, p, a, G), p / (1.0 - rate), 0.0)
-        ys.append(_unrows(jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), vs), G))  # (B, K, G, t, D)
-        lses.append(_unrows(lse, G))  # (B, K, G, t)
-    y = _merge(jnp.concatenate(ys, axis=3))  # (B, T, H·D)
-    return y, (q, k, v, key, jnp.concatenate(lses, axis=3))  # lse (B, K, G, T) float32
+def _fresh(xs, *prev):
+    """The arrays `xs` (zero buffers a loop writes into), made to depend on the arrays `prev`, so
+    that XLA makes them when `prev` exists, one per layer.
+
+    # NOTE: a plain zeros, or the stacked outputs of `lax.scan`, start from a constant broadcast,
+    # which XLA shares between every loop of the program; under SPMD partitioning XLA:CPU then made
+    # one copy per loop at the start of the program, all live until their loop ran (GPT-2, 8 layers,
+    # tensor=2: 24 copies of (n, B, K, G·t, D) in the forward, before any layer; 6 MiB of a 36 MiB
+    # temp). `lax.optimization_barrier` does not hold: XLA:CPU removes it before scheduling. A data
+    # dependency does: one element of each `prev` times zero (XLA keeps x·0 for floats, as it is NaN
+    # for x = NaN or inf). A NaN or inf in `prev` turns the buffers NaN; the loss is NaN either way.
+    """
+    dep = sum(p.reshape(-1)[0].astype(F32) for p in prev) * 0
+    return tuple((x + dep.astype(x.dtype)) for x in xs)
 
 
-def _tiled_bwd(n_head, n_kv_head, tile, rate, res, dy):
+# ------------------------------------------------------------------------------------------------
+# The xla core: the whole (T, T) score matrix per kv head.
+
+def xla_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, dropout_rate: float = 0.0, key=None):
+    """Causal softmax attention with grouped-query heads over the whole (T, T) scores; keeps q, k, v
+    and the log-sum-exp.
+
+    The `xla` core of `causal_attention` (and the `tiled` core's when T fits in one tile). Scores,
+    softmax and the backward's probabilities are float32; the context comes back in v's dtype.
+
+    Args:
+      q: (B, T, H·D); k, v: (B, T, K·D), heads contiguous in the last axis.
+      n_head, n_kv_head: H and K (query head h reads kv head h // (H/K)).
+      dropout_rate, key: dropout on the probabilities; off when `key` is None or the rate is 0.
+    Returns:
+      the context, heads merged: (B, T, H·D).
+    Example:
+      >>> xla_causal_attention(q, k, v, 4, 2).shape  # q (B, T, 4·8), k and v (B, T, 2·8)
+      (2, 8, 32)
+    """
+    if key is None or dropout_rate == 0.0:
+        key, dropout_rate = None, 0.0
+    return _xla(q, k, v, key, n_head, n_kv_head, float(dropout_rate))
+
+
+# NOTE: layout. The core works head-major with the G query heads of a kv group folded into the
+# rows: q (B, K, R, D) with R = G·T (row r is head g = r // T, position r % T), k and v (B, K, T, D),
+# scores (B, K, R, T). Every product is then a plain batched matmul (batch dims leading, contracting
+# the last axis), which XLA:CPU runs about 2× faster than the same einsums over (B, T, K, G, D)
+# operands (GPT-2 reference layer: 38 → 18 ms forward + backward). (B, K, R, T) has the memory
+# order of (B, K, G, T, T), so dropout masks are drawn in that shape.
+
+def _q_rows(q, n_head, n_kv_head):
+    """(B, T, H·D) → (B, K, R, D), R = G·T."""
+    q5 = _split(q, n_kv_head, n_head // n_kv_head)
+    B, K, G, T, D = q5.shape
+    return q5.reshape(B, K, G * T, D)
+
+
+def _xla_setup(q, k, v, n_head, n_kv_head):
+    """q (B, K, R, D), k and v (B, K, T, D), G and the scale."""
+    _, kh, vh, G, scale = _heads(q, k, v, n_head, n_kv_head)
+    return _q_rows(q, n_head, n_kv_head), kh, vh, G, scale
+
+
+def _rows_merge(yh, G):
+    """(B, K, R, D) → (B, T, K·G·D)."""
+    B, K, R, D = yh.shape
+    return _merge(yh.reshape(B, K, G, R // G, D))
+
+
+def _xla_probs(qh, kh, scale, lse=None):
+    """Scaled, causally masked scores → (probabilities, log-sum-exp), all float32."""
+    s = jnp.einsum("bkrd,bksd->bkrs", qh, kh, preferred_element_type=F32) * scale  # (B, K, R, T)
+    R, T = s.shape[-2:]
+    causal = lax.broadcasted_iota(jnp.int32, (R, T), 0) % T >= lax.broadcasted_iota(jnp.int32, (R, T), 1)
+    s = jnp.where(causal, s, -jnp.inf)
+    if lse is None:  # the diagonal is never masked, so every row max is finite
+        lse = jax.nn.logsumexp(s, axis=-1)  # (B, K, R)
+    return jnp.exp(s - lse[..., None]), lse
+
+
+def _xla_keep(key, rate, p, G):
+    """The dropout keep-mask for probabilities p (B, K, R, T), drawn as (B, K, G, T, T)."""
+    B, K, R, T = p.shape
+    return dropout_keep(key, rate, (B, K, G, T, T)).reshape(p.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _xla(q, k, v, key, n_head, n_kv_head, rate):
+    return _xla_fwd(q, k, v, key, n_head, n_kv_head, rate)[0]
+
+
+def _xla_fwd(q, k, v, key, n_head, n_kv_head, rate):
+    qh, kh, vh, G, scale = _xla_setup(q, k, v, n_head, n_kv_head)
+    p, lse = _xla_probs(qh, kh, scale)  # (B, K, R, T)
+    if rate:
+        p = jnp.where(_xla_keep(key, rate, p, G), p / (1.0 - rate), 0.0)
+    y = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), vh)  # (B, K, R, D)
+    return _rows_merge(y, G), (q, k, v, key, lse)
+
+
+def _xla_bwd(n_head, n_kv_head, rate, res, dy):
     q, k, v, key, lse = res
-    q5, kh, vh, G, scale = _heads(q, k, v, n_head, n_kv_head)
-    dy5 = _split(dy, n_kv_head, G)  # (B, K, G, T, D)
-    T = q.shape[1]
-    # NOTE: dk and dv gather a partial sum from every query tile whose keys reach them. They are
-    # kept per key tile and accumulated in float32 (one rounding to k's dtype at the end, as a
-    # single matmul would): `dk.at[:, :, :e].add(...)` on whole (B, K, T, D) arrays copied the
-    # array at every tile (measured +128 MiB at T=4096, tile 128).
-    tiles = _tiles(T, tile)
-    dks, dvs, dqs = [None] * len(tiles), [None] * len(tiles), []
-    for i, (a, e) in enumerate(tiles):
-        qi, dyi = _rows(q5, a, e), _rows(dy5, a, e)  # (B, K, G·t, D)
-        ks, vs = kh[:, :, :e], vh[:, :, :e]  # (B, K, e, D)
-        if dqs:  # one block at a time (see _after)
-            qi, dyi, ks, vs = _after((qi, dyi, ks, vs), dqs[-1], *dks[:i], *dvs[:i])
-        lse_i = lse[:, :, :, a:e].reshape(qi.shape[:3])  # (B, K, G·t)
-        p, _ = _block_probs(qi, ks, a, G, scale, lse_i)  # (B, K, G·t, e)
-        dp = jnp.einsum("bkrd,bksd->bkrs", dyi, vs, preferred_element_type=F32)
-        pd = p
-        if rate:
-            keep = _block_keep(key, rate, p, a, G)
-            pd = jnp.where(keep, p / (1.0 - rate), 0.0)
-            dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
-        dv_i = jnp.einsum("bkrs,bkrd->bksd", pd.astype(v.dtype), dyi, preferred_element_type=F32)  # (B, K, e, D)
-        ds = (p * (dp - (dp * p).sum(-1, keepdims=True)) * scale).astype(q.dtype)  # (B, K, G·t, e)
-        dqs.append(_unrows(jnp.einsum("bkrs,bksd->bkrd", ds, ks), G))  # (B, K, G, t, D)
-        dk_i = jnp.einsum("bkrs,bkrd->bksd", ds, qi, preferred_element_type=F32)  # (B, K, e, D)
-        for j, (c, f) in enumerate(tiles[:i + 1]):
-            dks[j] = dk_i[:, :, c:f] if dks[j] is None else dks[j] + dk_i[:, :, c:f]
-            dvs[j] = dv_i[:, :, c:f] if dvs[j] is None else dvs[j] + dv_i[:, :, c:f]
-    dq = _merge(jnp.concatenate(dqs, axis=3))  # (B, T, H·D)
-    kv = lambda ts, like: _merge(jnp.concatenate(ts, axis=2)[:, :, None].astype(like.dtype))  # → (B, T, K·D)
-    return dq, kv(dks, k), kv(dvs, v), None
+    qh, kh, vh, G, scale = _xla_setup(q, k, v, n_head, n_kv_head)
+    p, _ = _xla_probs(qh, kh, scale, lse)  # (B, K, R, T)
+    dyh = _q_rows(dy, n_head, n_kv_head)  # (B, K, R, D)
+    dp = jnp.einsum("bkrd,bksd->bkrs", dyh, vh, preferred_element_type=F32)
+    pd = p
+    if rate:
+        keep = _xla_keep(key, rate, p, G)
+        pd = jnp.where(keep, p / (1.0 - rate), 0.0)
+        dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
+    dv = jnp.einsum("bkrs,bkrd->bksd", pd.astype(v.dtype), dyh)  # (B, K, T, D)
+    # NOTE: the softmax backward's row term is sum(dp·p), taken from the (T, T) tiles we rebuild
+    # anyway; flash kernels use sum(dy·y) to avoid them, which would also need y as a residual.
+    ds = (p * (dp - (dp * p).sum(-1, keepdims=True)) * scale).astype(q.dtype)  # (B, K, R, T)
+    dq = jnp.einsum("bkrs,bksd->bkrd", ds, kh)  # (B, K, R, D)
+    dk = jnp.einsum("bkrs,bkrd->bksd", ds, qh)  # (B, K, T, D)
+    return _rows_merge(dq, G), _merge(dk[:, :, None]), _merge(dv[:, :, None]), None
 
 
-_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+_xla.defvjp(_xla_fwd, _xla_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# The tiled core.
+
+# NOTE: the static-prefix kernel (query tile i read its whole key prefix [0, end_i) in one
+# unrolled block; `tiled` until 2026-12-01) was removed. On a quiet 2-core CPU it ran a long-T
+# layer faster (one large matmul per tile), but its program grew as (T/tile)² (a bound on the tile
+# count widened the tile past 32 tiles), its temp was larger (full remat, T=4096: 266 vs 150 MiB),
+# and nothing selected it but a benchmark flipping a module global. Its measured rows stay in
+# docs/BENCHMARKS.md ("Attention cores"); the code is in the git history.
+
+def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = DEFAULT_TILE,
+                           dropout_rate: float = 0.0, key=None):
+    """Causal GQA attention over tiles that skip the masked key tiles; keeps q, k, v and the lse.
+
+    Same arguments and result as `xla_causal_attention`, plus `tile` (any T: the last tile may be
+    shorter). T ≤ tile is one masked block: the xla core's program.
+    Example:
+      >>> tiled_causal_attention(q, k, v, 4, 2, tile=4).shape  # (B, T, H·D); tests/test_attention.py compares the cores
+      (2, 8, 32)
+    """
+    if key is None or dropout_rate == 0.0:
+        key, dropout_rate = None, 0.0
+    if q.shape[1] <= tile:  # one tile: a single masked block, nothing to loop over (same result)
+        return _xla(q, k, v, key, n_head, n_kv_head, float(dropout_rate))
+    return _online(q, k, v, key, n_head, n_kv_head, int(tile), float(dropout_rate))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,7 +411,7 @@ def _online_bwd(n_head, n_kv_head, tile, rate, res, dy):
 
     # NOTE: the dk/dv accumulators depend on nothing, and XLA:CPU's scheduler otherwise creates every
     # layer's at the start of the backward (reference GPT-2, Python loop of layers, full remat:
-    # compiled temp 136 MiB; made after dy with `_after`: 104 MiB, tests/test_peak.py).
+    # compiled temp 136 MiB; made after dy with `_fresh`: 104 MiB, tests/test_peak.py).
     dq0, zeros = _fresh((jnp.zeros(qt.shape, q.dtype), jnp.zeros(kt.shape, F32)), dyt)  # dk, dv: per key tile
     dqt, (dkt, dvt) = lax.fori_loop(0, n, row, (dq0, (zeros, zeros)))
     kv = lambda xt, like: _merge(_from_tile_major(xt, 1, T).astype(like.dtype))  # → (B, T, K·D)
@@ -697,8 +683,7 @@ def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, attention: str = "
     if impl == "tiled":
         return tiled()
     if impl == "xla":
-        from remat_lm.models import layers  # layers imports this module
-        return layers.causal_attention(q, k, v, n_head, n_kv_head, dropout_rate=dropout_rate, key=key)
+        return xla_causal_attention(q, k, v, n_head, n_kv_head, dropout_rate=dropout_rate, key=key)
     try:
         if impl == "pallas":
             return pallas_causal_attention(q, k, v, n_head, n_kv_head, spec=spec)

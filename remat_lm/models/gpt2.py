@@ -26,9 +26,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_lm.models import parallel
 from remat_lm.models.attention import ATTENTION, DEFAULT_TILE
-from remat_lm.models.layers import (MLP, CausalSelfAttention, LayerNorm, check_llmc_tensors, embed, lm_head,
-                           stack_layers, unstack_layers)
-from remat_lm.models.llmc_io import GPT2Header
+from remat_lm.models.layers import MLP, CausalSelfAttention, LayerNorm, embed, lm_head
+from remat_lm.models.llmc_io import GPT2Header, check_llmc_tensors, stack_layers, unstack_layers
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
 

@@ -1,7 +1,10 @@
-"""Shared transformer pieces for the GPT-2 and LLaMA-3 models (Flax Linen), lean in saved memory.
+"""Shared transformer pieces for the GPT-2 and LLaMA-3 models (Flax Linen), lean in saved memory:
+custom-gradient primitives (norms, activations, embedding, cross-entropy, the LM head, RoPE) and
+the Linen building blocks made of them. The attention cores live in remat_lm/models/attention.py
+(`CausalSelfAttention` calls its switch); the llm.c tensor layout in remat_lm/models/llmc_io.py.
 
 Shapes: B batch, T sequence, C n_embd, H query heads, K kv heads, G = H/K, D head dim, F MLP
-hidden width, V (padded) vocabulary, R = G·T query rows per kv head (attention core). Every shape
+hidden width, V (padded) vocabulary. Every shape
 in models/ is written as a trailing comment on the line that makes the value: `y = f(x)  # (B, T, C)`.
 
 Activations are tagged with `checkpoint_name(x, remat.names.X)` at the points that
@@ -15,8 +18,8 @@ xla cores never keep their probabilities.
 # `jax.custom_vjp` that keeps what PyTorch's kernels keep and recomputes the rest:
 #   layer_norm / rms_norm: the input and per-row statistics (the weights are arguments);
 #   gelu_tanh: its input; swiglu: its two inputs;
-#   causal_attention: q, k, v and the per-row log-sum-exp (flash-attention style): scores and
-#     probabilities are rebuilt in the backward, the causal mask comes from iota comparisons;
+#   the attention cores (remat_lm/models/attention.py): q, k, v and the per-row log-sum-exp
+#     (flash-attention style): scores and probabilities are rebuilt in the backward;
 #   cross_entropy: the logits (the per-row log-sum-exp is recomputed in the backward);
 #   embed: nothing but the token ids it was given (no int32 copy of them).
 # Inside remat regions the custom_vjp residuals are ordinary values to the policy: untagged, so
@@ -170,132 +173,6 @@ def _swiglu_bwd(res, dy):
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-def attention_dropout_mask(key, rate: float, shape):
-    """The keep-mask the attention cores draw for dropout on their probabilities ((B, K, G, T, T)).
-
-    A pure function of (key, position) (`remat_lm.models.attention.dropout_keep`): every core, tiling and
-    remat setting draws the same bits.
-    """
-    return attention_lib.dropout_keep(key, rate, shape)
-
-
-def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, dropout_rate: float = 0.0, key=None):
-    """Causal softmax attention with grouped-query heads; keeps q, k, v and the log-sum-exp.
-
-    The `xla` core of `remat_lm.models.attention.causal_attention`: the whole (T, T) score matrix per kv head.
-
-    Query head h reads kv head h // (n_head // n_kv_head) (llm.c's repeat_kv). Scores, softmax
-    and the backward's probabilities are float32; the context comes back in v's dtype.
-
-    Args:
-      q: (B, T, H·D); k, v: (B, T, K·D), heads contiguous in the last axis.
-      n_head, n_kv_head: H and K.
-      dropout_rate, key: dropout on the probabilities; off when `key` is None or the rate is 0.
-    Returns:
-      the context, heads merged: (B, T, H·D).
-    Example:
-      >>> causal_attention(q, k, v, 4, 2).shape  # q (B, T, 4·8), k and v (B, T, 2·8)
-      (2, 8, 32)
-    """
-    if key is None or dropout_rate == 0.0:
-        key, dropout_rate = None, 0.0
-    return _attention(q, k, v, key, n_head, n_kv_head, float(dropout_rate))
-
-
-# NOTE: layout. The core works head-major with the G query heads of a kv group folded into the
-# rows: q (B, K, R, D) with R = G·T (row r is head g = r // T, position r % T), k and v (B, K, T, D),
-# scores (B, K, R, T). Every product is then a plain batched matmul (batch dims leading, contracting
-# the last axis), which XLA:CPU runs about 2× faster than the same einsums over (B, T, K, G, D)
-# operands (GPT-2 reference layer: 38 → 18 ms forward + backward). (B, K, R, T) has the memory
-# order of (B, K, G, T, T), so dropout masks are drawn in that shape.
-
-
-def _q_split(q, n_head, n_kv_head):
-    """(B, T, H·D) → (B, K, R, D), R = G·T."""
-    B, T, HD = q.shape
-    D, G = HD // n_head, n_head // n_kv_head
-    return q.reshape(B, T, n_kv_head, G, D).transpose(0, 2, 3, 1, 4).reshape(B, n_kv_head, G * T, D)
-
-
-def _kv_split(t, n_kv_head):
-    """(B, T, K·D) → (B, K, T, D)."""
-    B, T, KD = t.shape
-    return t.reshape(B, T, n_kv_head, KD // n_kv_head).transpose(0, 2, 1, 3)
-
-
-def _heads(q, k, v, n_head, n_kv_head):
-    """q (B, K, R, D), k and v (B, K, T, D), and the score scale 1/sqrt(D)."""
-    return (_q_split(q, n_head, n_kv_head), _kv_split(k, n_kv_head), _kv_split(v, n_kv_head),
-            1.0 / math.sqrt(q.shape[-1] // n_head))
-
-
-def _q_merge(yh, T):
-    """(B, K, R, D) → (B, T, K·G·D): the inverse of `_q_split`."""
-    B, K, R, D = yh.shape
-    return yh.reshape(B, K, R // T, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, K * (R // T) * D)
-
-
-def _kv_merge(th):
-    """(B, K, T, D) → (B, T, K·D)."""
-    B, K, T, D = th.shape
-    return th.transpose(0, 2, 1, 3).reshape(B, T, K * D)
-
-
-def _probs(qh, kh, scale, lse=None):
-    """Scaled, causally masked scores → (probabilities, log-sum-exp), all float32."""
-    s = jnp.einsum("bkrd,bksd->bkrs", qh, kh, preferred_element_type=F32) * scale  # (B, K, R, T)
-    R, T = s.shape[-2:]
-    causal = lax.broadcasted_iota(jnp.int32, (R, T), 0) % T >= lax.broadcasted_iota(jnp.int32, (R, T), 1)
-    s = jnp.where(causal, s, -jnp.inf)
-    if lse is None:  # the diagonal is never masked, so every row max is finite
-        lse = jax.nn.logsumexp(s, axis=-1)  # (B, K, R)
-    return jnp.exp(s - lse[..., None]), lse
-
-
-def _keep(key, rate, p, n_head):
-    """The dropout keep-mask for probabilities p (B, K, R, T), drawn as (B, K, G, T, T)."""
-    B, K, R, T = p.shape
-    return attention_dropout_mask(key, rate, (B, K, n_head // K, T, T)).reshape(p.shape)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, key, n_head, n_kv_head, rate):
-    return _attention_fwd(q, k, v, key, n_head, n_kv_head, rate)[0]
-
-
-def _attention_fwd(q, k, v, key, n_head, n_kv_head, rate):
-    qh, kh, vh, scale = _heads(q, k, v, n_head, n_kv_head)
-    p, lse = _probs(qh, kh, scale)  # (B, K, R, T)
-    if rate:
-        p = jnp.where(_keep(key, rate, p, n_head), p / (1.0 - rate), 0.0)
-    y = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), vh)  # (B, K, R, D)
-    return _q_merge(y, q.shape[1]), (q, k, v, key, lse)
-
-
-def _attention_bwd(n_head, n_kv_head, rate, res, dy):
-    q, k, v, key, lse = res
-    T = q.shape[1]
-    qh, kh, vh, scale = _heads(q, k, v, n_head, n_kv_head)
-    p, _ = _probs(qh, kh, scale, lse)  # (B, K, R, T)
-    dyh = _q_split(dy, n_head, n_kv_head)  # (B, K, R, D)
-    dp = jnp.einsum("bkrd,bksd->bkrs", dyh, vh, preferred_element_type=F32)
-    pd = p
-    if rate:
-        keep = _keep(key, rate, p, n_head)
-        pd = jnp.where(keep, p / (1.0 - rate), 0.0)
-        dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
-    dv = jnp.einsum("bkrs,bkrd->bksd", pd.astype(v.dtype), dyh)  # (B, K, T, D)
-    # NOTE: the softmax backward's row term is sum(dp·p), taken from the (T, T) tiles we rebuild
-    # anyway; flash kernels use sum(dy·y) to avoid them, which would also need y as a residual.
-    ds = (p * (dp - (dp * p).sum(-1, keepdims=True)) * scale).astype(q.dtype)  # (B, K, R, T)
-    dq = jnp.einsum("bkrs,bksd->bkrd", ds, kh)  # (B, K, R, D)
-    dk = jnp.einsum("bkrs,bkrd->bksd", ds, qh)  # (B, K, T, D)
-    return _q_merge(dq, T), _kv_merge(dk), _kv_merge(dv), None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 @jax.custom_vjp
@@ -646,40 +523,3 @@ class SwiGLU(nn.Module):
         y = Linear(x.shape[-1], False, self.dtype, self.proj_std, name="c_proj")(h)
         y = checkpoint_name(parallel.residual(y, sc), names.MLP_OUT)
         return nn.Dropout(self.dropout)(y, deterministic)
-
-
-# ------------------------------------------------------------------------------------------------
-# llm.c tensor layout helpers: per-layer parameters ↔ tensors stacked on a leading L axis.
-
-def stack_layers(blocks, n_layer: int, scan: bool, path: tuple) -> np.ndarray:
-    """The parameter at `path` inside every layer of a LayerStack, stacked: (L, ...) float32."""
-    get = lambda tree: functools.reduce(lambda t, k: t[k], path, tree)
-    if scan:
-        return np.asarray(get(blocks["h"]), np.float32)
-    return np.stack([np.asarray(get(blocks[f"h_{i}"]), np.float32) for i in range(n_layer)])
-
-
-def unstack_layers(stacked: dict, n_layer: int, scan: bool) -> dict:
-    """{path: (L, ...) array} → the LayerStack's params (`h` stacked, or `h_0..h_{L-1}`)."""
-    def tree(index):
-        out: dict = {}
-        for path, arr in stacked.items():
-            node = out
-            for k in path[:-1]:
-                node = node.setdefault(k, {})
-            node[path[-1]] = jnp.asarray(arr if index is None else arr[index], F32)
-        return out
-    return {"h": tree(None)} if scan else {f"h_{i}": tree(i) for i in range(n_layer)}
-
-
-def check_llmc_tensors(model: str, shapes: dict, tensors) -> None:
-    """Raise ValueError unless `tensors` has exactly the names and shapes of `shapes`."""
-    missing = [k for k in shapes if k not in tensors]
-    extra = [k for k in tensors if k not in shapes]
-    if missing or extra:
-        raise ValueError(f"{model} llm.c tensors: missing {missing}, unexpected {extra}; "
-                         f"expected exactly {list(shapes)}")
-    for k, s in shapes.items():
-        if tuple(np.shape(tensors[k])) != s:
-            raise ValueError(f"{model} llm.c tensor {k!r} has shape {tuple(np.shape(tensors[k]))} but the "
-                             f"config needs {s}; check the config against the file's header")

@@ -31,9 +31,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_lm.models import parallel
 from remat_lm.models.attention import ATTENTION, DEFAULT_TILE
-from remat_lm.models.layers import (CausalSelfAttention, LMHead, RMSNorm, SwiGLU, check_llmc_tensors, embed,
-                           stack_layers, unstack_layers)
-from remat_lm.models.llmc_io import Llama3Header
+from remat_lm.models.layers import CausalSelfAttention, LMHead, RMSNorm, SwiGLU, embed
+from remat_lm.models.llmc_io import Llama3Header, check_llmc_tensors, stack_layers, unstack_layers
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
 

@@ -1,20 +1,13 @@
-"""llm.c `.bin` model and debug-state files for the Flax models, and the `verify` command.
+"""llm.c `.bin` model and debug-state files for the Flax models, and the check against a reference state.
 
 The byte layouts live in remat_lm/models/llmc_io.py; this module maps them to model configs and
-parameters through the family registry (remat_lm/models/family.py), and checks the port against a reference state:
-
-    python -m remat_lm.models.llmc verify MODEL.bin STATE.bin [--activation_recompute
-        --recompute_granularity full --recompute_method uniform --recompute_num_layers 2
-        --use_reentrant --scan_layers --loss_chunk N]
-
-prints one row per tensor (max |Δ|, max |ref|) and exits 0 when everything is within tolerance,
-1 when something is not, 2 on a bad file or flag (one line, no traceback).
+parameters through the family registry (remat_lm/models/family.py). `verify` runs the model on a
+debug state's batch and compares logits, loss and gradients; its command line is
+`python -m remat_lm.llmc verify` (remat_lm/llmc.py).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +16,6 @@ import numpy as np
 from remat_lm.models import family
 from remat_lm.models.llmc_io import LlmcFormatError, read_model, read_state, write_model
 from remat import RecomputeConfig
-from remat_lm.training import flags as recompute_flags
-from remat_lm.argtypes import Parser, integer, real, usage_error
 
 # NOTE: tolerance. A float32 JAX port against a float32 (or float64-derived) reference differs by
 # rounding only: ~1e-6 for loss and gradients of the small models checked here. 1e-4 absolute
@@ -137,55 +128,3 @@ def verify(config, params, state) -> list[Row]:
         got = ours[name][: ref.shape[0]] if name == "wte" else ours[name]
         rows.append(Row(name, float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref)))))
     return rows
-
-
-def _recompute_from(a) -> RecomputeConfig:
-    """The RecomputeConfig of the parsed recompute flags (remat_lm.training.flags, the same as train.py's)."""
-    # NOTE: checked before from_flags, whose `auto` errors name train.py's --memory_budget, which
-    # verify does not take.
-    methods = [m.strip() for m in str(a.recompute_method).split(",")]
-    if len(methods) > 1 or "auto" in methods:
-        raise ValueError(f"--recompute_method {a.recompute_method}: verify runs one setting (auto plans against "
-                         f"train.py's compiled train step); pass one of none, uniform, block, or --recompute_segments "
-                         f"/ --recompute_every")
-    (label, rc), = recompute_flags.from_flags(vars(a))
-    return rc
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m remat_lm.models.llmc", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("verify", help="compare the model with an llm.c debug state file")
-    v.add_argument("model", help="llm.c model file (.bin)")
-    v.add_argument("state", help="llm.c debug state file (.bin)")
-    recompute_flags.add_arguments(v, train=False)  # the same recompute flags as train.py's
-    v.add_argument("--loss_chunk", type=integer(0), default=0,
-                   help="compute the loss over chunks of N positions (0: off)")
-    for f in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
-        v.add_argument(f"--{f}", type=real(above=0), default=None, help="LLaMA-3 header override")
-    return p
-
-
-def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
-    try:
-        recompute = _recompute_from(a)
-        config, params = load(a.model, recompute, scan_layers=a.scan_layers, norm_eps=a.norm_eps,
-                              rope_theta=a.rope_theta, ffn_dim_multiplier=a.ffn_dim_multiplier)
-        config = dataclasses.replace(config, loss_chunk=a.loss_chunk)
-        recompute.validate_for(config.n_layer)
-        state = load_state(a.state, config)
-    except (LlmcFormatError, ValueError, OSError) as e:
-        return usage_error("python -m remat_lm.models.llmc verify", e)
-    rows = verify(config, params, state)
-    print(f"{'tensor':<16} {'max |Δ|':>12} {'max |ref|':>12}  within {ATOL:g}")
-    for r in rows:
-        print(f"{r.tensor:<16} {r.max_abs_diff:>12.3e} {r.max_abs_ref:>12.3e}  {'ok' if r.ok else 'FAIL'}")
-    bad = [r.tensor for r in rows if not r.ok]
-    print(f"{len(rows) - len(bad)} of {len(rows)} tensors within tolerance"
-          + (f"; failing: {', '.join(bad)}" if bad else f" ({recompute.granularity} recompute)"))
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

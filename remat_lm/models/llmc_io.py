@@ -856,3 +856,66 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray, kind: str = "gpt2"
     with _atomic_writer(path) as f:
         _write_array(f, ints)
         _write_array(f, tok.astype(fmt.dtype))
+
+
+# ------------------------------------------------------------------------------------------------
+# The tensor layout of the model files' `to_llmc` / `from_llmc`: llm.c stacks each per-layer
+# parameter on a leading L axis; a `remat.linen.LayerStack` keeps layers as `h_0..h_{L-1}` (or one
+# stacked `h` under scan).
+
+def stack_layers(blocks, n_layer: int, scan: bool, path: tuple) -> np.ndarray:
+    """The parameter at `path` inside every layer of a LayerStack, stacked: (L, ...) float32.
+
+    Example:
+      >>> blocks = {"h_0": {"ln_1": {"w": np.ones(4)}}, "h_1": {"ln_1": {"w": np.zeros(4)}}}
+      >>> stack_layers(blocks, 2, False, ("ln_1", "w")).shape
+      (2, 4)
+    """
+    def get(tree):
+        for k in path:
+            tree = tree[k]
+        return tree
+    if scan:
+        return np.asarray(get(blocks["h"]), np.float32)
+    return np.stack([np.asarray(get(blocks[f"h_{i}"]), np.float32) for i in range(n_layer)])
+
+
+def unstack_layers(stacked: dict, n_layer: int, scan: bool) -> dict:
+    """{path: (L, ...) array} → the LayerStack's params (`h` stacked, or `h_0..h_{L-1}`), float32
+    JAX arrays (JAX is imported here, on first use).
+
+    Example:
+      >>> params = unstack_layers({("ln_1", "w"): np.ones((2, 4))}, 2, False)
+      >>> sorted(params), params["h_1"]["ln_1"]["w"].shape
+      (['h_0', 'h_1'], (4,))
+    """
+    import jax.numpy as jnp
+
+    def tree(index):
+        out: dict = {}
+        for path, arr in stacked.items():
+            node = out
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = jnp.asarray(arr if index is None else arr[index], jnp.float32)
+        return out
+    return {"h": tree(None)} if scan else {f"h_{i}": tree(i) for i in range(n_layer)}
+
+
+def check_llmc_tensors(model: str, shapes: dict, tensors) -> None:
+    """Raise ValueError unless `tensors` has exactly the names and shapes of `shapes`.
+
+    Example:
+      >>> check_llmc_tensors("GPT-2", {"wte": (4, 2)}, {"wte": np.zeros((4, 3))})
+      Traceback (most recent call last):
+      ValueError: GPT-2 llm.c tensor 'wte' has shape (4, 3) but the config needs (4, 2); check the config against the file's header
+    """
+    missing = [k for k in shapes if k not in tensors]
+    extra = [k for k in tensors if k not in shapes]
+    if missing or extra:
+        raise ValueError(f"{model} llm.c tensors: missing {missing}, unexpected {extra}; "
+                         f"expected exactly {list(shapes)}")
+    for k, s in shapes.items():
+        if tuple(np.shape(tensors[k])) != s:
+            raise ValueError(f"{model} llm.c tensor {k!r} has shape {tuple(np.shape(tensors[k]))} but the "
+                             f"config needs {s}; check the config against the file's header")

@@ -15,7 +15,7 @@ import stat
 import tempfile
 
 from remat.memory import format_bytes
-from remat_lm.training.config import UsageError
+from remat_lm.argtypes import UsageError
 
 # AdamW keeps the parameters, two moments and (transiently) the gradients, all float32.
 STATE_BYTES_PER_PARAM = 16

@@ -2,7 +2,7 @@
 
 Each field's `metadata` carries its help text (and `choices` where the set is closed), so the flag
 name, type, default and help cannot drift apart (`build_parser`); the recompute flags' come from
-`remat_lm.training.flags.FLAGS`, the table `python -m remat_lm.models.llmc verify` uses too. Validation that needs only the
+`remat_lm.training.flags.FLAGS`, the table `python -m remat_lm.llmc verify` uses too. Validation that needs only the
 values lives in `TrainConfig.__post_init__`; validation that needs files, devices or the model
 (data, `--init_from`, `--resume`, `--mesh` against the device count) happens in
 `remat_lm.training.prepare.prepare`, still before anything is written.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import typing
 from typing import Sequence
 
@@ -26,6 +25,8 @@ from remat_lm.models.attention import ATTENTION, DEFAULT_TILE
 from remat_lm.models.family import NAMES as model_family_names
 from remat import RecomputeConfig
 from remat_lm import argtypes
+from remat_lm.argtypes import UsageError  # noqa: F401  (re-exported: raised throughout training/)
+from remat_lm.training.checks import check_input_file
 from remat_lm.training import deepspeed as remat_deepspeed
 from remat_lm.training import flags as recompute_flags
 from remat.config import AutoRecompute
@@ -50,10 +51,6 @@ PATH_FLAGS = {
     "checkpoint_dir": "pass a directory to save into, or drop --checkpoint_dir to save nothing",
     "log_jsonl": "pass a file path, or drop --log_jsonl to write no log",
 }
-
-
-class UsageError(ValueError):
-    """A bad flag value or bad input file: `train.py` prints its one-line message and exits 2."""
 
 
 def _f(default, help: str, **meta):
@@ -111,7 +108,7 @@ class TrainConfig:
     dtype: str = _f("float32", "compute dtype (parameters and optimizer state stay float32)", choices=DTYPES)
     dropout: float = _f(0.0, "dropout probability")
     # -- activation recompute: names, types, defaults and help come from remat_lm.training.flags.FLAGS (shared with
-    #    `python -m remat_lm.models.llmc verify`); the values are validated once, by remat.RecomputeConfig
+    #    `python -m remat_lm.llmc verify`); the values are validated once, by remat.RecomputeConfig
     activation_recompute: bool = _r("activation_recompute")
     recompute_granularity: str | None = _r("recompute_granularity")
     recompute_method: str = _r("recompute_method")
@@ -261,7 +258,6 @@ class TrainConfig:
             except ValueError as e:
                 raise UsageError(str(e)) from None
         if self.deepspeed_config is not None:  # read by recompute_configs: a FIFO would block, /dev/zero never end
-            from remat_lm.training.checks import check_input_file
             check_input_file(self.deepspeed_config, "--deepspeed_config", "pass a DeepSpeed JSON config file")
         self.recompute_configs()  # validates the recompute flags
 
@@ -395,13 +391,6 @@ def _is_int(v) -> bool:
 # ------------------------------------------------------------------------------------------------
 # The CLI, generated from the fields.
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block): `train.py: error: ...`, exit 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def _flag_spec(f: dataclasses.Field, tp) -> dict:
     meta = dict(f.metadata)
     kw: dict = {"help": meta.pop("help")}
@@ -425,7 +414,7 @@ def _flag_spec(f: dataclasses.Field, tp) -> dict:
 
 def build_parser(prog: str = "train.py", description: str | None = None) -> argparse.ArgumentParser:
     """The argparse parser: one `--<field>` per TrainConfig field, with its type, default and help."""
-    p = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argtypes.Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         if "recompute_flag" in f.metadata:
@@ -449,7 +438,5 @@ def config_from_args(argv: Sequence[str] | None = None, prog: str = "train.py",
 
 
 def usage_exit(message: str, prog: str = "train.py") -> typing.NoReturn:
-    """Print `prog: error: message` on one line to stderr and exit 2."""
-    one_line = " ".join(str(message).split())
-    sys.stderr.write(f"{prog}: error: {one_line}\n")
-    raise SystemExit(2)
+    """Print `prog: error: message` on one line to stderr and exit 2 (`remat_lm.argtypes.usage_exit`)."""
+    argtypes.usage_exit(prog, message)

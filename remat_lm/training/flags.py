@@ -1,7 +1,7 @@
-"""The recompute flags of every command line (train.py, `python -m remat_lm.models.llmc verify`).
+"""The recompute flags of every command line (train.py, `python -m remat_lm.llmc verify`).
 
 One table, `FLAGS`, defines the vocabulary: each flag's name, type, default, help and the
-`RecomputeConfig` field it sets. `train.py` (via `remat_lm.training.TrainConfig`) and `remat_lm.models.llmc verify`
+`RecomputeConfig` field it sets. `train.py` (via `remat_lm.training.TrainConfig`) and `remat_lm.llmc verify`
 both generate their argparse flags from it (`argparse_kwargs`, `add_arguments`), so names, help
 and parsing are the same everywhere. `from_flags` turns flag values into `RecomputeConfig`s (or an
 `AutoRecompute` request for `--recompute_method auto`). The settings are validated once, by
@@ -222,16 +222,7 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
         except RecomputeConfigError as e:
             raise ValueError(_off_error(e, flags, recompute_granularity, ",".join(methods))
                              or flag_error(e, flags)) from None
-        label = g if g != "full" else f"full/{m}" + (f"/{num_layers}" if m != "none" else "")
-        if segments is not None:
-            label = f"full/segments/{segments}"
-        elif every is not None:
-            label = f"full/every/{every}"
-        elif rc.regions is not None:
-            label = f"full/regions/{rc.regions}"
-        label += "+offload" if rc.offload_inputs else ""
-        label += "+distributed" if distribute_axis is not None else ""
-        out.append((label, rc))
+        out.append((argtypes.config_label(rc), rc))
     return out
 
 
