@@ -158,7 +158,7 @@ def _init_wte(config: GPT2Config):
 class GPT2(nn.Module):
     """The GPT-2 language model.
 
-    `__call__(idx, targets=None, *, deterministic=True)` returns `(logits, loss)`: logits
+    `__call__(idx, targets=None, *, deterministic=True, decode_pos=None)` returns `(logits, loss)`: logits
     (B, T, Vp) float32 and the mean cross-entropy over B·T positions (None without targets).
     With `loss_chunk` > 0 and targets the loss is computed over chunks and logits is None (call
     without targets for them). Dropout needs `deterministic=False` and a `dropout` RNG.

@@ -180,7 +180,7 @@ PRESETS = {
 class Llama3(nn.Module):
     """The LLaMA-3 language model.
 
-    `__call__(idx, targets=None, *, deterministic=True)` returns `(logits, loss)`: logits
+    `__call__(idx, targets=None, *, deterministic=True, decode_pos=None)` returns `(logits, loss)`: logits
     (B, T, V) float32 and the mean cross-entropy over B·T positions (None without targets).
     With `loss_chunk` > 0 and targets the loss is computed over chunks and logits is None.
     Decoding (`decode_pos`, a `cache` collection): as for GPT-2 (RoPE at the decoded positions).
