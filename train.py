@@ -65,10 +65,10 @@ def main(argv=None) -> int:
     quiet_failed_save_threads()
 
     try:
-        remat_lm.training.run(cfg)
+        training.run(cfg)
     except (UsageError, LlmcFormatError) as e:  # bad input found while preparing: nothing was written
         usage_exit(str(e), PROG)
-    except remat_lm.training.TrainingDiverged as e:
+    except training.TrainingDiverged as e:
         sys.stderr.write(f"{PROG}: stopped: {e}\n")
         return 1
     except LogWriteError as e:  # a full disk under --log_jsonl: the checkpoints in flight were completed
