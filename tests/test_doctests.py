@@ -26,7 +26,7 @@ import remat_lm.models
 MODULES = sorted(
     [m.name for m in pkgutil.iter_modules(remat.__path__, "remat.")] + ["remat"]
     + [m.name for m in pkgutil.iter_modules(remat_lm.models.__path__, "remat_lm.models.")]
-    + ["remat_lm.argtypes", "remat_lm.training.flags", "remat_lm.training.deepspeed"])
+    + ["remat_lm.argtypes", "remat_lm.sample", "remat_lm.training.flags", "remat_lm.training.deepspeed"])
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 B, T = 2, 8
 TOKENS = np.array([50256, 464, 3290, 287, 262, 995, 13, 50256], np.uint16)
@@ -78,7 +78,8 @@ def _model_namespace(module: str) -> dict:
 # whole-model modules cost ~14 s CPU together and what they show (init, loss, gradients, decoding)
 # is tested in depth by test_models.py / test_sample.py, so they run with the slow set
 # (`make test-all`); the default set runs the rest in ~15 s.
-SLOW = {"remat_lm.models.gpt2", "remat_lm.models.llama3", "remat_lm.models.sample", "remat_lm.models.attention"}  # attention: ~10 s (tested in depth by test_attention.py)
+SLOW = {"remat_lm.models.gpt2", "remat_lm.models.llama3", "remat_lm.models.sample", "remat_lm.sample",
+        "remat_lm.models.attention"}  # attention: ~10 s (tested in depth by test_attention.py)
 
 
 @pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODULES])

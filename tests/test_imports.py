@@ -35,9 +35,6 @@ LIBRARY_MAY_NOT_IMPORT = {"argparse"}
 # the tests fail on any edge not listed here (and on a listed edge that is gone, so the list cannot
 # go stale).
 PENDING = {
-    # models/sample.py's command line and run-directory loading move to remat_lm/sample.py
-    ("remat_lm.models.sample", "remat_lm.training.saving"),
-    ("remat_lm.models.sample", "remat_lm.argtypes"),
     # the family.py → llmc_io.py → family.py / llama3.py circle: llmc_io is to read the family's
     # format description instead of asking the registry and the LLaMA-3 file
     ("remat_lm.models.llmc_io", "remat_lm.models.family"),

@@ -1,4 +1,5 @@
-"""KV-cached generation (remat_lm/models/sample.py) against the full forward, sampling, and the sample CLIs."""
+"""KV-cached generation (remat_lm/models/sample.py, the models' decode path) against the full forward, sampling,
+and the sample CLI (remat_lm/sample.py)."""
 import dataclasses
 import functools
 import io
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import train
+from remat_lm import sample as sample_cli
 from remat_lm.models import gpt2, llama3, llmc, sample
 from remat_lm.models import tokenizer as tk
 from remat_lm.models.llmc_io import write_tokens
@@ -84,6 +86,21 @@ def test_cached_logits_equal_full_forward_at_every_position(name, scan):
     assert got.shape == ref.shape
     # float32, same operations in the same order up to the masked (zero-weight) keys: rounding only.
     assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref)), np.max(np.abs(got - ref))
+
+
+def test_decode_without_a_cache_names_the_fix():
+    """The model's decode path (decode_pos) refuses to run without the cache collection, rather
+    than making one as long as its input."""
+    cfg, params = _params("llama3")
+    model = llama3.Llama3(cfg)
+    with pytest.raises(ValueError, match="needs a key/value cache.*init_cache"):
+        model.apply({"params": params}, jnp.zeros((1, 1), jnp.int32), decode_pos=0, mutable=["cache"])
+    cache = sample.init_cache(cfg, 1, 4)
+    assert jax.tree.structure(cache) == jax.tree.structure(
+        {"blocks": {f"h_{i}": {"attn": {"k": 0, "v": 0}} for i in range(cfg.n_layer)}})
+    assert cache["blocks"]["h_0"]["attn"]["k"].shape == (1, 4, cfg.n_kv_head, cfg.n_embd // cfg.n_head)
+    with pytest.raises(ValueError, match="do not fit the cache of 4 positions"):
+        sample.forward(params, cfg, jnp.zeros((1, 2), jnp.int32), cache, 3)
 
 
 @pytest.mark.parametrize("name,prompt_len", [("gpt2", 5), ("gpt2", 20), ("llama3", 5)])
@@ -159,7 +176,7 @@ def big_vocab_bin(tmp_path_factory):
 
 
 def _cli(argv, capsys):
-    rc = sample.main(argv)
+    rc = sample_cli.main(argv)
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -204,11 +221,11 @@ def test_cli_bad_input_exits_2_with_one_line(args, match, tmp_path, model_bin, b
     rc, out, err = _cli([a.format(**fill) for a in args], capsys)
     lines = [l for l in err.splitlines() if l.strip()]
     assert rc == 2 and out == "" and len(lines) == 1 and match in lines[0], err
-    assert lines[0].startswith("python -m remat_lm.models.sample: error: ")
+    assert lines[0].startswith("python -m remat_lm.sample: error: ")
 
 
 def test_cli_process_bad_tokenizer_exits_2_without_traceback(tmp_path, model_bin):
-    p = subprocess.run([sys.executable, "-m", "remat_lm.models.sample", model_bin, "--prompt", "a", "--tokenizer",
+    p = subprocess.run([sys.executable, "-m", "remat_lm.sample", model_bin, "--prompt", "a", "--tokenizer",
                         _bad_tokenizer(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
     lines = [l for l in p.stderr.splitlines() if l.strip()]
@@ -258,7 +275,7 @@ def test_sampler_decodes_byte_text_from_the_start_of_the_validation_data(text_fi
 @pytest.mark.slow  # a training run and a CLI run, ~15 s
 def test_train_samples_token_data_and_the_cli_continues_the_saved_run(tmp_path, capsys):
     """--sample_every 2 over 3 steps samples at steps 2 and 3 (the last); the text is decoded with
-    --tokenizer and generated with --temperature/--top_k/--seed; `python -m remat_lm.models.sample` on the
+    --tokenizer and generated with --temperature/--top_k/--seed; `python -m remat_lm.sample` on the
     checkpoint (the tokenizer comes from the run's config) prints the same text."""
     rng = np.random.default_rng(0)
     tokens = [bytes([i]) for i in range(256)] + [bytes(rng.integers(97, 123, 3).astype(np.uint8)) for _ in range(44)]
@@ -282,7 +299,7 @@ def test_train_samples_token_data_and_the_cli_continues_the_saved_run(tmp_path, 
     assert samples[3] == gen(7) != gen(8)  # the flags reach the generation: the seed matters, so it samples
     flags = ["--prompt", "abc", "--sample_length", "70", "--temperature", "0.8", "--top_k", "5", "--seed", "7"]
     for step_flag, step in (([], 3), (["--step", "2"], 2)):  # the latest step, and an earlier one
-        rc = sample.main([str(tmp_path / "ck"), *flags, *step_flag])
+        rc = sample_cli.main([str(tmp_path / "ck"), *flags, *step_flag])
         out, err = capsys.readouterr()
         assert rc == 0 and out == samples[step] + "\n", err
         assert f"gpt2 from step {step} of" in err

@@ -1,4 +1,4 @@
-"""Bad numbers on every command line (bench CLIs, remat_lm.models.sample, remat_lm.llmc, train.py) and a signal
+"""Bad numbers on every command line (bench CLIs, remat_lm.sample, remat_lm.llmc, train.py) and a signal
 while train.py is still importing: exit 2 (or 130/143) with one line naming the flag, no traceback,
 no hang.
 
@@ -47,7 +47,7 @@ CASES = {
     "remat_lm.bench.scaling": ((), {"rounds": POS}),
     "remat_lm.bench.step_profile": ((), {**{k: POS for k in SHAPE}, "steps": POS, "top": POS}),
     "remat_lm.bench.torch_peer": ((), {**{k: POS for k in SHAPE}, "steps": POS, "torch_threads": ("0", "1,0", "abc", "²")}),
-    "remat_lm.models.sample": (("ckpt",), {"sample_length": POS, "num_samples": POS, "top_k": POS, "step": NONNEG,
+    "remat_lm.sample": (("ckpt",), {"sample_length": POS, "num_samples": POS, "top_k": POS, "step": NONNEG,
                                   "seed": ("-1", "4294967296", "18446744073709551616", "abc", "²"),
                                   "temperature": NONNEGREAL, "norm_eps": POSREAL, "rope_theta": POSREAL,
                                   "ffn_dim_multiplier": POSREAL}),
@@ -105,7 +105,7 @@ def test_the_guard_lets_good_values_through(parse_only, capsys):
 
 
 def test_prompt_token_ids_are_ascii_integers():
-    from remat_lm.models.sample import parse_token_ids
+    from remat_lm.sample import parse_token_ids
     assert parse_token_ids("3, 5", 10) == [3, 5]
     for spec in ("٣", "²", "3,x"):
         with pytest.raises(ValueError, match="--prompt_tokens"):
@@ -174,7 +174,7 @@ PROCESSES = [
     ["-m", "remat_lm.bench.scaling", "--rounds", "0"],
     ["-m", "remat_lm.bench.step_profile", "--top", "0"],
     ["-m", "remat_lm.bench.torch_peer", "--steps", "²"],
-    ["-m", "remat_lm.models.sample", "ckpt", "--seed", "18446744073709551616"],
+    ["-m", "remat_lm.sample", "ckpt", "--seed", "18446744073709551616"],
     ["-m", "remat_lm.llmc", "verify", "m.bin", "s.bin", "--loss_chunk", "-1"],
 ]
 

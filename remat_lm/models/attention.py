@@ -693,3 +693,36 @@ def causal_attention(q, k, v, n_head: int, n_kv_head: int, *, attention: str = "
             raise
         # auto: a shape the kernel turns down at trace time (its own checks) runs tiled instead
         return tiled()
+
+
+# ------------------------------------------------------------------------------------------------
+# Decoding: new queries over a key/value cache.
+
+def cached_attention(q, k, v, positions):
+    """Causal GQA attention of S new queries over a cache of keys and values (no gradient kept).
+
+    The decode core of `remat_lm.models.layers.CausalSelfAttention`: one plain (S, T_max) score
+    matrix per kv head, whatever the model's `attention` setting (the tiled, cuDNN and Pallas cores
+    are training kernels over a whole causal sequence). Query head h reads kv head h // G. Scores
+    and softmax are float32 (as the `xla` core's); cache entries past a query's position are
+    masked, so unfilled ones are never read.
+
+    Args:
+      q: (B, S, H, D); k, v: (B, T_max, K, D), the cache; positions: (S,) the queries' positions.
+    Returns:
+      the context, heads merged: (B, S, H·D) in v's dtype.
+    Example:
+      >>> q4, k4, v4 = q.reshape(2, 8, 4, 8), k.reshape(2, 8, 2, 8), v.reshape(2, 8, 2, 8)  # (B, T, heads, D)
+      >>> y = cached_attention(q4, k4, v4, jnp.arange(8))   # a cache filled at positions 0..7
+      >>> y.shape, bool(jnp.allclose(y, causal_attention(q, k, v, 4, 2, attention="xla"), atol=1e-5))
+      ((2, 8, 32), True)
+    """
+    B, S, H, D = q.shape
+    T, K = k.shape[1], k.shape[2]
+    qg = q.reshape(B, S, K, H // K, D)
+    s = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=F32) * (1.0 / math.sqrt(D))  # (B, K, G, S, T)
+    visible = jnp.arange(T)[None, :] <= positions[:, None]  # (S, T)
+    s = jnp.where(visible, s, -jnp.inf)
+    p = jnp.exp(s - jax.nn.logsumexp(s, axis=-1, keepdims=True))
+    y = jnp.einsum("bkgst,btkd->bskgd", p.astype(v.dtype), v)  # (B, S, K, G, D)
+    return y.reshape(B, S, H * D)

@@ -42,7 +42,7 @@ class Block(nn.Module):
     config: "GPT2Config"
 
     @nn.compact
-    def __call__(self, x, deterministic: bool = True):
+    def __call__(self, x, deterministic: bool = True, decode_pos=None):
         cfg, dt = self.config, self.config.compute_dtype
         # NOTE: GPT-2 (and llm.c) scale the init of residual projections by 1/sqrt(2·n_layer).
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
@@ -51,7 +51,7 @@ class Block(nn.Module):
         h = checkpoint_name(parallel.residual(LayerNorm(dt, name="ln_1")(x), sc), names.LN_1)
         x = x + CausalSelfAttention(cfg.n_head, cfg.n_head, dt, cfg.dropout, use_bias=True,
                                     proj_std=proj_std, attention=cfg.attention,
-                                    attention_tile=cfg.attention_tile, sharding=sc, name="attn")(h, deterministic)
+                                    attention_tile=cfg.attention_tile, sharding=sc, name="attn")(h, deterministic, decode_pos)
         x = parallel.residual(x, sc)
         h = checkpoint_name(parallel.residual(LayerNorm(dt, name="ln_2")(x), sc), names.LN_2)
         return parallel.residual(x + MLP(4 * cfg.n_embd, dt, cfg.dropout, proj_std, sc, name="mlp")(h, deterministic), sc)
@@ -157,10 +157,14 @@ def _init_wte(config: GPT2Config):
 class GPT2(nn.Module):
     """The GPT-2 language model.
 
-    `__call__(idx, targets=None, *, deterministic=True)` returns `(logits, loss)`: logits
+    `__call__(idx, targets=None, *, deterministic=True, decode_pos=None)` returns `(logits, loss)`: logits
     (B, T, Vp) float32 and the mean cross-entropy over B·T positions (None without targets).
     With `loss_chunk` > 0 and targets the loss is computed over chunks and logits is None (call
     without targets for them). Dropout needs `deterministic=False` and a `dropout` RNG.
+    Decoding: with `decode_pos` (an int, may be traced) idx holds the tokens at positions
+    decode_pos..decode_pos+T-1; attention reads and extends the key/value `cache` collection
+    (`apply({"params": p, "cache": c}, idx, decode_pos=pos, mutable=["cache"])`, loop layout;
+    remat_lm.models.sample drives it).
     Example:
       >>> model = GPT2(GPT2Config.preset("tiny"))
       >>> logits, loss = jax.jit(model.apply)({"params": params}, idx, targets)
@@ -170,19 +174,21 @@ class GPT2(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, idx, targets=None, *, deterministic: bool = True):
+    def __call__(self, idx, targets=None, *, deterministic: bool = True, decode_pos=None):
         cfg, dt = self.config, self.config.compute_dtype
         B, T = idx.shape
         if T > cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={cfg.block_size}")
         wte = self.param("wte", _init_wte(cfg), (cfg.padded_vocab_size, cfg.n_embd), jnp.float32)
         wpe = self.param("wpe", nn.initializers.normal(0.02), (cfg.block_size, cfg.n_embd), jnp.float32)
-        x = (embed(wte, idx) + wpe[:T]).astype(dt)  # (B, T, C)
+        rows = wpe[:T] if decode_pos is None else jax.lax.dynamic_slice_in_dim(wpe, decode_pos, T, axis=0)  # (T, C)
+        x = (embed(wte, idx) + rows).astype(dt)  # (B, T, C)
         x = nn.Dropout(cfg.dropout)(x, deterministic)
         x = parallel.residual(x, cfg.sharding)  # the residual stream entering the blocks (NOTE in remat_lm.models.parallel)
+        decode = () if decode_pos is None else (decode_pos,)  # the blocks' third argument, only when decoding
         # NOTE: the one place layers are grouped and rematerialized (remat.linen.LayerStack).
         x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,
-                       scan=cfg.scan_layers, name="blocks")(x, deterministic)
+                       scan=cfg.scan_layers, name="blocks")(x, deterministic, *decode)
         x = LayerNorm(dt, name="ln_f")(x)  # (B, T, C)
         return lm_head(x, wte, targets, cfg.vocab_size, cfg.loss_chunk)  # logits (B, T, Vp) or None, loss
 

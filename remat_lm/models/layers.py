@@ -325,11 +325,14 @@ def rope_frequencies(head_dim: int, theta: float, use_scaled: bool) -> np.ndarra
     return out.astype(np.float32)
 
 
-def apply_rope(x, theta: float, use_scaled: bool):
+def apply_rope(x, theta: float, use_scaled: bool, pos=None, max_len: int | None = None):
     """Rotate adjacent feature pairs (x[2i], x[2i+1]) at position t by t·freq_i (float32 math).
 
     Args:
-      x: (B, T, heads, D).
+      x: (B, T, heads, D), at positions 0..T-1, or pos..pos+T-1 when `pos` is given.
+      pos, max_len: decoding: the first position (may be traced) and the cache length the angle
+        table is built for (NumPy, as for positions 0..T-1, so both paths rotate by bit-identical
+        factors).
     Example:
       >>> qh = q.reshape(2, 8, 4, 8)  # (B, T, heads, D)
       >>> bool(jnp.allclose(jnp.linalg.norm(apply_rope(qh, 500000.0, True), axis=-1),
@@ -337,8 +340,12 @@ def apply_rope(x, theta: float, use_scaled: bool):
       True
     """
     B, T, nh, D = x.shape
-    angles = np.outer(np.arange(T, dtype=np.float32), rope_frequencies(D, theta, use_scaled))  # (T, D/2)
-    cos, sin = np.cos(angles)[None, :, None], np.sin(angles)[None, :, None]  # (1, T, 1, D/2)
+    angles = np.outer(np.arange(T if pos is None else max_len, dtype=np.float32),
+                      rope_frequencies(D, theta, use_scaled))  # (T or max_len, D/2)
+    cos, sin = np.cos(angles), np.sin(angles)
+    if pos is not None:
+        cos, sin = (lax.dynamic_slice_in_dim(jnp.asarray(t), pos, T, axis=0) for t in (cos, sin))  # (T, D/2)
+    cos, sin = cos[None, :, None], sin[None, :, None]  # (1, T, 1, D/2)
     xr = x.astype(F32).reshape(B, T, nh, D // 2, 2)
     x0, x1 = xr[..., 0], xr[..., 1]
     out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)  # (B, T, heads, D/2, 2)
@@ -438,6 +445,8 @@ class CausalSelfAttention(nn.Module):
       rope_theta: apply RoPE to q and k when set (`use_scaled_rope`: LLaMA-3.1 scaling).
       proj_std: init std of c_proj (GPT-2 scales it by 1/sqrt(2·n_layer)).
       sharding: a `remat_lm.models.parallel.ShardingConfig`: heads split over its tensor axis (or None).
+    `__call__(x, deterministic=True, decode_pos=None)`: with `decode_pos` (an int, may be traced)
+    x holds positions decode_pos..decode_pos+T-1 and the layer decodes (see `_decode`).
     Example:
       >>> attn = CausalSelfAttention(4, 2, attention="xla")
       >>> variables = attn.init(jax.random.key(0), x, True)
@@ -457,7 +466,7 @@ class CausalSelfAttention(nn.Module):
     sharding: Any = None
 
     @nn.compact
-    def __call__(self, x, deterministic: bool = True):
+    def __call__(self, x, deterministic: bool = True, decode_pos=None):
         B, T, C = x.shape
         H, K, D = self.n_head, self.n_kv_head, C // self.n_head
         c_attn = Linear((H + 2 * K) * D, self.use_bias, self.dtype, name="c_attn")
@@ -465,19 +474,45 @@ class CausalSelfAttention(nn.Module):
             q, k, v = jnp.split(c_attn(x), [H * D, (H + K) * D], axis=-1)  # (B, T, H·D), (B, T, K·D) ×2
         else:  # one matmul per piece: an even split of c_attn's output over tensor is not head-aligned
             q, k, v = c_attn(x, splits=(H * D, (H + K) * D))
-        if self.rope_theta is not None:
-            q = apply_rope(q.reshape(B, T, H, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, H * D)
-            k = apply_rope(k.reshape(B, T, K, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, K * D)
-        q, k, v = (checkpoint_name(parallel.split(t, self.sharding), names.QKV) for t in (q, k, v))
-        rate = 0.0 if deterministic else self.dropout
-        key = self.make_rng("dropout") if rate > 0 else None
-        y = attention_lib.causal_attention(q, k, v, H, K, attention=self.attention, tile=self.attention_tile,
-                                           dropout_rate=rate, key=key,
-                                           spec=None if self.sharding is None else self.sharding.split)  # (B, T, C)
+        if decode_pos is not None:
+            y = self._decode(q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D), decode_pos)
+        else:
+            if self.rope_theta is not None:
+                q = apply_rope(q.reshape(B, T, H, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, H * D)
+                k = apply_rope(k.reshape(B, T, K, D), self.rope_theta, self.use_scaled_rope).reshape(B, T, K * D)
+            q, k, v = (checkpoint_name(parallel.split(t, self.sharding), names.QKV) for t in (q, k, v))
+            rate = 0.0 if deterministic else self.dropout
+            key = self.make_rng("dropout") if rate > 0 else None
+            y = attention_lib.causal_attention(q, k, v, H, K, attention=self.attention, tile=self.attention_tile,
+                                               dropout_rate=rate, key=key,
+                                               spec=None if self.sharding is None else self.sharding.split)  # (B, T, C)
         y = checkpoint_name(parallel.split(y, self.sharding), names.ATTN_CONTEXT)
         y = Linear(C, self.use_bias, self.dtype, self.proj_std, name="c_proj")(y)
         y = checkpoint_name(parallel.residual(y, self.sharding), names.ATTN_OUT)
         return nn.Dropout(self.dropout)(y, deterministic)
+
+    def _decode(self, q, k, v, pos):
+        """Write k, v (B, S, K, D) at positions pos..pos+S-1 of the `cache` collection (`k`, `v`:
+        (B, T_max, K, D) in the compute dtype) and attend over it (`attention_lib.cached_attention`).
+
+        The cache is made by `init` (its length: the input's) and must be passed to `apply` with
+        `mutable=["cache"]`; positions past T_max are clamped by the update, so callers check them.
+        """
+        made = self.has_variable("cache", "k")
+        if not made and not self.is_initializing():
+            raise ValueError("decoding (decode_pos set) needs a key/value cache: pass variables {'params': ..., "
+                             "'cache': ...} from remat_lm.models.sample.init_cache and apply(..., mutable=['cache'])")
+        ck = self.variable("cache", "k", jnp.zeros, k.shape, k.dtype)  # (B, T_max, K, D)
+        cv = self.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
+        if self.rope_theta is not None:  # the angle table spans the cache, sliced at pos
+            T_max = ck.value.shape[1]
+            q = apply_rope(q, self.rope_theta, self.use_scaled_rope, pos, T_max)
+            k = apply_rope(k, self.rope_theta, self.use_scaled_rope, pos, T_max)
+        if made:  # (init only makes the cache: it stays empty, as Flax's decoders leave it)
+            ck.value = lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), (0, pos, 0, 0))
+            cv.value = lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), (0, pos, 0, 0))
+        positions = pos + jnp.arange(q.shape[1])  # (S,)
+        return attention_lib.cached_attention(q, ck.value, cv.value, positions)  # (B, S, H·D)
 
 
 class MLP(nn.Module):

@@ -47,7 +47,7 @@ class Block(nn.Module):
     config: "Llama3Config"
 
     @nn.compact
-    def __call__(self, x, deterministic: bool = True):
+    def __call__(self, x, deterministic: bool = True, decode_pos=None):
         cfg, dt = self.config, self.config.compute_dtype
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         sc = cfg.sharding  # sequence parallelism: (B, T, C) split along T between the pieces
@@ -56,7 +56,7 @@ class Block(nn.Module):
         x = x + CausalSelfAttention(cfg.n_head, cfg.n_kv_head, dt, cfg.dropout, use_bias=False,
                                     rope_theta=cfg.rope_theta, use_scaled_rope=cfg.use_scaled_rope,
                                     proj_std=proj_std, attention=cfg.attention,
-                                    attention_tile=cfg.attention_tile, sharding=sc, name="attn")(h, deterministic)
+                                    attention_tile=cfg.attention_tile, sharding=sc, name="attn")(h, deterministic, decode_pos)
         x = parallel.residual(x, sc)
         h = checkpoint_name(parallel.residual(RMSNorm(dt, cfg.norm_eps, name="ln_2")(x), sc), names.LN_2)
         return parallel.residual(x + SwiGLU(cfg.ffn_hidden, dt, cfg.dropout, proj_std, sc, name="mlp")(h, deterministic), sc)
@@ -179,9 +179,10 @@ PRESETS = {
 class Llama3(nn.Module):
     """The LLaMA-3 language model.
 
-    `__call__(idx, targets=None, *, deterministic=True)` returns `(logits, loss)`: logits
+    `__call__(idx, targets=None, *, deterministic=True, decode_pos=None)` returns `(logits, loss)`: logits
     (B, T, V) float32 and the mean cross-entropy over B·T positions (None without targets).
     With `loss_chunk` > 0 and targets the loss is computed over chunks and logits is None.
+    Decoding (`decode_pos`, a `cache` collection): as for GPT-2 (RoPE at the decoded positions).
     Example:
       >>> model = Llama3(Llama3Config.preset("tiny"))
       >>> logits, loss = jax.jit(model.apply)({"params": params}, idx, targets)
@@ -191,7 +192,7 @@ class Llama3(nn.Module):
     config: Llama3Config
 
     @nn.compact
-    def __call__(self, idx, targets=None, *, deterministic: bool = True):
+    def __call__(self, idx, targets=None, *, deterministic: bool = True, decode_pos=None):
         cfg, dt = self.config, self.config.compute_dtype
         if idx.shape[1] > cfg.block_size:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size={cfg.block_size}")
@@ -199,9 +200,10 @@ class Llama3(nn.Module):
         x = embed(wte, idx).astype(dt)  # (B, T, C)
         x = nn.Dropout(cfg.dropout)(x, deterministic)
         x = parallel.residual(x, cfg.sharding)  # the residual stream entering the blocks (NOTE in remat_lm.models.parallel)
+        decode = () if decode_pos is None else (decode_pos,)  # the blocks' third argument, only when decoding
         # NOTE: the one place layers are grouped and rematerialized (remat.linen.LayerStack).
         x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,
-                       scan=cfg.scan_layers, name="blocks")(x, deterministic)
+                       scan=cfg.scan_layers, name="blocks")(x, deterministic, *decode)
         x = RMSNorm(dt, cfg.norm_eps, name="ln_f")(x)  # (B, T, C)
         return LMHead(cfg.vocab_size, chunk=cfg.loss_chunk, name="lm_head")(x, targets)  # logits (B, T, V) or None
 

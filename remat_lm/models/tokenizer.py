@@ -10,7 +10,7 @@ the byte strings and decodes UTF-8 with errors="replace" (a token may hold part 
 # is encoded by a greedy longest match over those byte strings. GPT-2's vocabulary holds every
 # single byte, so any text encodes; the ids are a valid spelling of the text but not always the
 # ones GPT-2's BPE would choose (a model still continues them sensibly). For exact ids pass them
-# directly (`python -m remat_lm.models.sample ... --prompt_tokens 50256,464`).
+# directly (`python -m remat_lm.sample ... --prompt_tokens 50256,464`).
 
 Example:
     >>> tok = load("tokenizer.bin")   # e.g. llm.c's gpt2_tokenizer.bin
