@@ -416,7 +416,11 @@ def read_model(path: str | os.PathLike, **overrides: float | None) -> tuple[str,
         given = [k for k, v in overrides.items() if v is not None]
         if any(k not in header.float_ranges for k in given):
             owners = [h.title for h in _formats() if all(k in h.float_ranges for k in given)]
-            raise ValueError(f"{path}: {'/'.join(given)} overrides apply to {' and '.join(owners) or 'no'} files only")
+            if not owners:
+                known = sorted({k for h in _formats() for k in h.float_ranges})
+                raise ValueError(f"{path}: no llm.c header has the float field(s) {', '.join(given)}; "
+                                 f"overrides name one of {', '.join(known)}")
+            raise ValueError(f"{path}: {'/'.join(given)} overrides apply to {' and '.join(owners)} files only")
         itemsize = 4 if file_dtype == "float32" else 2
         n = header.n_params()
         _check_size(path, size, HEADER_BYTES + n * itemsize,
