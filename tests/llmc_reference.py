@@ -18,7 +18,8 @@ import math
 
 import numpy as np
 
-from remat_lm.models.llmc_io import GPT2Header, Llama3Header
+from remat_lm.models.gpt2 import GPT2Header
+from remat_lm.models.llama3 import Llama3Header
 
 GPT2_LN_EPS = 1e-5
 

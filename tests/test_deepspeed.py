@@ -13,7 +13,7 @@ from remat import RecomputeConfig, memory
 from remat_lm.training import deepspeed
 from remat_lm.training.flags import recompute_configs
 from remat_lm.training import UsageError, config_from_args
-from remat_lm.training.model import family, init_params
+from remat_lm.models.family import get as family
 
 N_LAYER = 4
 
@@ -29,7 +29,7 @@ def _saved(argv):
     cfg = config_from_args(["--n_layer", str(N_LAYER)] + argv)
     fam = family(cfg.model)
     mcfg = fam.config(cfg.preset, n_layer=N_LAYER, recompute=cfg.recompute)
-    params = init_params(fam, mcfg, jax.random.PRNGKey(0))
+    params = fam.init_params(mcfg, jax.random.PRNGKey(0))
     idx = jnp.zeros((2, 32), jnp.int32)
     return memory.saved_residuals(lambda p: fam.loss_fn(p, mcfg, idx, idx), params)
 
@@ -63,7 +63,7 @@ def test_cpu_checkpointing_puts_region_inputs_in_host_memory_in_the_traced_step(
     assert cfg.recompute.offload_inputs and cfg.recompute_configs()[0][0] == "full/none+offload"
     fam = family("gpt2")
     mcfg = fam.config("tiny", recompute=cfg.recompute)
-    params = init_params(fam, mcfg, jax.random.PRNGKey(0))
+    params = fam.init_params(mcfg, jax.random.PRNGKey(0))
     idx = jnp.zeros((2, 16), jnp.int32)
     text = str(jax.make_jaxpr(jax.grad(lambda p: fam.loss_fn(p, mcfg, idx, idx)))(params))
     assert "<host>" in text and "MemorySpace.Host" in text

@@ -34,12 +34,7 @@ LIBRARY_MAY_NOT_IMPORT = {"argparse"}
 # NOTE: known edges that other pieces of issue 23 are removing, each to be deleted with its fix;
 # the tests fail on any edge not listed here (and on a listed edge that is gone, so the list cannot
 # go stale).
-PENDING = {
-    # the family.py → llmc_io.py → family.py / llama3.py circle: llmc_io is to read the family's
-    # format description instead of asking the registry and the LLaMA-3 file
-    ("remat_lm.models.llmc_io", "remat_lm.models.family"),
-    ("remat_lm.models.llmc_io", "remat_lm.models.llama3"),
-}
+PENDING: set = set()  # (importer, imported) edges still to fix; empty: none
 
 
 def _modules() -> dict[str, str]:

@@ -24,9 +24,9 @@ from llmc_reference import (
     tiny_llama3_header,
 )
 from remat_lm.models import llmc_io
+from remat_lm.models.gpt2 import GPT2Header
+from remat_lm.models.llama3 import Llama3Header
 from remat_lm.models.llmc_io import (
-    GPT2Header,
-    Llama3Header,
     LlmcFormatError,
     bfloat16_bits_to_float32,
     float32_to_bfloat16_bits,

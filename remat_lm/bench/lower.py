@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from remat import RecomputeConfig
 from remat_lm.argtypes import Parser, integer
+from remat_lm.models import family
 from remat_lm.training import flags as remat_flags
 from remat.memory import PLATFORMS, building_for, lowered_for
 
@@ -32,7 +33,6 @@ def model_config(model: str = "gpt2", *, preset: str = "tiny", recompute: Recomp
                  **overrides):
     """The model config of `preset` with `recompute` and other fields (dtype, attention, scan_layers,
     loss_chunk, ...)."""
-    from remat_lm.models import family
     return family.get(model).config(preset, recompute=recompute or RecomputeConfig(), **overrides)
 
 
@@ -49,7 +49,6 @@ def lower_train_step(mcfg, platform: str, *, batch: int = 2, seq: int | None = N
     `tensor` > 1 lowers it on a data × tensor mesh of this host's devices (tensor parallelism, the
     model's sharding constraints), as `remat_lm.training.compile` does.
     """
-    from remat_lm.models import family
     from remat_lm.training.optim import make_optimizer
     fam = family.of(mcfg)
     seq = seq or mcfg.block_size
@@ -80,7 +79,6 @@ def lower_seeded_grad(mcfg, platform: str, *, batch: int = 2, seq: int | None = 
     Every cotangent of the backward is a multiple of `c`, and nothing in the forward reads it, so
     "depends on %arg0" in the program means "waits for the backward" (`copy_backs`).
     """
-    from remat_lm.models import family
     fam = family.of(mcfg)
     seq = seq or mcfg.block_size
     with building_for(platform):
@@ -195,7 +193,7 @@ def report(mcfg, platform: str, *, tensor: int = 1) -> dict:
 def main(argv=None) -> int:
     p = Parser(prog="python -m remat_lm.bench.lower", description=__doc__.split("\n\n")[0])
     p.add_argument("--platform", default="tpu", choices=PLATFORMS)
-    p.add_argument("--model", default="gpt2", choices=("gpt2", "llama3"))
+    p.add_argument("--model", default="gpt2", choices=family.NAMES)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--attention", default="auto")

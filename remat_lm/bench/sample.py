@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         out = cached()
         first = time.perf_counter() - t0
-        naive = _no_cache(fam.model(cfg), params, cfg, prompt, a.tokens)
+        naive = _no_cache(fam.model_cls(cfg), params, cfg, prompt, a.tokens)
         assert list(out[0]) == naive(), f"{name}: the cached and uncached greedy tokens differ"
         ms = interleaved_ms({"cache": cached, "naive": naive}, n=a.rounds)
         c, n = median(ms["cache"]), median(ms["naive"])

@@ -30,6 +30,7 @@ import tempfile
 import time
 
 from remat_lm.bench import policies
+from remat_lm.models import family
 from remat_lm.bench.common import REFERENCE_BATCH, machine, markdown_table, median, publish, cli
 from remat_lm.argtypes import Parser, integer
 
@@ -109,7 +110,6 @@ def run(model="gpt2", setting="none", *, n_layer=None, n_embd=None, n_head=None,
       ['idle', 'matmul alone']
     """
     import jax
-    from remat_lm.models import family
     info = machine()
     config, seq = policies.build_config(model, "ref", n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                                         seq=seq, vocab=vocab)
@@ -184,7 +184,7 @@ def report(res: dict) -> str:
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m remat_lm.bench.step_profile", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt2", choices=["gpt2", "llama3"])
+    p.add_argument("--model", default="gpt2", choices=family.NAMES)
     p.add_argument("--setting", default="none", help="a remat_lm.bench.policies setting name (default none)")
     for k in ("n_layer", "n_embd", "n_head", "seq", "batch", "vocab"):
         p.add_argument(f"--{k}", type=integer(1), default=None, help=f"override the reference shape's {k}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -24,14 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from remat_lm.models import parallel
-from remat_lm.models.attention import ATTENTION, DEFAULT_TILE
-from remat_lm.models.layers import MLP, CausalSelfAttention, LayerNorm, embed, lm_head
-from remat_lm.models.llmc_io import GPT2Header, check_llmc_tensors, stack_layers, unstack_layers
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from remat.memory import LayerBytes
+from remat_lm.models import llmc_io, parallel
+from remat_lm.models.config import ModelConfig
+from remat_lm.models.family import Family
+from remat_lm.models.layers import MLP, CausalSelfAttention, LayerNorm, embed, lm_head
+from remat_lm.models.llmc_io import check_llmc_tensors, stack_layers, unstack_layers
+from remat_lm.models.memory_model import F32, lm_head_bytes, lse_bytes
 
 # Norm (LayerNorm), attention (CausalSelfAttention with n_kv_head = n_head, biases, no RoPE) and
 # MLP (c_fc → tanh-GELU → c_proj) are the shared pieces of remat_lm/models/layers.py.
@@ -57,86 +59,6 @@ class Block(nn.Module):
         return parallel.residual(x + MLP(4 * cfg.n_embd, dt, cfg.dropout, proj_std, sc, name="mlp")(h, deterministic), sc)
 
 
-@dataclasses.dataclass(frozen=True)
-class GPT2Config:
-    """GPT-2 shape and training-time settings.
-
-    Args:
-      block_size: maximum sequence length T (rows of `wpe`).
-      vocab_size: V; padded_vocab_size: Vp >= V (default V rounded up to a multiple of 128).
-      n_layer, n_head, n_embd: depth, heads, width C.
-      dropout: dropout on embeddings, attention probabilities and residual branches.
-      dtype: compute dtype, "float32" or "bfloat16" (parameters stay float32).
-      scan_layers: run the blocks under `lax.scan` (stacked parameters `blocks/h`).
-      recompute: the activation-recompute settings (remat.RecomputeConfig).
-      loss_chunk: 0, or N > 0 to compute the LM head and loss over chunks of N positions, each
-        rematerialized, so the (B, T, Vp) logits never exist (`remat_lm.models.layers.lm_head`).
-      attention: the attention core, auto | tiled | xla | cudnn | pallas (remat_lm/models/attention.py);
-        attention_tile: the tiled core's query tile.
-      sharding: a `remat_lm.models.parallel.ShardingConfig` for tensor/sequence parallelism, or None (no
-        constraints; the model runs without a mesh). Set by the train step, not stored in checkpoints.
-    Example:
-      >>> GPT2Config.preset("d12", dtype="bfloat16").padded_vocab_size
-      50304
-    """
-    block_size: int
-    vocab_size: int
-    n_layer: int
-    n_head: int
-    n_embd: int
-    padded_vocab_size: int | None = None
-    dropout: float = 0.0
-    dtype: str = "float32"
-    scan_layers: bool = False
-    recompute: RecomputeConfig = RecomputeConfig()
-    loss_chunk: int = 0
-    attention: str = "auto"
-    attention_tile: int = DEFAULT_TILE
-    sharding: parallel.ShardingConfig | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
-            raise ValueError(f"GPT2Config.loss_chunk={self.loss_chunk!r} must be an int >= 0 (0: no chunking)")
-        for f in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"GPT2Config.{f}={v!r} must be a positive int")
-        if self.padded_vocab_size is None:
-            object.__setattr__(self, "padded_vocab_size", -(-self.vocab_size // 128) * 128)
-        if not isinstance(self.padded_vocab_size, int) or self.padded_vocab_size < self.vocab_size:
-            raise ValueError(f"GPT2Config.padded_vocab_size={self.padded_vocab_size!r} must be an int >= "
-                             f"vocab_size={self.vocab_size}; leave it unset for vocab_size rounded up to 128")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPT2Config.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                             f"choose n_head among the divisors of n_embd")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"GPT2Config.dtype={self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPT2Config.dropout={self.dropout!r} must be in [0, 1)")
-        if not isinstance(self.recompute, RecomputeConfig):
-            raise ValueError(f"GPT2Config.recompute={self.recompute!r} must be a remat.RecomputeConfig")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"GPT2Config.attention={self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
-        if not isinstance(self.attention_tile, int) or isinstance(self.attention_tile, bool) or self.attention_tile < 1:
-            raise ValueError(f"GPT2Config.attention_tile={self.attention_tile!r} must be a positive int, e.g. {DEFAULT_TILE}")
-        try:
-            parallel.check(self.sharding)
-        except ValueError as e:
-            raise ValueError(f"GPT2Config.{e}") from None
-        self.recompute.validate_for(self.n_layer)
-
-    @property
-    def compute_dtype(self):
-        return DTYPES[self.dtype]
-
-    @classmethod
-    def preset(cls, name: str, **overrides) -> "GPT2Config":
-        """A preset from PRESETS with fields overridden, e.g. `preset("d12", n_layer=6)`."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown GPT-2 preset {name!r}; valid: {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
-
-
 # Parameter counts with the padded vocabulary (tests/test_models.py checks them).
 PRESETS = {
     "d12": dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),   # 124,475,904
@@ -145,6 +67,42 @@ PRESETS = {
     "d48": dict(block_size=1024, vocab_size=50257, n_layer=48, n_head=25, n_embd=1600),  # 1,557,686,400
     "tiny": dict(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=32),         # 35,712
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config(ModelConfig):
+    """GPT-2 shape and training-time settings: `ModelConfig`'s fields (block_size: rows of `wpe`)
+    and padded_vocab_size: Vp >= V, the rows of `wte` and the logits' width (default V rounded up
+    to a multiple of 128).
+
+    Example:
+      >>> GPT2Config.preset("d12", dtype="bfloat16").padded_vocab_size
+      50304
+    """
+    padded_vocab_size: int | None = None
+
+    PRESETS: ClassVar[dict] = PRESETS
+    TITLE: ClassVar[str] = "GPT-2"
+
+    def _check_shape(self):
+        if self.padded_vocab_size is None:
+            object.__setattr__(self, "padded_vocab_size", -(-self.vocab_size // 128) * 128)
+        if not isinstance(self.padded_vocab_size, int) or self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"GPT2Config.padded_vocab_size={self.padded_vocab_size!r} must be an int >= "
+                             f"vocab_size={self.vocab_size}; leave it unset for vocab_size rounded up to 128")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPT2Config.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                             f"choose n_head among the divisors of n_embd")
+
+    @property
+    def n_kv_head(self) -> int:
+        """Key/value heads: one per query head."""
+        return self.n_head
+
+    @property
+    def ffn_hidden(self) -> int:
+        """MLP width 4C."""
+        return 4 * self.n_embd
 
 
 def _init_wte(config: GPT2Config):
@@ -267,6 +225,49 @@ def llmc_shapes(config) -> dict:
             "ln_f.w": (C,), "ln_f.b": (C,)}
 
 
+@dataclasses.dataclass(frozen=True)
+class GPT2Header(llmc_io.Header):
+    """A GPT-2 llm.c model file header (slots 2..7), and the GPT-2 file format (`llmc_io.Header`):
+    magic 20240326, debug states 20240327 version 2, `wte` padded to Vp with zero rows.
+
+    Example:
+        >>> h = GPT2Header(1024, 50257, 12, 12, 768, 50304)
+        >>> h.n_params(), h.tensor_shapes()[0]
+        (124475904, ('wte', (50304, 768)))
+    """
+    block_size: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    padded_vocab_size: int
+
+    kind = "gpt2"
+    title = "GPT-2"
+    model_magic = 20240326
+    state_magic = 20240327
+    state_version = 2
+    padded = ("wte", "vocab_size", "padded_vocab_size")
+    exporter = "train_gpt2.py"
+    retired_versions = (1, 2)
+    retired = "the old llm.c format without vocab padding"
+
+    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """`llmc_shapes` as `[(name, shape), ...]` in file order."""
+        return list(llmc_shapes(self).items())
+
+    def problem(self) -> str | None:
+        if self.n_embd % self.n_head:
+            return f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}"
+        if self.padded_vocab_size < self.vocab_size:
+            return f"padded_vocab_size {self.padded_vocab_size} is smaller than vocab_size {self.vocab_size}"
+        return None
+
+    def logit_widths(self) -> list[int]:
+        # FORMATS.md says Vp; llm.c's train_gpt2.py/test_gpt2.c actually use V. Accept both.
+        return sorted({self.vocab_size, self.padded_vocab_size})
+
+
 def llmc_header(config: GPT2Config) -> GPT2Header:
     """The llm.c header describing `config`."""
     return GPT2Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
@@ -311,3 +312,35 @@ def from_llmc(config: GPT2Config, tensors) -> dict:
     return {"wte": f("wte"), "wpe": f("wpe"), "blocks": blocks,
             "ln_f": {"w": f("ln_f.w"), "b": f("ln_f.b")}}
 
+
+
+def activation_bytes(config: GPT2Config, batch: int, seq: int) -> tuple[LayerBytes, int]:
+    """(bytes one layer keeps without remat, bytes kept outside the layer stack): the analytic
+    memory model (remat_lm/models/memory_model.py, docs/memory-model.md).
+
+    Example:
+      >>> layer, head = activation_bytes(GPT2Config.preset("tiny"), batch=2, seq=8)
+      >>> layer.tagged["qkv"], head  # 3·s·b·h·4 bytes; the head's float32 logits dominate
+      (6144, 20672)
+    """
+    a = jnp.dtype(config.compute_dtype).itemsize
+    s, b, h = seq, batch, config.n_embd
+    sbh = s * b * h * a
+    tagged = {names.BLOCK_INPUT: sbh, names.LN_1: sbh, names.QKV: 3 * sbh, names.ATTN_CONTEXT: sbh,
+              names.LN_2: sbh, names.MLP_UP: 4 * sbh, names.MLP_ACT: 4 * sbh}
+    # mid-layer residual (input of ln_2) + LayerNorm mean and rstd for 2 norms + lse, and in
+    # bf16 the bf16 casts of the layer's 12h² matmul weights
+    untagged = sbh + 2 * 2 * s * b * F32 + lse_bytes(config, b, s) + (12 * h * h * a if a < F32 else 0)
+    # last layer's output and ln_f (input, mean, rstd, output), the token ids (int32; counted only
+    # when they are a closed-over constant, not an argument), and the LM head: float32 logits over
+    # the padded vocabulary and in bf16 the cast of the tied head, or chunked targets
+    Vp = config.padded_vocab_size
+    head = 2 * sbh + 2 * s * b * F32 + s * b * 4 + lm_head_bytes(config, s * b, Vp, Vp * h * a if a < F32 else 0)
+    return LayerBytes(tagged, untagged, swaps={names.ATTN_OUT: sbh}), head
+
+
+FAMILY = Family(
+    name="gpt2", title="GPT-2", config_cls=GPT2Config, presets=PRESETS, config=GPT2Config.preset, model_cls=GPT2,
+    init_params=init_params, loss_fn=loss_fn, num_params=num_params, flops_per_token=flops_per_token,
+    activation_bytes=activation_bytes, header_cls=GPT2Header, llmc_shapes=llmc_shapes, llmc_header=llmc_header,
+    config_from_llmc=config_from_llmc, to_llmc=to_llmc, from_llmc=from_llmc, tokenizer_preset="d12")

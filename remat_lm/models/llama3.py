@@ -23,20 +23,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from remat_lm.models import parallel
-from remat_lm.models.attention import ATTENTION, DEFAULT_TILE
-from remat_lm.models.layers import CausalSelfAttention, LMHead, RMSNorm, SwiGLU, embed
-from remat_lm.models.llmc_io import Llama3Header, check_llmc_tensors, stack_layers, unstack_layers
 from remat import RecomputeConfig, names
 from remat.linen import LayerStack
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from remat.memory import LayerBytes
+from remat_lm.models import llmc_io, parallel
+from remat_lm.models.config import ModelConfig
+from remat_lm.models.family import Family
+from remat_lm.models.layers import CausalSelfAttention, LMHead, RMSNorm, SwiGLU, embed
+from remat_lm.models.llmc_io import check_llmc_tensors, stack_layers, unstack_layers
+from remat_lm.models.memory_model import F32, lm_head_bytes, lse_bytes
 
 # Norm (RMSNorm), attention (CausalSelfAttention with GQA and RoPE, no biases) and MLP (SwiGLU)
 # are the shared pieces of remat_lm/models/layers.py.
@@ -73,94 +75,6 @@ def ffn_hidden(n_embd: int, ffn_dim_multiplier: float, multiple_of: int) -> int:
     return multiple_of * ((h + multiple_of - 1) // multiple_of)
 
 
-@dataclasses.dataclass(frozen=True)
-class Llama3Config:
-    """LLaMA-3 shape and training-time settings (fields as in llm.c's LlamaConfig).
-
-    Args:
-      block_size: maximum sequence length; vocab_size: V (not padded).
-      n_layer, n_head, n_kv_head, n_embd: depth, query heads, key/value heads, width C.
-      ffn_dim_multiplier, multiple_of: the SwiGLU width rule (see `ffn_hidden`).
-      norm_eps: RMSNorm epsilon; rope_theta, use_scaled_rope: RoPE base and LLaMA-3.1 scaling.
-      dropout, dtype ("float32"|"bfloat16" compute), scan_layers, recompute, loss_chunk, attention,
-        attention_tile, sharding: as for GPT-2.
-    Example:
-      >>> Llama3Config.preset("tiny").ffn_hidden
-      96
-    """
-    block_size: int
-    vocab_size: int
-    n_layer: int
-    n_head: int
-    n_kv_head: int
-    n_embd: int
-    ffn_dim_multiplier: float = 1.0
-    multiple_of: int = 256
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    use_scaled_rope: bool = True
-    dropout: float = 0.0
-    dtype: str = "float32"
-    scan_layers: bool = False
-    recompute: RecomputeConfig = RecomputeConfig()
-    loss_chunk: int = 0
-    attention: str = "auto"
-    attention_tile: int = DEFAULT_TILE
-    sharding: parallel.ShardingConfig | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
-            raise ValueError(f"Llama3Config.loss_chunk={self.loss_chunk!r} must be an int >= 0 (0: no chunking)")
-        for f in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "multiple_of"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Llama3Config.{f}={v!r} must be a positive int")
-        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"Llama3Config.n_embd={self.n_embd} must split into n_head={self.n_head} heads "
-                             f"of even size (RoPE rotates feature pairs); choose n_head so n_embd/n_head is even")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"Llama3Config.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
-        for f in ("ffn_dim_multiplier", "norm_eps", "rope_theta"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"Llama3Config.{f}={v!r} must be a positive number")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"Llama3Config.dtype={self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"Llama3Config.dropout={self.dropout!r} must be in [0, 1)")
-        if not isinstance(self.recompute, RecomputeConfig):
-            raise ValueError(f"Llama3Config.recompute={self.recompute!r} must be a remat.RecomputeConfig")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"Llama3Config.attention={self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
-        if not isinstance(self.attention_tile, int) or isinstance(self.attention_tile, bool) or self.attention_tile < 1:
-            raise ValueError(f"Llama3Config.attention_tile={self.attention_tile!r} must be a positive int, e.g. {DEFAULT_TILE}")
-        try:
-            parallel.check(self.sharding)
-        except ValueError as e:
-            raise ValueError(f"Llama3Config.{e}") from None
-        self.recompute.validate_for(self.n_layer)
-
-    @property
-    def compute_dtype(self):
-        return DTYPES[self.dtype]
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def ffn_hidden(self) -> int:
-        """SwiGLU width H (llm.c's rule, `ffn_hidden`)."""
-        return ffn_hidden(self.n_embd, self.ffn_dim_multiplier, self.multiple_of)
-
-    @classmethod
-    def preset(cls, name: str, **overrides) -> "Llama3Config":
-        """A preset from PRESETS with fields overridden, e.g. `preset("8b", n_layer=4)`."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown LLaMA-3 preset {name!r}; valid: {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
-
-
 # Parameter counts (tests/test_models.py checks them). `1b` is LLaMA-3.2-1B's shape with an
 # untied head (3.2-1B ties it: 1.24B).
 PRESETS = {
@@ -174,6 +88,47 @@ PRESETS = {
                  ffn_dim_multiplier=1.0, multiple_of=32, norm_eps=1e-5, rope_theta=500000.0,
                  use_scaled_rope=True),  # 41,120
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Config(ModelConfig):
+    """LLaMA-3 shape and training-time settings (fields as in llm.c's LlamaConfig): `ModelConfig`'s
+    fields (vocab_size not padded) and
+
+    Args:
+      n_kv_head: key/value heads (grouped-query attention), dividing n_head.
+      ffn_dim_multiplier, multiple_of: the SwiGLU width rule (see `ffn_hidden`).
+      norm_eps: RMSNorm epsilon; rope_theta, use_scaled_rope: RoPE base and LLaMA-3.1 scaling.
+    Example:
+      >>> Llama3Config.preset("tiny").ffn_hidden
+      96
+    """
+    n_kv_head: int
+    ffn_dim_multiplier: float = 1.0
+    multiple_of: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    use_scaled_rope: bool = True
+
+    PRESETS: ClassVar[dict] = PRESETS
+    TITLE: ClassVar[str] = "LLaMA-3"
+    _POSITIVE: ClassVar[tuple[str, ...]] = ModelConfig._POSITIVE + ("n_kv_head", "multiple_of")
+
+    def _check_shape(self):
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"Llama3Config.n_embd={self.n_embd} must split into n_head={self.n_head} heads "
+                             f"of even size (RoPE rotates feature pairs); choose n_head so n_embd/n_head is even")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"Llama3Config.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
+        for f in ("ffn_dim_multiplier", "norm_eps", "rope_theta"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"Llama3Config.{f}={v!r} must be a positive number")
+
+    @property
+    def ffn_hidden(self) -> int:
+        """SwiGLU width H (llm.c's rule, `ffn_hidden`)."""
+        return ffn_hidden(self.n_embd, self.ffn_dim_multiplier, self.multiple_of)
 
 
 class Llama3(nn.Module):
@@ -278,6 +233,85 @@ def llmc_shapes(config) -> dict:
             "ln_f.w": (C,), "lm_head.w": (V, C)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Llama3Header(llmc_io.Header):
+    """A LLaMA-3 llm.c model file header (slots 2..13, then version 3.1 in slots 14, 15), and the
+    LLaMA-3 file format (`llmc_io.Header`): magic 20240803 for model and debug-state files; the
+    float fields are float32 bit patterns (InfiniTrain's convention), which llm.c master writes
+    truncated to integers (`read_model` overrides replace them).
+
+    The float fields hold the shortest decimal that round-trips the stored float32 (so a file
+    written with ``norm_eps=1e-5`` reads back as ``1e-05``).
+
+    Example:
+        >>> h = Llama3Header(8192, 128256, 32, 32, 8, 4096, 1.3, 1024, 1e-5, 500000.0, True, 4)
+        >>> h.ffn_hidden(), h.n_params()
+        (14336, 8030261248)
+    """
+    block_size: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    n_embd: int
+    ffn_dim_multiplier: float
+    multiple_of: int
+    norm_eps: float
+    rope_theta: float
+    use_scaled_rope: bool
+    max_gen_batch_size: int
+
+    kind = "llama3"
+    title = "LLaMA-3"
+    model_magic = 20240803
+    state_magic = 20240803  # model files and debug-state files share it
+    trailer = (3, 1)  # llm.c's version major, minor
+    # plausible (exclusive low, inclusive high) ranges of the float slots; anything outside (0,
+    # tiny denormals, truncated integers read as float32 bits) is rejected
+    float_ranges = {"ffn_dim_multiplier": (1e-3, 1e3), "norm_eps": (1e-12, 0.5), "rope_theta": (1.0, 1e12)}
+    flags = ("use_scaled_rope",)
+    counts = ("max_gen_batch_size",)
+    exporter = "train_llama3.py"
+    truncation = "llm.c master train_llama3.py writes int(value)"
+    float_fix = ("pass the true values with --ffn_dim_multiplier/--norm_eps/--rope_theta "
+                 "(read_model(..., ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0) for LLaMA-3.1-8B), "
+                 "or re-export the file with float32 bit patterns in slots 8, 10, 11")
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head feature count ``n_embd // n_head``."""
+        return self.n_embd // self.n_head
+
+    def ffn_hidden(self) -> int:
+        """SwiGLU width H (`ffn_hidden`: ``int(m*int(8C/3))`` rounded up to ``multiple_of``).
+
+        Example:
+            >>> Llama3Header(16, 96, 2, 4, 2, 32, 1.0, 32, 1e-5, 1e4, True, 4).ffn_hidden()
+            96
+        """
+        return ffn_hidden(self.n_embd, self.ffn_dim_multiplier, self.multiple_of)
+
+    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """`llmc_shapes` as `[(name, shape), ...]` in file order; c_attn rows are [q; k; v].
+
+        Example:
+            >>> [n for n, _ in Llama3Header(16, 96, 2, 4, 2, 32, 1.0, 32, 1e-5, 1e4, True, 4).tensor_shapes()][:3]
+            ['wte', 'ln_1.w', 'attn.c_attn.w']
+        """
+        return list(llmc_shapes(self).items())
+
+    def problem(self) -> str | None:
+        if self.n_embd % self.n_head:
+            return f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}"
+        if self.n_head % self.n_kv_head:
+            return f"n_head {self.n_head} is not divisible by n_kv_head {self.n_kv_head}"
+        if self.head_dim % 2:
+            return f"head_dim {self.head_dim} (n_embd / n_head) is odd, RoPE needs feature pairs"
+        if self.ffn_hidden() <= 0:
+            return f"FFN width {self.ffn_hidden()} (from ffn_dim_multiplier {self.ffn_dim_multiplier}) is not positive"
+        return None
+
+
 def llmc_header(config: Llama3Config) -> Llama3Header:
     """The llm.c header describing `config`."""
     return Llama3Header(block_size=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
@@ -324,3 +358,37 @@ def from_llmc(config: Llama3Config, tensors) -> dict:
     blocks = unstack_layers({p: np.asarray(tensors[k], np.float32) for k, p in _LAYER_TENSORS.items()},
                             config.n_layer, config.scan_layers)
     return {"wte": f("wte"), "blocks": blocks, "ln_f": {"w": f("ln_f.w")}, "lm_head": {"w": f("lm_head.w")}}
+
+
+def activation_bytes(config: Llama3Config, batch: int, seq: int) -> tuple[LayerBytes, int]:
+    """(bytes one layer keeps without remat, bytes kept outside the layer stack): the analytic
+    memory model (remat_lm/models/memory_model.py, docs/memory-model.md).
+
+    Example:
+      >>> layer, head = activation_bytes(Llama3Config.preset("tiny"), batch=2, seq=8)
+      >>> layer.tagged["mlp_up"], layer.constants  # s·b·H·4 bytes; RoPE cos/sin for q and k
+      (6144, 512)
+    """
+    a = jnp.dtype(config.compute_dtype).itemsize
+    s, b, h, nh, kv = seq, batch, config.n_embd, config.n_head, config.n_kv_head
+    hd, H = config.head_dim, config.ffn_hidden
+    sbh, sbH = s * b * h * a, s * b * H * a
+    tagged = {names.BLOCK_INPUT: sbh, names.LN_1: sbh, names.QKV: (nh + 2 * kv) * hd * s * b * a,
+              names.ATTN_CONTEXT: sbh, names.LN_2: sbh, names.MLP_UP: sbH, names.MLP_GATE: sbH, names.MLP_ACT: sbH}
+    w = ((nh + 2 * kv) * hd * h + h * h + 3 * h * H) * a if a < F32 else 0  # bf16 weight casts
+    # mid-layer residual + RMSNorm rstd for 2 norms + lse (+ weight casts); RoPE cos/sin for q and k
+    untagged = sbh + 2 * s * b * F32 + lse_bytes(config, b, s) + w
+    constants = 4 * s * (hd // 2) * F32
+    # last output; final RMSNorm (rstd, normalized input); the token ids (as for GPT-2); the LM
+    # head: float32 logits and in bf16 the head's weight cast, or chunked targets
+    V = config.vocab_size
+    head = 2 * sbh + s * b * F32 + s * b * 4 + lm_head_bytes(config, s * b, V, V * h * a if a < F32 else 0)
+    return LayerBytes(tagged, untagged, constants, swaps={names.ATTN_OUT: sbh}), head
+
+
+FAMILY = Family(
+    name="llama3", title="LLaMA-3", config_cls=Llama3Config, presets=PRESETS, config=Llama3Config.preset,
+    model_cls=Llama3, init_params=init_params, loss_fn=loss_fn, num_params=num_params,
+    flops_per_token=flops_per_token, activation_bytes=activation_bytes, header_cls=Llama3Header,
+    llmc_shapes=llmc_shapes, llmc_header=llmc_header, config_from_llmc=config_from_llmc, to_llmc=to_llmc,
+    from_llmc=from_llmc, tokenizer_preset="1b")

@@ -35,15 +35,15 @@ def config_for(kind: str, header, **fields):
 
 
 def load(path, recompute: RecomputeConfig | None = None, *, scan_layers: bool = False, dtype: str = "float32",
-         norm_eps=None, rope_theta=None, ffn_dim_multiplier=None):
+         **overrides):
     """Read an llm.c model file (GPT-2 or LLaMA-3, float32 or bf16) into (config, params).
 
     Args:
       path: the `.bin` file.
       recompute: the runtime recompute settings (the file knows nothing of recompute).
       scan_layers, dtype: model options applied to the loaded config.
-      norm_eps, rope_theta, ffn_dim_multiplier: overrides for LLaMA-3 headers whose float slots
-        were written as truncated integers (llm.c master).
+      overrides: values for the header's float slots, None for "as stored" (`read_model`): LLaMA-3's
+        norm_eps, rope_theta, ffn_dim_multiplier, which llm.c master writes as truncated integers.
     Raises:
       LlmcFormatError (a ValueError) naming the file and the problem (a non-regular file, a bad header,
       a wrong size, NaN/inf weights); never returns a partial model.
@@ -52,8 +52,7 @@ def load(path, recompute: RecomputeConfig | None = None, *, scan_layers: bool = 
       >>> type(config).__name__, config.n_layer, config.recompute.granularity
       ('GPT2Config', 2, 'full')
     """
-    kind, header, tensors, _ = read_model(path, norm_eps=norm_eps, rope_theta=rope_theta,
-                                          ffn_dim_multiplier=ffn_dim_multiplier)
+    kind, header, tensors, _ = read_model(path, **overrides)
     check_finite(path, tensors)
     config = config_for(kind, header, recompute=recompute or RecomputeConfig(), scan_layers=scan_layers, dtype=dtype)
     return config, family.get(kind).from_llmc(config, tensors)
@@ -108,7 +107,7 @@ def verify(config, params, state) -> list[Row]:
     """Run the model on the state's batch; compare logits, loss and every gradient with the state's."""
     fam = family.of(config)
     x, y = jnp.asarray(state["x"]), jnp.asarray(state["y"])
-    model = fam.model(config)
+    model = fam.model_cls(config)
 
     # NOTE: logits come from a call without targets: with `loss_chunk` the loss never builds them.
     @jax.jit

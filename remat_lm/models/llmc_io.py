@@ -5,9 +5,12 @@ shards (GPT-2: uint16 tokens, magic 20240520; LLaMA-3: uint32 tokens, magic 2024
 as llm.c's ``dev/data/data_common.py`` writes them), byte for byte as described in
 ``shared/design/FORMATS.md``: a 256 x int32 little-endian header (1024 bytes),
 then the payload back to back.
-The tensor names and shapes of model and state files come from the model files'
-tables (``remat_lm.models.gpt2.llmc_shapes`` / ``remat_lm.models.llama3.llmc_shapes``, found through
-``remat_lm.models.family``), imported on first use; token shards need no model.
+Model and debug-state files are read and written from the family's format
+description, its :class:`Header` subclass (``remat_lm.models.gpt2.GPT2Header``,
+``remat_lm.models.llama3.Llama3Header``: magics, header slots, tensor table); nothing
+here knows a family by name. A file's magic is matched against the families of
+``remat_lm.models.family`` (importing the model files, hence JAX, on first use);
+token shards (``TOKEN_FORMATS``) need no model.
 
 Every reader validates the header and the exact file size before it reads a
 tensor and raises :class:`LlmcFormatError` (a one-line message naming the file,
@@ -34,10 +37,11 @@ from typing import BinaryIO, ClassVar, Iterator
 
 import numpy as np
 
+from remat_lm.models import family
+
 __all__ = [
     "LlmcFormatError",
-    "GPT2Header",
-    "Llama3Header",
+    "Header",
     "read_model",
     "write_model",
     "read_state",
@@ -54,10 +58,6 @@ __all__ = [
 HEADER_INTS = 256
 HEADER_BYTES = 4 * HEADER_INTS
 
-GPT2_MAGIC = 20240326
-GPT2_STATE_MAGIC = 20240327
-GPT2_STATE_VERSION = 2
-LLAMA3_MAGIC = 20240803  # model files and debug-state files share it
 TOKENS_MAGIC = 20240520
 TOKENS_VERSION = 1
 LLAMA3_TOKENS_MAGIC = 20240801  # llm.c's uint32 LLaMA-3 shards
@@ -67,13 +67,6 @@ VERSION_FLOAT32 = 3
 VERSION_BFLOAT16 = 5
 _VERSIONS = {VERSION_FLOAT32: "float32", VERSION_BFLOAT16: "bfloat16"}
 _DTYPE_VERSIONS = {v: k for k, v in _VERSIONS.items()}
-_LLAMA_VERSION_MAJOR_MINOR = (3, 1)
-
-_TRUNCATION_FIX = (
-    "pass the true values with --ffn_dim_multiplier/--norm_eps/--rope_theta "
-    "(read_model(..., ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0) for LLaMA-3.1-8B), "
-    "or re-export the file with float32 bit patterns in slots 8, 10, 11"
-)
 
 
 class LlmcFormatError(ValueError):
@@ -84,7 +77,7 @@ class LlmcFormatError(ValueError):
         ...     read_model("tokens.bin")
         ... except LlmcFormatError as e:
         ...     print(e)   # "path: problem; fix"
-        tokens.bin: magic 20240520 is a GPT-2 token shard, not a model file; known model magics: ...
+        tokens.bin: magic 20240520 is a GPT-2 (uint16) token shard, not a model file; known model magics: ...
     """
 
 
@@ -93,172 +86,100 @@ def _fail(path: str, problem: str, fix: str) -> LlmcFormatError:
 
 
 # ---------------------------------------------------------------------------
-# headers
+# headers: the format description a model family gives
 
 
-@dataclasses.dataclass(frozen=True)
-class GPT2Header:
-    """Configuration stored in a GPT-2 model file header (slots 2..7).
+class Header:
+    """An llm.c model file header, and the description of its family's file format.
+
+    A family's header is a frozen dataclass subclass in its model file (``remat_lm.models.gpt2.GPT2Header``,
+    ``remat_lm.models.llama3.Llama3Header``); everything this module reads and writes comes from it:
+
+    - its fields, in order, are header slots 2, 3, ...: an int32 each, except the fields named in
+      ``float_ranges`` (float32 bit patterns, checked against a plausible (low, high] range and
+      replaceable by ``read_model`` overrides), ``flags`` (0/1) and ``counts`` (ints that may be 0;
+      the other ints must be positive); ``trailer`` ints follow them;
+    - ``kind``, ``title``, ``model_magic``, ``state_magic`` and ``state_version`` (None: the debug
+      state header is magic, B, T; else magic, version, B, T);
+    - ``tensor_shapes()``: ``[(name, shape), ...]`` in file order, linear weights (out, in);
+    - ``padded``: ``(tensor, rows field, padded rows field)`` for a tensor written with zero rows
+      past ``rows`` (GPT-2's wte), or None; ``logit_widths()``: the widths a debug state's
+      logits may have;
+    - ``problem()``: the first broken rule between fields (None when fine); the per-field checks
+      above run first;
+    - the words of messages: ``exporter`` (the llm.c script that writes the files),
+      ``retired_versions`` / ``retired`` (older versions and what they are), ``truncation``
+      / ``float_fix`` (float slots that hold truncated ints, and what to do).
 
     Example:
+        >>> from remat_lm.models.gpt2 import GPT2Header
         >>> h = GPT2Header(1024, 50257, 12, 12, 768, 50304)
-        >>> h.n_params()
-        124475904
+        >>> h.kind, h.model_magic, h.n_params()
+        ('gpt2', 20240326, 124475904)
     """
 
-    block_size: int
-    vocab_size: int
-    n_layer: int
-    n_head: int
-    n_embd: int
-    padded_vocab_size: int
-
-    kind: ClassVar[str] = "gpt2"
-
-    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Return ``[(name, shape), ...]`` in file order; linear weights are (out, in).
-
-        The table is the model file's (``remat_lm.models.gpt2.llmc_shapes``, through ``remat_lm.models.family``).
-
-        Example:
-            >>> GPT2Header(16, 100, 2, 4, 32, 128).tensor_shapes()[0]
-            ('wte', (128, 32))
-        """
-        return _tensor_shapes(self)
-
-    def n_params(self) -> int:
-        """Total number of parameters stored in the file (wte counted with Vp rows)."""
-        return sum(math.prod(shape) for _, shape in self.tensor_shapes())
-
-
-@dataclasses.dataclass(frozen=True)
-class Llama3Header:
-    """Configuration stored in a LLaMA-3 model file header (slots 2..13).
-
-    The float fields hold the shortest decimal that round-trips the stored
-    float32 (so a file written with ``norm_eps=1e-5`` reads back as ``1e-05``).
-
-    Example:
-        >>> h = Llama3Header(8192, 128256, 32, 32, 8, 4096, 1.3, 1024, 1e-5, 500000.0, True, 4)
-        >>> h.ffn_hidden(), h.n_params()
-        (14336, 8030261248)
-    """
-
-    block_size: int
-    vocab_size: int
-    n_layer: int
-    n_head: int
-    n_kv_head: int
-    n_embd: int
-    ffn_dim_multiplier: float
-    multiple_of: int
-    norm_eps: float
-    rope_theta: float
-    use_scaled_rope: bool
-    max_gen_batch_size: int
-
-    kind: ClassVar[str] = "llama3"
-
-    @property
-    def head_dim(self) -> int:
-        """Per-head feature count ``n_embd // n_head``."""
-        return self.n_embd // self.n_head
-
-    def ffn_hidden(self) -> int:
-        """SwiGLU width H (``remat_lm.models.llama3.ffn_hidden``: ``int(m*int(8C/3))`` rounded up to ``multiple_of``).
-
-        Example:
-            >>> Llama3Header(16, 96, 2, 4, 2, 32, 1.0, 32, 1e-5, 1e4, True, 4).ffn_hidden()
-            96
-        """
-        from remat_lm.models.llama3 import ffn_hidden
-        return ffn_hidden(self.n_embd, self.ffn_dim_multiplier, self.multiple_of)
+    kind: ClassVar[str]
+    title: ClassVar[str]
+    model_magic: ClassVar[int]
+    state_magic: ClassVar[int]
+    state_version: ClassVar[int | None] = None
+    trailer: ClassVar[tuple[int, ...]] = ()
+    float_ranges: ClassVar[dict[str, tuple[float, float]]] = {}
+    flags: ClassVar[tuple[str, ...]] = ()
+    counts: ClassVar[tuple[str, ...]] = ()
+    padded: ClassVar[tuple[str, str, str] | None] = None
+    exporter: ClassVar[str] = "llm.c script"
+    retired_versions: ClassVar[tuple[int, ...]] = ()
+    retired: ClassVar[str] = ""
+    truncation: ClassVar[str] = ""
+    float_fix: ClassVar[str] = ""
 
     def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Return ``[(name, shape), ...]`` in file order; c_attn rows are [q; k; v].
+        raise NotImplementedError
 
-        The table is the model file's (``remat_lm.models.llama3.llmc_shapes``, through ``remat_lm.models.family``).
+    def problem(self) -> str | None:
+        return None
 
-        Example:
-            >>> [n for n, _ in Llama3Header(16, 96, 2, 4, 2, 32, 1.0, 32, 1e-5, 1e4, True, 4).tensor_shapes()][:3]
-            ['wte', 'ln_1.w', 'attn.c_attn.w']
-        """
-        return _tensor_shapes(self)
+    def logit_widths(self) -> list[int]:
+        return [self.vocab_size]
 
     def n_params(self) -> int:
         """Total number of parameters stored in the file."""
         return sum(math.prod(shape) for _, shape in self.tensor_shapes())
 
 
-Header = GPT2Header | Llama3Header
-
-
-def _tensor_shapes(header: Header) -> list[tuple[str, tuple[int, ...]]]:
-    # NOTE: the model file owns the one tensor table per family; importing it loads JAX, which
-    # only model and state files need (token shards stay NumPy only).
-    from remat_lm.models import family
-    return list(family.get(header.kind).llmc_shapes(header).items())
-
-
-def _kind_of(header: Header) -> str:
-    if isinstance(header, (GPT2Header, Llama3Header)):
-        return header.kind
-    raise TypeError(f"expected GPT2Header or Llama3Header, got {type(header).__name__}")
+def _formats() -> list[type[Header]]:
+    """The header classes of every registered family (importing the model files: JAX)."""
+    return [fam.header_cls for fam in family.families()]
 
 
 def _check_kind(kind: str, header: Header) -> None:
-    from remat_lm.models import family
     if kind not in family.NAMES:
         raise ValueError(f"kind must be one of {', '.join(map(repr, family.NAMES))}, got {kind!r}")
-    if _kind_of(header) != kind:
+    if not isinstance(header, Header) or header.kind != kind:
         raise ValueError(f"kind {kind!r} does not match header type {type(header).__name__}")
 
 
 def _header_problem(header: Header) -> str | None:
     """Return a description of the first nonsensical header value, or None."""
-    if isinstance(header, GPT2Header):
-        names = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "padded_vocab_size")
-    else:
-        names = ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "multiple_of")
-    for name in names:
-        value = getattr(header, name)
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+    for field in dataclasses.fields(header):
+        name, value = field.name, getattr(header, field.name)
+        if name in header.float_ranges:
+            if not _plausible_float(header, name, value):
+                return f"{name} = {value!r} is outside its plausible range {header.float_ranges[name]}"
+        elif name in header.flags:
+            if not isinstance(value, (bool, np.bool_)) and value not in (0, 1):
+                return f"{name} = {value!r} is not 0/1"
+        elif name in header.counts:
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                return f"{name} = {value!r} must be an integer >= 0"
+        elif not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
             return f"{name} = {value!r} must be a positive integer"
-    if header.n_embd % header.n_head:
-        return f"n_embd {header.n_embd} is not divisible by n_head {header.n_head}"
-    if isinstance(header, GPT2Header):
-        if header.padded_vocab_size < header.vocab_size:
-            return f"padded_vocab_size {header.padded_vocab_size} is smaller than vocab_size {header.vocab_size}"
-        return None
-    if header.n_head % header.n_kv_head:
-        return f"n_head {header.n_head} is not divisible by n_kv_head {header.n_kv_head}"
-    if header.head_dim % 2:
-        return f"head_dim {header.head_dim} (n_embd / n_head) is odd, RoPE needs feature pairs"
-    if header.max_gen_batch_size < 0:
-        return f"max_gen_batch_size = {header.max_gen_batch_size} is negative"
-    if not isinstance(header.use_scaled_rope, (bool, np.bool_)) and header.use_scaled_rope not in (0, 1):
-        return f"use_scaled_rope = {header.use_scaled_rope!r} is not 0/1"
-    for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta"):
-        value = getattr(header, name)
-        if not _plausible_float(name, value):
-            return f"{name} = {value!r} is outside its plausible range {_FLOAT_RANGES[name]}"
-    if header.ffn_hidden() <= 0:
-        return f"FFN width {header.ffn_hidden()} (from ffn_dim_multiplier {header.ffn_dim_multiplier}) is not positive"
-    return None
+    return header.problem()
 
 
-# Plausible (exclusive low, inclusive high) ranges of the LLaMA-3 float slots; anything
-# outside (0, tiny denormals, truncated integers read as float32 bits) is rejected.
-_FLOAT_RANGES = {
-    "ffn_dim_multiplier": (1e-3, 1e3),
-    "norm_eps": (1e-12, 0.5),
-    "rope_theta": (1.0, 1e12),
-}
-_LLAMA_FLOAT_SLOTS = (("ffn_dim_multiplier", 8), ("norm_eps", 10), ("rope_theta", 11))
-
-
-def _plausible_float(name: str, value: float) -> bool:
-    lo, hi = _FLOAT_RANGES[name]
+def _plausible_float(header: Header | type[Header], name: str, value: float) -> bool:
+    lo, hi = header.float_ranges[name]
     try:
         v = float(value)
     except (TypeError, ValueError):
@@ -276,20 +197,15 @@ def _float_to_f32_bits(value: float) -> int:
     return int(np.array([value], dtype="<f4").view("<i4")[0])
 
 
-def _header_ints(kind: str, header: Header, version: int) -> np.ndarray:
+def _header_ints(header: Header, version: int) -> np.ndarray:
     ints = np.zeros(HEADER_INTS, dtype="<i4")
-    if kind == "gpt2":
-        ints[:8] = [GPT2_MAGIC, version, header.block_size, header.vocab_size, header.n_layer,
-                    header.n_head, header.n_embd, header.padded_vocab_size]
-    else:
-        ints[:16] = [
-            LLAMA3_MAGIC, version, header.block_size, header.vocab_size, header.n_layer,
-            header.n_head, header.n_kv_head, header.n_embd,
-            _float_to_f32_bits(header.ffn_dim_multiplier), header.multiple_of,
-            _float_to_f32_bits(header.norm_eps), _float_to_f32_bits(header.rope_theta),
-            int(bool(header.use_scaled_rope)), header.max_gen_batch_size,
-            *_LLAMA_VERSION_MAJOR_MINOR,
-        ]
+    slots = [header.model_magic, version]
+    for field in dataclasses.fields(header):
+        value = getattr(header, field.name)
+        slots.append(_float_to_f32_bits(value) if field.name in header.float_ranges
+                     else int(bool(value)) if field.name in header.flags else value)
+    slots += header.trailer
+    ints[:len(slots)] = slots
     return ints
 
 
@@ -354,13 +270,16 @@ def _open_checked(path: str, what: str) -> tuple[BinaryIO, int, np.ndarray]:
 
 
 def _describe_magic(magic: int) -> str:
-    return {
-        GPT2_MAGIC: "a GPT-2 model file",
-        GPT2_STATE_MAGIC: "a GPT-2 debug state file",
-        LLAMA3_MAGIC: "a LLaMA-3 model or debug state file",
-        TOKENS_MAGIC: "a GPT-2 token shard",
-        LLAMA3_TOKENS_MAGIC: "a LLaMA-3 (uint32) token shard",
-    }.get(magic, "")
+    """What a file with this magic is ("a GPT-2 model file"), or "" (token magics first: NumPy only)."""
+    for fmt in TOKEN_FORMATS.values():
+        if fmt.magic == magic:
+            return f"a {fmt.title} ({np.dtype(fmt.dtype).name}) token shard"
+    for h in _formats():
+        if magic == h.model_magic:
+            return f"a {h.title} model or debug state file" if h.state_magic == magic else f"a {h.title} model file"
+        if magic == h.state_magic:
+            return f"a {h.title} debug state file"
+    return ""
 
 
 def _check_size(path: str, size: int, expected: int, detail: str) -> None:
@@ -409,91 +328,80 @@ def _write_array(f: BinaryIO, arr: np.ndarray) -> None:
 # model files
 
 
-def _parse_model_header(
-    path: str, ints: np.ndarray, overrides: dict[str, float | None]
-) -> tuple[str, Header, str]:
-    from remat_lm.models import family
+def _parse_model_header(path: str, ints: np.ndarray, overrides: dict[str, float]) -> Header:
     magic, version = int(ints[0]), int(ints[1])
-    kind = next((f.name for f in family.FAMILIES.values() if f.model_magic == magic), None)
-    if kind == "gpt2" and version in (1, 2):
-        raise _fail(path, f"GPT-2 model file version {version} is the old llm.c format without vocab padding",
-                    "re-export with a current train_gpt2.py (version 3 float32 or 5 bfloat16)")
-    if kind is None:
+    formats = _formats()
+    cls = next((h for h in formats if h.model_magic == magic), None)
+    if cls is not None and version in cls.retired_versions:
+        raise _fail(path, f"{cls.title} model file version {version} is {cls.retired}",
+                    f"re-export with a current {cls.exporter} (version 3 float32 or 5 bfloat16)")
+    if cls is None:
         what = _describe_magic(magic)
         problem = f"magic {magic} is {what}, not a model file" if what else f"unknown magic {magic}"
-        raise _fail(path, problem, "known model magics: 20240326 (GPT-2), 20240803 (LLaMA-3); "
+        known = ", ".join(f"{h.model_magic} ({h.title})" for h in formats)
+        raise _fail(path, problem, f"known model magics: {known}; "
                                    "pass an llm.c model checkpoint (read_state / read_tokens read the other kinds)")
     if version not in _VERSIONS:
-        hint = " (if this is a LLaMA-3 debug state file, use read_state)" if kind == "llama3" else ""
-        raise _fail(path, f"unsupported {kind} model file version {version}{hint}",
+        hint = f" (if this is a {cls.title} debug state file, use read_state)" if cls.state_magic == magic else ""
+        raise _fail(path, f"unsupported {cls.kind} model file version {version}{hint}",
                     "known versions: 3 (float32), 5 (bfloat16); re-export with a current llm.c script")
-    file_dtype = _VERSIONS[version]
 
-    if kind == "gpt2":
-        header: Header = GPT2Header(*(int(v) for v in ints[2:8]))
-    else:
-        if int(ints[12]) not in (0, 1):
-            raise _fail(path, f"nonsensical header: use_scaled_rope (slot 12) = {int(ints[12])}, expected 0 or 1",
-                        "the header is corrupt or not an llm.c LLaMA-3 header; re-export the checkpoint")
-        floats: dict[str, float] = {}
-        truncated, implausible = [], []
-        for name, slot in _LLAMA_FLOAT_SLOTS:
-            raw = int(ints[slot])
+    values: dict[str, object] = {}
+    truncated, implausible = [], []
+    for slot, field in enumerate(dataclasses.fields(cls), start=2):
+        name, raw = field.name, int(ints[slot])
+        if name in cls.flags:
+            if raw not in (0, 1):
+                raise _fail(path, f"nonsensical header: {name} (slot {slot}) = {raw}, expected 0 or 1",
+                            f"the header is corrupt or not an llm.c {cls.title} header; re-export the checkpoint")
+            values[name] = bool(raw)
+        elif name in cls.float_ranges:
             value = _f32_bits_to_float(raw)
             if overrides.get(name) is not None:
                 value = float(overrides[name])
-                if not _plausible_float(name, value):
-                    raise _fail(path, f"override {name}={value!r} is outside its plausible range {_FLOAT_RANGES[name]}",
+                if not _plausible_float(cls, name, value):
+                    raise _fail(path, f"override {name}={value!r} is outside its plausible range {cls.float_ranges[name]}",
                                 f"pass a sensible --{name}")
-            elif not _plausible_float(name, value):
+            elif not _plausible_float(cls, name, value):
                 # a non-negative int read as float32 bits is 0, a denormal or ~1e-38: llm.c master's int(value)
                 if raw >= 0 and abs(value) < 1e-30:
                     truncated.append(f"slot {slot} {name} holds int {raw} (as float32 bits: {value:g})")
                 else:
-                    implausible.append(f"slot {slot} {name} = {value:g} is outside {_FLOAT_RANGES[name]}")
-            floats[name] = value
-        if truncated:
-            raise _fail(path, "LLaMA-3 header float slots look like truncated integers, not float32 bit patterns "
-                              "(llm.c master train_llama3.py writes int(value)): " + ", ".join(truncated + implausible),
-                        _TRUNCATION_FIX)
-        if implausible:
-            raise _fail(path, "nonsensical header: " + ", ".join(implausible),
-                        "the header is corrupt; pass the true values with --ffn_dim_multiplier/--norm_eps/--rope_theta "
-                        "or re-export the checkpoint")
-        header = Llama3Header(
-            block_size=int(ints[2]), vocab_size=int(ints[3]), n_layer=int(ints[4]), n_head=int(ints[5]),
-            n_kv_head=int(ints[6]), n_embd=int(ints[7]), ffn_dim_multiplier=floats["ffn_dim_multiplier"],
-            multiple_of=int(ints[9]), norm_eps=floats["norm_eps"], rope_theta=floats["rope_theta"],
-            use_scaled_rope=bool(ints[12]), max_gen_batch_size=int(ints[13]),
-        )
+                    implausible.append(f"slot {slot} {name} = {value:g} is outside {cls.float_ranges[name]}")
+            values[name] = value
+        else:
+            values[name] = raw
+    if truncated:
+        raise _fail(path, f"{cls.title} header float slots look like truncated integers, not float32 bit patterns "
+                          f"({cls.truncation}): " + ", ".join(truncated + implausible), cls.float_fix)
+    if implausible:
+        flags = "/".join(f"--{name}" for name in cls.float_ranges)
+        raise _fail(path, "nonsensical header: " + ", ".join(implausible),
+                    f"the header is corrupt; pass the true values with {flags} or re-export the checkpoint")
+    header = cls(**values)
     problem = _header_problem(header)
     if problem:
         raise _fail(path, f"nonsensical header: {problem}",
-                    f"the header is corrupt or not an llm.c {kind} header; re-export the checkpoint")
-    return kind, header, file_dtype
+                    f"the header is corrupt or not an llm.c {cls.kind} header; re-export the checkpoint")
+    return header
 
 
-def read_model(
-    path: str | os.PathLike,
-    *,
-    norm_eps: float | None = None,
-    rope_theta: float | None = None,
-    ffn_dim_multiplier: float | None = None,
-) -> tuple[str, Header, dict[str, np.ndarray], str]:
-    """Read an llm.c GPT-2 or LLaMA-3 checkpoint.
+def read_model(path: str | os.PathLike, **overrides: float | None) -> tuple[str, Header, dict[str, np.ndarray], str]:
+    """Read an llm.c model checkpoint of any registered family (the magic names it).
 
     The header and exact file size are validated before any tensor is read. bfloat16
-    files (version 5) are widened to float32 exactly. GPT-2's ``wte`` keeps its Vp rows.
+    files (version 5) are widened to float32 exactly. A padded tensor (GPT-2's ``wte``)
+    keeps its padded rows.
 
     Args:
         path: the ``.bin`` checkpoint.
-        norm_eps, rope_theta, ffn_dim_multiplier: LLaMA-3 only; replace the header's
-            float slots (needed for llm.c master files, which store them truncated).
+        overrides: values for the header's float slots, None for "as stored" (LLaMA-3's
+            ``norm_eps``, ``rope_theta``, ``ffn_dim_multiplier``: llm.c master files store them
+            truncated to integers).
 
     Returns:
-        ``(kind, header, tensors, file_dtype)``: kind ``"gpt2"``/``"llama3"``, a
-        :class:`GPT2Header`/:class:`Llama3Header`, ``{name: float32 array}`` in file
-        order, and ``"float32"``/``"bfloat16"``.
+        ``(kind, header, tensors, file_dtype)``: the family's name (``"gpt2"``/``"llama3"``),
+        its :class:`Header`, ``{name: float32 array}`` in file order, and ``"float32"``/``"bfloat16"``.
 
     Example:
         >>> kind, header, tensors, file_dtype = read_model("model.bin")  # GPT-2 tiny: L=2, C=32
@@ -501,12 +409,18 @@ def read_model(
         ('gpt2', 'float32', (2, 96, 32))
     """
     path = os.fspath(path)
-    overrides = {"norm_eps": norm_eps, "rope_theta": rope_theta, "ffn_dim_multiplier": ffn_dim_multiplier}
     f, size, ints = _open_checked(path, "model file")
     with f:
-        kind, header, file_dtype = _parse_model_header(path, ints, overrides)
-        if kind == "gpt2" and any(v is not None for v in overrides.values()):
-            raise ValueError(f"{path}: norm_eps/rope_theta/ffn_dim_multiplier overrides apply to LLaMA-3 files only")
+        header = _parse_model_header(path, ints, overrides)
+        file_dtype = _VERSIONS[int(ints[1])]
+        given = [k for k, v in overrides.items() if v is not None]
+        if any(k not in header.float_ranges for k in given):
+            owners = [h.title for h in _formats() if all(k in h.float_ranges for k in given)]
+            if not owners:
+                known = sorted({k for h in _formats() for k in h.float_ranges})
+                raise ValueError(f"{path}: no llm.c header has the float field(s) {', '.join(given)}; "
+                                 f"overrides name one of {', '.join(known)}")
+            raise ValueError(f"{path}: {'/'.join(given)} overrides apply to {' and '.join(owners)} files only")
         itemsize = 4 if file_dtype == "float32" else 2
         n = header.n_params()
         _check_size(path, size, HEADER_BYTES + n * itemsize,
@@ -519,13 +433,13 @@ def read_model(
             else:
                 arr = bfloat16_bits_to_float32(_read_array(f, path, "<u2", count))
             tensors[name] = arr.reshape(shape)
-    return kind, header, tensors, file_dtype
+    return header.kind, header, tensors, file_dtype
 
 
 def _prepare_tensors(
     path: str, kind: str, header: Header, tensors: dict[str, np.ndarray], what: str
 ) -> list[np.ndarray]:
-    """Validate and convert ``tensors`` to float32 arrays in file order (GPT-2 wte padded with zeros)."""
+    """Validate and convert ``tensors`` to float32 arrays in file order (a padded tensor padded with zeros)."""
     shapes = header.tensor_shapes()
     expected = {name for name, _ in shapes}
     missing = [name for name, _ in shapes if name not in tensors]
@@ -539,12 +453,13 @@ def _prepare_tensors(
         if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
             raise _fail(path, f"{what} {name} has dtype {arr.dtype}", "pass real-valued arrays")
         arr = arr.astype(np.float32)
-        if kind == "gpt2" and name == "wte":
-            V, Vp, C = header.vocab_size, header.padded_vocab_size, header.n_embd
-            if arr.shape not in ((V, C), (Vp, C)):
-                raise _fail(path, f"{what} wte has shape {arr.shape}, expected {(Vp, C)} or {(V, C)}",
-                            "pass the (padded) token embedding")
-            padded = np.zeros((Vp, C), dtype=np.float32)
+        if header.padded is not None and name == header.padded[0]:
+            V, Vp = getattr(header, header.padded[1]), getattr(header, header.padded[2])
+            rest = shape[1:]
+            if arr.shape not in ((V, *rest), (Vp, *rest)):
+                raise _fail(path, f"{what} {name} has shape {arr.shape}, expected {(Vp, *rest)} or {(V, *rest)}",
+                            f"pass the (padded) {name}")
+            padded = np.zeros((Vp, *rest), dtype=np.float32)
             padded[:V] = arr[:V]  # rows V..Vp-1 are always written as zeros, as llm.c does
             arr = padded
         elif arr.shape != shape:
@@ -563,14 +478,14 @@ def write_model(
 ) -> None:
     """Write an llm.c checkpoint byte-exactly, atomically (temp file + ``os.replace``).
 
-    GPT-2 ``wte`` may be given as (Vp, C) or (V, C); rows V..Vp-1 are always written as
-    zeros, whatever the caller passes there. bfloat16 rounds to nearest-even. LLaMA-3
-    float slots are written as float32 bit patterns (InfiniTrain's convention).
+    A padded tensor (GPT-2 ``wte``) may be given as (Vp, C) or (V, C); rows V..Vp-1 are always
+    written as zeros, whatever the caller passes there. bfloat16 rounds to nearest-even. Float
+    header slots (LLaMA-3's) are written as float32 bit patterns (InfiniTrain's convention).
 
     Args:
         path: destination file.
         kind: ``"gpt2"`` or ``"llama3"`` (must match the header type).
-        header: :class:`GPT2Header` or :class:`Llama3Header`.
+        header: the family's :class:`Header` (``GPT2Header``, ``Llama3Header``).
         tensors: ``{name: array}`` with exactly the names of ``header.tensor_shapes()``.
         dtype: ``"float32"`` (version 3) or ``"bfloat16"`` (version 5).
 
@@ -586,7 +501,7 @@ def write_model(
     if problem:
         raise _fail(path, f"refusing to write a nonsensical header: {problem}", "fix the header values")
     arrays = _prepare_tensors(path, kind, header, tensors, "tensor")
-    ints = _header_ints(kind, header, _DTYPE_VERSIONS[dtype])
+    ints = _header_ints(header, _DTYPE_VERSIONS[dtype])
     with _atomic_writer(path) as f:
         _write_array(f, ints)
         for arr in arrays:
@@ -597,17 +512,10 @@ def write_model(
 # debug-state files
 
 
-def _logit_widths(kind: str, header: Header) -> list[int]:
-    if kind == "gpt2":
-        # FORMATS.md says Vp; llm.c's train_gpt2.py/test_gpt2.c actually use V. Accept both.
-        return sorted({header.vocab_size, header.padded_vocab_size})
-    return [header.vocab_size]
-
-
 def read_state(path: str | os.PathLike, kind: str, header: Header) -> dict:
     """Read an llm.c debug state file (inputs, logits, loss and float32 gradients).
 
-    The logits width is taken from the file size: V or, for GPT-2, also Vp.
+    The logits width is taken from the file size, among ``header.logit_widths()`` (V; for GPT-2 also Vp).
 
     Args:
         path: the state file (``gpt2_124M_debug_state.bin`` style).
@@ -628,18 +536,17 @@ def read_state(path: str | os.PathLike, kind: str, header: Header) -> dict:
     _check_kind(kind, header)
     f, size, ints = _open_checked(path, "debug state file")
     with f:
-        from remat_lm.models import family
         magic = int(ints[0])
-        want = family.get(kind).state_magic
+        want = header.state_magic
         if magic != want:
             what = _describe_magic(magic)
             problem = f"magic {magic} ({what or 'unknown'}) is not a {kind} debug state file (magic {want})"
             raise _fail(path, problem, "pass the debug state file written by the matching train script "
                                        "(read_model / read_tokens read the other kinds)")
-        if kind == "gpt2":
-            if int(ints[1]) != GPT2_STATE_VERSION:
-                raise _fail(path, f"GPT-2 debug state version {int(ints[1])} is not supported (expected 2)",
-                            "regenerate it with a current train_gpt2.py")
+        if header.state_version is not None:
+            if int(ints[1]) != header.state_version:
+                raise _fail(path, f"{header.title} debug state version {int(ints[1])} is not supported "
+                                  f"(expected {header.state_version})", f"regenerate it with a current {header.exporter}")
             B, T = int(ints[2]), int(ints[3])
         else:
             B, T = int(ints[1]), int(ints[2])
@@ -651,7 +558,7 @@ def read_state(path: str | os.PathLike, kind: str, header: Header) -> dict:
                         "pass the header of the model this state was made for")
         n = header.n_params()
         fixed = HEADER_BYTES + 2 * 4 * B * T + 4 + 4 * n
-        widths = _logit_widths(kind, header)
+        widths = header.logit_widths()
         W = next((w for w in widths if fixed + 4 * B * T * w == size), None)
         if W is None:
             options = " or ".join(f"{fixed + 4 * B * T * w} (logits over {w})" for w in widths)
@@ -708,15 +615,13 @@ def write_state(
             raise _fail(path, f"{label} must hold integer token ids in [0, {header.vocab_size})", "fix the inputs")
     if T > header.block_size:
         raise _fail(path, f"T={T} exceeds block_size {header.block_size}", "fix the inputs")
-    widths = _logit_widths(kind, header)
+    widths = header.logit_widths()
     if logits.shape[:2] != (B, T) or logits.ndim != 3 or logits.shape[2] not in widths:
         raise _fail(path, f"logits have shape {logits.shape}, expected ({B}, {T}, one of {widths})", "fix the inputs")
     grad_arrays = _prepare_tensors(path, kind, header, grads, "gradient")
     ints = np.zeros(HEADER_INTS, dtype="<i4")
-    if kind == "gpt2":
-        ints[:4] = [GPT2_STATE_MAGIC, GPT2_STATE_VERSION, B, T]
-    else:
-        ints[:3] = [LLAMA3_MAGIC, B, T]
+    slots = [header.state_magic, *([] if header.state_version is None else [header.state_version]), B, T]
+    ints[:len(slots)] = slots
     with _atomic_writer(path) as f:
         _write_array(f, ints)
         _write_array(f, x.astype("<i4"))
@@ -847,7 +752,9 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray, kind: str = "gpt2"
     top = int(np.iinfo(np.dtype(fmt.dtype)).max)
     if tok.min() < 0 or tok.max() > top:
         name = np.dtype(fmt.dtype).name
-        fix = "write kind='llama3' (uint32 tokens)" if kind == "gpt2" else "check the token ids"
+        wider = [w for w in TOKEN_FORMATS.values() if np.iinfo(np.dtype(w.dtype)).max > top]
+        fix = (f"write kind={wider[0].kind!r} ({np.dtype(wider[0].dtype).name} tokens)" if wider
+               else "check the token ids")
         raise _fail(path, f"token ids span [{tok.min()}, {tok.max()}], outside {name} ({fmt.describe()})", fix)
     if tok.size >= 2**31:
         raise _fail(path, f"{tok.size} tokens do not fit the int32 count", "split the shard")

@@ -67,7 +67,7 @@ def init_cache(config, batch: int, max_len: int):
       (1, 64, 4, 8)
     """
     cfg = _decode_config(config)
-    model = family.of(cfg).model(cfg)
+    model = family.of(cfg).model_cls(cfg)
     idx = jnp.zeros((batch, max_len), jnp.int32)
     shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), idx, decode_pos=0))["cache"]
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -95,7 +95,7 @@ def forward(params, config, tokens, cache, pos):
         raise ValueError(f"positions {pos}..{pos + S - 1} do not fit the cache of {T_max} positions; "
                          f"make it longer (init_cache max_len <= block_size {config.block_size})")
     cfg = _decode_config(config)
-    (logits, _), new = family.of(cfg).model(cfg).apply({"params": _loop_params(params), "cache": cache}, tokens,
+    (logits, _), new = family.of(cfg).model_cls(cfg).apply({"params": _loop_params(params), "cache": cache}, tokens,
                                                        decode_pos=pos, mutable=["cache"])
     return logits, new["cache"]
 

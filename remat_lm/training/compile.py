@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import remat
 from remat_lm.training import sharding as sh
 from remat_lm.training.config import UsageError
-from remat_lm.training.model import family
+from remat_lm.models import family
 from remat_lm.training.optim import make_optimizer, optimizer_settings
 from remat_lm.training.step import init_state, make_train_step
 
@@ -43,7 +43,7 @@ _INIT_OPTIMIZER = (1.0, 0, 1, 0.0, 0.0, 1.0)
 
 @functools.lru_cache(maxsize=8)
 def init_jit(fam_name: str, init_mcfg, mesh):
-    fam, (tx, _) = family(fam_name), optimizer(_INIT_OPTIMIZER)
+    fam, (tx, _) = family.get(fam_name), optimizer(_INIT_OPTIMIZER)
     fn = lambda seed: init_state(fam, init_mcfg, tx, seed)
     abstract = jax.eval_shape(fn, 0)
     return jax.jit(fn, out_shardings=sh.state_shardings(mesh, abstract))

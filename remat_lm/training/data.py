@@ -24,13 +24,11 @@ import sysconfig
 
 import numpy as np
 
+from remat_lm.models import family
 from remat_lm.models.llmc_io import LlmcFormatError, TokenFormat, read_tokens, token_format
 from remat_lm.training.config import UsageError
 
 BYTE_VOCAB = 256
-# NOTE: the model whose vocabulary is llm.c's tokenizer of each shard format (GPT-2 50257, LLaMA-3
-# 128256): the fix a message names when a shard's ids do not fit the model (if they fit that vocab).
-_FAMILY_FIX = {"gpt2": ("--model gpt2 --preset d12", 50257), "llama3": ("--model llama3 --preset 1b", 128256)}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
 
@@ -63,7 +61,11 @@ class Dataset:
         if self.vocab_needed > vocab_size:
             top = self.vocab_needed - 1
             if self.token_format is not None:
-                flags, vocab = _FAMILY_FIX[self.token_format.kind]
+                # the model whose vocabulary is llm.c's tokenizer of the shard format (GPT-2 d12: 50257,
+                # LLaMA-3 1b: 128256): the fix named when the ids fit it
+                fam = family.get(self.token_format.kind)
+                vocab = fam.presets[fam.tokenizer_preset]["vocab_size"]
+                flags = f"--model {fam.name} --preset {fam.tokenizer_preset}"
                 model = f"{flags} (vocab {vocab}) or " if top < vocab else ""
                 raise UsageError(
                     f"{what} {self.top_file} ({self.token_format.describe()}) holds token ids up to {top}, but the "

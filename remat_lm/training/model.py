@@ -1,14 +1,10 @@
-"""The model family of a run (`family(name)`, the registry `remat_lm.models.family`) and training's view
-of a model config: `config_dict`, `init_params`, `decay_mask`.
-
-# NOTE: layout-independent init. `remat.linen.LayerStack` draws one key per layer from the same
-# stream in both layouts (h_i == h[i]), so every recompute and layout setting starts from the same
-# weights (and the same first loss).
+"""Training's view of a model config and its parameters: `config_dict` (what a checkpoint stores)
+and `decay_mask` (what AdamW decays). The model family itself is `remat_lm.models.family.get(name)`.
 
 Example:
-    >>> fam = family("gpt2")
-    >>> mcfg = fam.config("tiny", recompute=RecomputeConfig(granularity="full"))
-    >>> params = init_params(fam, mcfg, jax.random.PRNGKey(0))
+    >>> from remat_lm.models.gpt2 import GPT2Config
+    >>> config_dict(GPT2Config.preset("tiny"))["n_layer"]
+    2
 """
 from __future__ import annotations
 
@@ -16,13 +12,6 @@ import dataclasses
 from typing import Any
 
 import jax
-
-from remat_lm.models.family import Family, get
-
-
-def family(name: str) -> Family:
-    """The Family for `name` ("gpt2" or "llama3"): `remat_lm.models.family.get`."""
-    return get(name)
 
 
 def config_dict(mcfg) -> dict:
@@ -35,15 +24,6 @@ def config_dict(mcfg) -> dict:
             continue
         out[f.name] = getattr(mcfg, f.name)
     return out
-
-
-def init_params(fam: Family, mcfg, key) -> Any:
-    """Fresh float32 parameters for `mcfg`, identical for every recompute and layout setting.
-
-    Example:
-      >>> params = init_params(family("gpt2"), cfg, jax.random.PRNGKey(0))
-    """
-    return fam.init_params(mcfg, key)
 
 
 def decay_mask(params) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from remat_lm.models import attention
-from remat_lm.models.family import of as family_of
+from remat_lm.models import family
 from remat_lm.models.llmc_io import LlmcFormatError
 from remat import RecomputeConfig
 from remat.config import AutoRecompute, RecomputeConfigError
@@ -30,7 +30,7 @@ from remat_lm.training import saving
 from remat_lm.training import sharding as sh
 from remat_lm.training.compile import optimizer
 from remat_lm.training.config import TrainConfig, UsageError, parse_mesh
-from remat_lm.training.model import Family, config_dict, family
+from remat_lm.training.model import config_dict
 from remat_lm.training.optim import optimizer_settings
 from remat_lm.training.profile import profile_dir
 from remat_lm.training.resume import choose_resume_step
@@ -45,7 +45,7 @@ class Setup:
     """Everything `prepare` validated and built; nothing has been written yet. Frozen: a later stage
     (the planner, resume fallback) makes a new one with `dataclasses.replace`."""
     cfg: TrainConfig
-    fam: Family
+    fam: family.Family
     base_mcfg: Any                 # the model config with recompute off: shapes, dtype, attention (what the
                                    # parameters, the data checks and samples depend on)
     mcfgs: tuple                   # ((label, model config), ...) one per --recompute_method entry; () while
@@ -84,7 +84,7 @@ def flag_fields(cfg: TrainConfig) -> dict:
                 attention=cfg.attention, attention_tile=cfg.attention_tile)
 
 
-def _model_config(cfg: TrainConfig, fam: Family, recompute, vocab_size: int, block_size: int, shaped=None):
+def _model_config(cfg: TrainConfig, fam: family.Family, recompute, vocab_size: int, block_size: int, shaped=None):
     """The model config of the run: `fam.config(preset)` with the shape flags, or `shaped` (the config an
     llm.c header fixes), with `flag_fields(cfg)` and `recompute` set; the attention core checked."""
     over = dict(flag_fields(cfg), recompute=recompute)
@@ -116,12 +116,13 @@ def _load_data(paths, what):
 _SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
-def _load_llmc(cfg: TrainConfig, fam: Family):
+def _load_llmc(cfg: TrainConfig, fam: family.Family):
     """--init_from FILE.bin: (model config from the file's header, parameters), via remat_lm.models.llmc.load.
 
     Every shape field comes from the header (the preset is not consulted for shapes); a shape flag
-    that disagrees with it is a UsageError naming both values. LLaMA-3 files from llm.c master
-    (float header slots truncated to integers) are read with the preset's values for those slots.
+    that disagrees with it is a UsageError naming both values. Files whose float header slots hold
+    truncated integers (LLaMA-3 files from llm.c master) are read with the preset's values for those
+    slots (the header's float fields are config fields of the same names).
     """
     from remat_lm.models import llmc
 
@@ -131,14 +132,14 @@ def _load_llmc(cfg: TrainConfig, fam: Family):
         try:
             mcfg, params = llmc.load(path, **kw)
         except LlmcFormatError as e:
-            if cfg.model != "llama3" or "truncated integers" not in str(e):
+            floats = fam.header_cls.float_ranges
+            if not floats or "truncated integers" not in str(e):
                 raise
             base = fam.config(cfg.preset)
-            mcfg, params = llmc.load(path, norm_eps=base.norm_eps, rope_theta=base.rope_theta,
-                                     ffn_dim_multiplier=base.ffn_dim_multiplier, **kw)
+            mcfg, params = llmc.load(path, **{k: getattr(base, k) for k in floats}, **kw)
     except (LlmcFormatError, ValueError) as e:
         raise UsageError(f"--init_from {e}") from None
-    kind = family_of(mcfg).name
+    kind = family.of(mcfg).name
     if kind != cfg.model:
         raise UsageError(f"--init_from {path} is an llm.c {kind} model but this run is --model {cfg.model}; "
                          f"pass --model {kind}")
@@ -170,7 +171,7 @@ def prepare(cfg: TrainConfig) -> Setup:
     Raises UsageError (one line, naming the fix) for every bad input. Writes nothing.
     """
     distributed.initialize()  # jax.distributed, when the environment asks for several processes
-    fam = family(cfg.model)
+    fam = family.get(cfg.model)
     recomputes = cfg.recompute_configs()
     data_files = checks.check_data_files(cfg.data, "--data")  # special, unreadable or too large: before reading
     val_files = checks.check_data_files(cfg.val_data, "--val_data")

@@ -104,9 +104,7 @@ def check_tensor(mcfg, mesh_shape: dict[str, int], sequence_length: int, sequenc
     t = mesh_shape.get(TENSOR_AXIS, 1)
     if t <= 1:
         return
-    hidden = getattr(mcfg, "ffn_hidden", 4 * mcfg.n_embd)
-    checks = [("n_head", mcfg.n_head), ("n_kv_head", getattr(mcfg, "n_kv_head", mcfg.n_head)),
-              ("MLP hidden size", hidden)]
+    checks = [("n_head", mcfg.n_head), ("n_kv_head", mcfg.n_kv_head), ("MLP hidden size", mcfg.ffn_hidden)]
     if sequence_parallel:
         checks.append(("--sequence_length", sequence_length))
     for what, n in checks:

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_lm.training.model import init_params
 
 
 def make_train_step(fam, mcfg, tx, schedule, dropout: float):
@@ -67,7 +66,10 @@ def make_eval_step(fam, mcfg):
 
 def init_state(fam, mcfg, tx, seed: int):
     """A fresh train state (call under jit with out_shardings to create it sharded)."""
+    # NOTE: layout-independent init. `remat.linen.LayerStack` draws one key per layer from the same
+    # stream in both layouts (h_i == h[i]), so every recompute and layout setting starts from the same
+    # weights (and the same first loss).
     key = jax.random.PRNGKey(seed)
     init_key, rng = jax.random.split(key)
-    params = init_params(fam, mcfg, init_key)
+    params = fam.init_params(mcfg, init_key)
     return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32), "rng": rng}
