@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Union
+from typing import Callable, Literal, Union
 
 from remat import names as _names
 from remat import policies as _policies
@@ -28,7 +28,7 @@ def check_region(use_reentrant: bool, policy, determinism_check, enabled: bool =
         raise RecomputeConfigError("use_reentrant", f"use_reentrant={use_reentrant!r} must be True or False")
     if use_reentrant and policy is not None:
         raise RecomputeConfigError(("use_reentrant", "policy"),
-                                   f"use_reentrant=True saves only the inputs, so policy={policy!r} has no effect; "
+                                   f"use_reentrant=True saves only the inputs, so policy={_show(policy)} has no effect; "
                                    f"drop the policy or use_reentrant")
     if not (isinstance(determinism_check, bool) or determinism_check in ("structure", "values")):
         raise RecomputeConfigError("determinism_check", f"determinism_check={determinism_check!r} is not valid; use "
@@ -55,14 +55,16 @@ class RecomputeConfig:
         `num_layers` consecutive layers is one region; `block`: the first `num_layers` layers are
         regions, the rest are not rematerialized.
       num_layers: the N of `uniform`/`block` (any other method takes only the default, 1).
-      policy: a `remat.policies` name for what a region saves; default `full` (nothing) for
-        granularity `full` and the `modules` preset for `selective`. Not with `modules` (a policy
-        replaces the preset), `use_reentrant` or granularity `none`.
+      policy: what a region saves: a `remat.policies` name or a JAX policy callable (e.g.
+        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); default `full_remat` (nothing,
+        `jax.checkpoint_policies.nothing_saveable`) for granularity `full` and the `modules` preset
+        for `selective`. Not with `modules` (a policy replaces the preset), `use_reentrant` or
+        granularity `none`.
       modules: selective sub-modules to recompute (`core_attn`, `mlp`, `norm`; a tuple or the string
         `"core_attn,mlp"`); granularity `selective` only, default `("core_attn",)`.
       use_reentrant: (a bool) recompute through a `jax.custom_vjp` that saves only region inputs,
         instead of `jax.checkpoint`. Granularity `full` only.
-      layer_policies: one policy name (or None: not rematerialized) per layer, for granularity
+      layer_policies: one policy, a name or a JAX policy callable (or None: not rematerialized), per layer, for granularity
         `full` with method `none`: what `remat.plan_for_budget` chooses. Overrides `policy`.
       segments: explicit recompute regions, the tutorial's `ManualCheckpoint`: half-open layer ranges
         `((start, stop), ...)` in increasing order, not overlapping (e.g. `((0, 3), (3, 5))`: layers
@@ -94,7 +96,7 @@ class RecomputeConfig:
     granularity: Literal["none", "full", "selective"] = "none"
     method: Literal["none", "uniform", "block"] = "none"
     num_layers: int = 1
-    policy: str | None = None
+    policy: str | Callable | None = None
     modules: tuple[str, ...] | None = None
     use_reentrant: bool = False
     determinism_check: Union[bool, str] = True
@@ -150,7 +152,7 @@ class RecomputeConfig:
             try:
                 _policies.validate(self.policy)
             except ValueError as e:
-                raise RecomputeConfigError("policy", f"recompute policy={self.policy!r}: {e}") from None
+                raise RecomputeConfigError("policy", f"recompute policy={_show(self.policy)}: {e}") from None
         if self.use_reentrant and g == "selective":
             raise RecomputeConfigError("use_reentrant", "use_reentrant=True cannot be combined with "
                                        "granularity='selective': the reentrant path saves only each region's "
@@ -185,7 +187,7 @@ class RecomputeConfig:
         shown_modules = None if self.modules is None else ",".join(self.modules)
         if g == "none":
             dc = self.determinism_check
-            given = [(f, v) for f, v in (("policy", self.policy), ("modules", shown_modules),
+            given = [(f, v) for f, v in (("policy", None if self.policy is None else _Shown(self.policy)), ("modules", shown_modules),
                                          ("use_reentrant", True if self.use_reentrant else None),
                                          ("determinism_check", dc if dc in ("structure", "values") else None))
                      if v is not None]
@@ -199,7 +201,7 @@ class RecomputeConfig:
                                        "granularity='selective' only; granularity='full' recomputes whole layers: "
                                        "choose what a region saves with a policy, or use granularity='selective'")
         if g == "selective" and self.modules is not None and self.policy is not None:
-            raise RecomputeConfigError(("modules", "policy"), f"recompute policy={self.policy!r} replaces the "
+            raise RecomputeConfigError(("modules", "policy"), f"recompute policy={_show(self.policy)} replaces the "
                                        f"selective preset, so modules={shown_modules!r} would be ignored; pass one "
                                        f"of them (e.g. policy='{'+'.join(self.modules)}' is that preset)")
 
@@ -246,19 +248,24 @@ class RecomputeConfig:
                                            "replaces the method) and no layer_policies; got "
                                            f"granularity={self.granularity!r}, method={self.method!r}")
 
+    def __repr__(self):  # a policy callable shown as the JAX expression that builds it (policies.describe)
+        shown = (f"{f.name}={_show(getattr(self, f.name))}" for f in dataclasses.fields(self) if f.repr)
+        return f"{type(self).__name__}({', '.join(shown)})"
+
     @property
     def enabled(self) -> bool:
         return self.granularity != "none"
 
-    def effective_policy(self, layer: int | None = None) -> str | None:
-        """The policy name the region starting at `layer` uses (None when recompute is off or reentrant)."""
+    def effective_policy(self, layer: int | None = None):
+        """The policy (a name or a JAX policy callable) the region starting at `layer` uses (None when
+        recompute is off or reentrant); `remat.policies.describe` prints it."""
         if self.granularity == "none" or self.use_reentrant:
             return None
         if self.layer_policies is not None:
             return None if layer is None else self.layer_policies[layer]
         if self.policy is not None:
             return self.policy
-        return "full" if self.granularity == "full" else "+".join(self.modules)
+        return _policies.NOTHING if self.granularity == "full" else "+".join(self.modules)
 
     def validate_for(self, n_layers: int) -> "RecomputeConfig":
         """Check the config against a model with `n_layers` layers; returns self.
@@ -305,6 +312,23 @@ class AutoRecompute:
     def __post_init__(self):
         if not _is_int(self.budget) or self.budget < 1:
             raise RecomputeConfigError("budget", f"recompute budget={self.budget!r} must be a number of bytes >= 1")
+
+
+class _Shown:
+    """A value whose repr shows a policy callable as `remat.policies.describe` does (in a tuple too)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return _show(self.value)
+
+
+def _show(value) -> str:
+    """repr(value), with policy callables (also inside a tuple) as the JAX expression that builds them."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_show, value)) + ("," if len(value) == 1 else "") + ")"
+    return _policies.describe(value) if callable(value) else repr(value)
 
 
 def _is_int(v) -> bool:
