@@ -418,8 +418,8 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
     def flat_fn(*dyn_vals):
         return fn(*rebuild(dyn_vals))
 
+    _policies.warn_untagged(policy, flat_fn, dyn, region)  # as given: a registry name reads as that name
     policy = _policies.resolve(policy)
-    _policies.warn_untagged(policy, flat_fn, dyn, region)
 
     def go(flat_fn, dyn):
         if use_reentrant:

@@ -27,9 +27,8 @@ def check_region(use_reentrant: bool, policy, determinism_check, enabled: bool =
     if not isinstance(use_reentrant, bool):
         raise RecomputeConfigError("use_reentrant", f"use_reentrant={use_reentrant!r} must be True or False")
     if use_reentrant and policy is not None:
-        raise RecomputeConfigError(("use_reentrant", "policy"),
-                                   f"use_reentrant=True saves only the inputs, so policy={_show(policy)} has no effect; "
-                                   f"drop the policy or use_reentrant")
+        raise RecomputeConfigError(("use_reentrant", "policy"), f"use_reentrant=True saves only the inputs, so "
+                                   f"policy={_show(policy)} has no effect; drop the policy or use_reentrant")
     if not (isinstance(determinism_check, bool) or determinism_check in ("structure", "values")):
         raise RecomputeConfigError("determinism_check", f"determinism_check={determinism_check!r} is not valid; use "
                                    f"True, False, 'structure' or 'values'")
@@ -64,8 +63,9 @@ class RecomputeConfig:
         `"core_attn,mlp"`); granularity `selective` only, default `("core_attn",)`.
       use_reentrant: (a bool) recompute through a `jax.custom_vjp` that saves only region inputs,
         instead of `jax.checkpoint`. Granularity `full` only.
-      layer_policies: one policy, a name or a JAX policy callable (or None: not rematerialized), per layer, for granularity
-        `full` with method `none`: what `remat.plan_for_budget` chooses. Overrides `policy`.
+      layer_policies: one policy (a name or a JAX policy callable; None: not rematerialized) per
+        layer, for granularity `full` with method `none`: what `remat.plan_for_budget` chooses.
+        Overrides `policy`.
       segments: explicit recompute regions, the tutorial's `ManualCheckpoint`: half-open layer ranges
         `((start, stop), ...)` in increasing order, not overlapping (e.g. `((0, 3), (3, 5))`: layers
         0-2 form one region, layers 3-4 another). Layers in no segment (gaps) are not
@@ -187,7 +187,8 @@ class RecomputeConfig:
         shown_modules = None if self.modules is None else ",".join(self.modules)
         if g == "none":
             dc = self.determinism_check
-            given = [(f, v) for f, v in (("policy", None if self.policy is None else _Shown(self.policy)), ("modules", shown_modules),
+            policy = None if self.policy is None else _Shown(self.policy)
+            given = [(f, v) for f, v in (("policy", policy), ("modules", shown_modules),
                                          ("use_reentrant", True if self.use_reentrant else None),
                                          ("determinism_check", dc if dc in ("structure", "values") else None))
                      if v is not None]

@@ -76,7 +76,8 @@ def _remat_module_bytes(policy):
 
 
 def _nnx_bytes(policy):
-    stack = rnnx.LayerStack([NNXBlock(nnx.Rngs(i)) for i in range(L)], RecomputeConfig(granularity="full", policy=policy))
+    cfg = RecomputeConfig(granularity="full", policy=policy)
+    stack = rnnx.LayerStack([NNXBlock(nnx.Rngs(i)) for i in range(L)], cfg)
     graphdef, state = nnx.split(stack)
     return memory.saved_residuals(lambda s: jnp.sum(nnx.merge(graphdef, s)(X)), state).total
 
