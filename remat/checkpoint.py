@@ -28,8 +28,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: early stop
 
+from remat import _compat
 from remat import check as _check
 from remat import memory as _memory
 from remat import policies as _policies
@@ -56,12 +56,6 @@ def _is_traced(leaf) -> bool:
 
 def _is_inexact(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _resolve_policy(policy):
-    if policy is None or callable(policy):
-        return policy
-    return _policies.get(policy)
 
 
 def _flatten(args: tuple, static_argnums: Sequence[int]):
@@ -185,7 +179,7 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
         closed, (out_shape, _) = jax.make_jaxpr(pullback, return_shape=True)(diff, g)
         n_out = len(jax.tree.leaves(out_shape))
         keep_out = determinism_check == "values"
-        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [keep_out] * n_out + [True] * (len(closed.out_avals) - n_out),
+        jaxpr, _ = _compat.dce_jaxpr(closed.jaxpr, [keep_out] * n_out + [True] * (len(closed.out_avals) - n_out),
                                 instantiate=True)
         flat = jax.core.eval_jaxpr(jaxpr, closed.consts, *jax.tree.leaves((diff, g)))
         if keep_out:
@@ -427,8 +421,8 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
     def flat_fn(*dyn_vals):
         return fn(*rebuild(dyn_vals))
 
-    policy = _resolve_policy(policy)
-    _policies.warn_untagged(policy, flat_fn, dyn, region)
+    _policies.warn_untagged(policy, flat_fn, dyn, region)  # as given: a registry name reads as that name
+    policy = _policies.resolve(policy)
 
     def go(flat_fn, dyn):
         if use_reentrant:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Union
+from typing import Callable, Literal, Union
 
 from remat import names as _names
 from remat import policies as _policies
 from remat import regions as _regions
+from remat import errors as _errors
 from remat.errors import RecomputeConfigError, lit, refuse
 from remat.regions import parse_segments  # noqa: F401  (its home was here)
 
@@ -54,9 +55,11 @@ class RecomputeConfig:
         regions, the rest are not rematerialized. (Megatron's spelling of `layers=remat.uniform(n)`
         and `layers=remat.block(n)`.)
       num_layers: the N of `uniform`/`block` (any other method takes only the default, 1).
-      policy: a `remat.policies` name for what a region saves; default `full` (nothing) for
-        granularity `full` and the `modules` preset for `selective`. Not with `modules` (a policy
-        replaces the preset), `use_reentrant` or granularity `none`.
+      policy: what a region saves: a `remat.policies` name or a JAX policy callable (e.g.
+        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); default `full_remat` (nothing,
+        `jax.checkpoint_policies.nothing_saveable`) for granularity `full` and the `modules` preset
+        for `selective`. Not with `modules` (a policy replaces the preset), `use_reentrant` or
+        granularity `none`.
       modules: selective sub-modules to recompute (`core_attn`, `mlp`, `norm`; a tuple or the string
         `"core_attn,mlp"`); granularity `selective` only, default `("core_attn",)`.
       use_reentrant: (a bool) recompute through a `jax.custom_vjp` that saves only region inputs,
@@ -93,7 +96,7 @@ class RecomputeConfig:
     granularity: Literal["none", "full", "selective"] = "none"
     method: Literal["none", "uniform", "block"] = "none"
     num_layers: int = 1
-    policy: str | None = None
+    policy: str | Callable | None = None
     modules: tuple[str, ...] | None = None
     use_reentrant: bool = False
     determinism_check: Union[bool, str, None] = None
@@ -185,7 +188,8 @@ class RecomputeConfig:
         shown_modules = None if self.modules is None else ",".join(self.modules)
         if g == "none":
             dc = self.determinism_check
-            given = [(f, v) for f, v in (("policy", self.policy), ("modules", shown_modules),
+            policy = None if self.policy is None else _Shown(self.policy)
+            given = [(f, v) for f, v in (("policy", policy), ("modules", shown_modules),
                                          ("use_reentrant", True if self.use_reentrant else None),
                                          ("determinism_check", None if dc is False else dc),
                                          ("offload_inputs", True if self.offload_inputs else None))
@@ -256,19 +260,24 @@ class RecomputeConfig:
         for field, value in dict(spelling, layers=layers).items():
             object.__setattr__(self, field, value)
 
+    def __repr__(self):  # a policy callable shown as the JAX expression that builds it (policies.describe)
+        shown = (f"{f.name}={_show(getattr(self, f.name))}" for f in dataclasses.fields(self) if f.repr)
+        return f"{type(self).__name__}({', '.join(shown)})"
+
     @property
     def enabled(self) -> bool:
         return self.granularity != "none"
 
-    def effective_policy(self, layer: int | None = None) -> str | None:
-        """The policy name the region starting at `layer` uses (None when recompute is off or reentrant)."""
+    def effective_policy(self, layer: int | None = None):
+        """The policy (a name or a JAX policy callable) the region starting at `layer` uses (None when
+        recompute is off or reentrant); `remat.policies.describe` prints it."""
         if self.granularity == "none" or self.use_reentrant:
             return None
         if self.layer_policies is not None:
             return None if layer is None else self.layer_policies[layer]
         if self.policy is not None:
             return self.policy
-        return "full" if self.granularity == "full" else "+".join(self.modules)
+        return _policies.NOTHING if self.granularity == "full" else "+".join(self.modules)
 
     def validate_for(self, n_layers: int) -> "RecomputeConfig":
         """Check the config against a model with `n_layers` layers; returns self.
@@ -303,6 +312,21 @@ class AutoRecompute:
         if not _is_int(self.budget) or self.budget < 1:
             raise refuse("{recompute budget} must be a number of bytes >= 1", budget=self.budget,
                          valid="a number of bytes >= 1")
+
+
+class _Shown:
+    """A value whose repr shows a policy callable as `remat.policies.describe` does (in a tuple too)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return _show(self.value)
+
+
+def _show(value) -> str:
+    """repr(value), with policy callables (also inside a tuple) as the JAX expression that builds them."""
+    return _errors.show_policy(value)
 
 
 def _is_int(v) -> bool:

@@ -23,9 +23,20 @@ def lit(text) -> str:
 
 
 def show(value) -> str:
-    """A setting's value in library words: (start, stop) pairs as `0-3,3-5`, anything else as repr."""
+    """A setting's value in library words: (start, stop) pairs as `0-3,3-5`, a policy callable as the
+    JAX expression that builds it (`remat.policies.describe`), anything else as repr."""
     if isinstance(value, tuple) and value and all(isinstance(p, tuple) and len(p) == 2 for p in value):
         return ",".join(f"{a}-{b}" for a, b in value)
+    return show_policy(value)
+
+
+def show_policy(value) -> str:
+    """repr(value), with policy callables (also inside a tuple) as the JAX expression that builds them."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(show_policy, value)) + ("," if len(value) == 1 else "") + ")"
+    if callable(value):
+        from remat import policies  # policies imports nothing of errors; imported here to keep errors light
+        return policies.describe(value)
     return repr(value)
 
 

@@ -8,6 +8,7 @@ from flax.core import meta
 import jax
 import jax.numpy as jnp
 
+from remat import policies as _policies
 from remat.config import RecomputeConfig
 from remat.checkpoint import checkpoint
 from remat.stack import _select, _signature, apply_layers
@@ -153,7 +154,7 @@ def remat_module(module_cls, recompute: RecomputeConfig | str | None = None, *,
       ...     @nn.compact
       ...     def __call__(self, x, deterministic):
       ...         return x + nn.Dropout(0.1, deterministic=deterministic)(nn.Dense(8)(x))
-      >>> Block = remat_module(MyBlock, "full", static_argnums=(2,))  # self, x, deterministic
+      >>> Block = remat_module(MyBlock, "full_remat", static_argnums=(2,))  # self, x, deterministic
       >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 8)), True)
       >>> Block().apply(variables, jnp.ones((2, 8)), True).shape
       (2, 8)
@@ -168,6 +169,7 @@ def remat_module(module_cls, recompute: RecomputeConfig | str | None = None, *,
         opts = dict(policy=recompute.effective_policy(), use_reentrant=recompute.use_reentrant,
                     determinism_check=recompute.determinism_check)
     else:
+        _policies.validate(recompute)
         opts = dict(policy=recompute)
     bad = [i for i in static_argnums if i < 1]
     if bad:

@@ -1,8 +1,7 @@
 """What is saved for the backward pass, and what XLA compiled.
 
-# NOTE: `saved_residuals` wraps JAX's internal `jax._src.ad_checkpoint.saved_residuals` (jax 0.10
-# exports only `print_saved_residuals`). This module is the one place that touches it, so a JAX
-# upgrade that moves it breaks this function, loudly, and nothing else (tests/test_memory.py).
+# NOTE: `saved_residuals` wraps JAX's internal `saved_residuals` (jax 0.10 exports only
+# `print_saved_residuals`), imported by `remat._compat`, the one module touching JAX internals.
 """
 from __future__ import annotations
 
@@ -20,11 +19,7 @@ from remat import policies as _policies
 from remat.config import RecomputeConfig
 from remat.plan import plan as _plan
 
-try:
-    from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals
-except ImportError as e:  # pragma: no cover - exercised only on an incompatible JAX
-    raise ImportError(f"remat.memory needs jax._src.ad_checkpoint.saved_residuals ({e}); "
-                      f"this JAX version moved it: update remat/memory.py") from e
+from remat._compat import saved_residuals as _jax_saved_residuals
 
 _NAMED = re.compile(r"named '([^']+)'")
 
@@ -313,8 +308,9 @@ def predict_saved(layer: LayerBytes, n_layers: int, cfg: RecomputeConfig, head: 
     """Analytic saved bytes of a layer stack under `cfg`, plus `head` bytes kept outside the stack.
 
     A checkpointed region keeps its input (`block_input`) and, per layer, the tagged values its
-    policy saves; untagged values are recomputed. Returns None for policies that do not select by
-    tag name (`dots`, `dots_no_batch`, offload). Derivation: docs/memory-model.md.
+    policy saves; untagged values are recomputed. Policies are registry names or JAX policy callables;
+    returns None for those that do not save by tag name (`dots`, `dots_no_batch`, offloading ones,
+    a callable of your own: `remat.policies.by_name` says which do). Derivation: docs/memory-model.md.
 
     Example:
       >>> layer = LayerBytes({_names.BLOCK_INPUT: 100, _names.QKV: 300}, untagged=50)
@@ -338,22 +334,22 @@ def predict_saved(layer: LayerBytes, n_layers: int, cfg: RecomputeConfig, head: 
     return total
 
 
-def _region_bytes(layer: LayerBytes, name: str | None, reentrant: bool):
+def _region_bytes(layer: LayerBytes, policy, reentrant: bool):
     """(bytes kept per layer inside a region besides its input, bytes per inner layer input)."""
     inp = layer.tagged.get(_names.BLOCK_INPUT, 0)
     untagged = 0
-    if name is None or name == "full":  # reentrant, or nothing saved inside a region
+    pol = _policies.resolve(policy)
+    everything = pol is jax.checkpoint_policies.everything_saveable
+    if pol is None or pol is jax.checkpoint_policies.nothing_saveable:  # reentrant, or nothing saved in a region
         saved = frozenset()
-    elif name == "everything":
+    elif everything:
         saved, untagged = frozenset(layer.tagged), layer.untagged
     else:
-        pol = _policies.get(name)
-        while isinstance(pol, _policies.DtypePreserving):
-            pol = pol.base
-        if not isinstance(pol, _policies.SaveNames):
-            return None
-        saved = pol.names
+        rule = _policies.by_name(pol)
+        if rule is None or rule.offload:
+            return None  # not by name, or offloading: not modelled
+        saved = frozenset(n for n in (*layer.tagged, *layer.swaps) if rule.saves(n))
     inner = sum(b for n, b in layer.tagged.items() if n in saved and n != _names.BLOCK_INPUT) + untagged
-    inner += sum(b for n, b in layer.swaps.items() if n in saved) if name != "everything" else 0
+    inner += sum(b for n, b in layer.swaps.items() if n in saved) if not everything else 0
     inner += 0 if reentrant else layer.constants
     return inner, (inp if _names.BLOCK_INPUT in saved else 0)

@@ -44,8 +44,8 @@ from remat import policies as _policies
 from remat.config import RecomputeConfig
 from remat.memory import compiled_stats, format_bytes  # noqa: F401  (re-exported: remat.planner.compiled_stats)
 
-# Candidate settings: None (not rematerialized), selective presets, and full (nothing saved).
-DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", "full")
+# Candidate settings: None (not rematerialized), selective presets, and full_remat (nothing saved).
+DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", _policies.NOTHING)
 PEAKS = ("estimate", "temp")
 MAX_PLANS = 2_000_000  # compositions enumerated at most; beyond, layers are planned in equal groups
 
@@ -73,11 +73,11 @@ def parse_size(text: str) -> int:
 
 
 def _name(c) -> str:
-    return "none" if c is None else c
+    return "none" if c is None else _policies.describe(c)
 
 
 def _policy(c):
-    return None if c is None or c == "none" else c
+    return None if c is None or (isinstance(c, str) and c == "none") else c
 
 
 def recompute_config(layer_policies: Sequence) -> RecomputeConfig:
@@ -104,7 +104,7 @@ class BudgetPlan:
     """The planner's answer: one setting per layer and what it costs.
 
     Attributes:
-      layer_policies: one policy name or None (not rematerialized) per layer.
+      layer_policies: one policy (a name or a JAX policy callable) or None (not rematerialized) per layer.
       saved_bytes: analytic bytes each layer keeps for the backward (None without `layer_bytes`).
       freed_bytes: calibrated peak bytes each layer's setting frees against no remat.
       recompute_flops: calibrated recompute FLOPs per layer (XLA cost analysis).
@@ -199,7 +199,8 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         distinct plan (about 2 per candidate to calibrate, then 1 per verification).
       n_layers: layers in the stack (all identical).
       budget_bytes: the bound on the peak (an int, or a size string such as "12GiB").
-      candidates: settings to choose from per layer: "none" (or None) and `remat.policies` names.
+      candidates: settings to choose from per layer: "none" (or None), `remat.policies` names and JAX
+        policy callables (shown by `remat.policies.describe`).
       peak: "estimate" (arguments + outputs + temp − aliased, the default) or "temp".
       max_iterations: planning rounds at most (each compiles one plan to verify it).
       layer_bytes: the analytic bytes of one layer (`remat_lm.models.memory_model.activation_bytes`), only
@@ -271,7 +272,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
     minimum = min(pk(uniform[best_c]), p_none)
     if budget < minimum:
         what = "compiled peak: arguments + outputs + temp - aliased" if peak == "estimate" else "compiled temp"
-        who = (f"that the most memory-saving setting ({_name(best_c)} remat on every layer) reaches; no remat needs "
+        who = (f"that the most memory-saving setting ({_name(best_c)} on every layer) reaches; no remat needs "
                f"{format_bytes(p_none)}" if pk(uniform[best_c]) < p_none else
                "that no remat needs: no candidate lowers this step's peak (activations are not what fills it)")
         raise ValueError(
@@ -371,7 +372,7 @@ def _predict(lp: tuple, table: dict, p_none: int) -> float:
 
 
 def _describe(lp: tuple) -> str:
-    """A compact name for a per-layer plan: 'full x3, none x1'."""
+    """A compact name for a per-layer plan: '[full_remat x3, none x1]'."""
     runs = []
     for c in lp:
         if runs and runs[-1][0] == c:

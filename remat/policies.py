@@ -1,9 +1,13 @@
-"""The one registry of remat policy names.
+"""The one registry of remat policy names: each name is a composition of JAX's own policies.
 
 A policy decides, for each primitive inside a checkpointed region, whether its output is saved for
 the backward pass, offloaded to host memory, or recomputed. `get(name)` turns a registry name into
-a JAX policy callable; `names()` lists what `get` accepts; the CLI's choices, the README's table
-and the tests' parametrization all derive from `REGISTRY`.
+a JAX policy callable built from `jax.checkpoint_policies` (`save_only_these_names`,
+`save_any_names_but_these`, `save_and_offload_only_these_names`, `nothing_saveable`, ...); the one
+local combinator is `DtypePreserving` (`bf16:<policy>`). Everywhere a policy is accepted, a JAX policy
+callable works as well as a name; `describe(policy)` prints either readably. `names()` lists what
+`get` accepts; the CLI's choices, the README's table and the tests' parametrization all derive
+from `REGISTRY`.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -13,6 +17,8 @@ Example:
     >>> f = jax.checkpoint(layer, policy=policies.get("save_names:qkv"))
     >>> list(memory.saved_residuals(f, jnp.ones((8, 8)), jnp.ones((4, 8))).by_name())
     [..., 'qkv']
+    >>> policies.describe(policies.get("save_names:qkv"))
+    "jax.checkpoint_policies.save_only_these_names('qkv')"
 """
 from __future__ import annotations
 
@@ -25,40 +31,20 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 from jax import lax
-from jax._src.interpreters import partial_eval as pe  # Saveable/Recompute/Offloadable markers
+from jax.ad_checkpoint import Recompute
 
+from remat import _compat
 from remat import names as N
 
 cp = jax.checkpoint_policies
 
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
-
-@dataclasses.dataclass(frozen=True)
-class SaveNames:
-    """Save only values tagged with one of `names`; recompute everything else."""
-    names: frozenset
-
-    def __call__(self, prim, *avals, **params):
-        return prim.name == "name" and params["name"] in self.names
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadNames:
-    """Offload values tagged with one of `offload` to host memory, save those in `save`,
-    recompute the rest (MaxText's per-tensor remat|device|offload)."""
-    offload: frozenset
-    save: frozenset = frozenset()
-    src: str = OFFLOAD_SRC
-    dst: str = OFFLOAD_DST
-
-    def __call__(self, prim, *avals, **params):
-        if prim.name == "name":
-            if params["name"] in self.save:
-                return pe.Saveable
-            if params["name"] in self.offload:
-                return pe.Offloadable(src=self.src, dst=self.dst)
-        return pe.Recompute
+# The policy that saves nothing inside a region (jax.checkpoint_policies.nothing_saveable). It was
+# called "full" until that word meant both a granularity and a policy; "full" is now only the
+# granularity, and the old policy name is refused with a message naming this one.
+NOTHING = "full_remat"
+RENAMED = {"full": NOTHING}
 
 
 def _wide_float(prim, avals, params) -> bool:
@@ -121,45 +107,45 @@ class DtypePreserving:
     """
     base: Callable
 
+    def __repr__(self):
+        return f"DtypePreserving({describe(self.base)})"
+
     def __call__(self, prim, *avals, **params):
         decision = self.base(prim, *avals, **params)
-        if decision is False or decision is pe.Recompute or prim.name == "name":
+        if decision is False or decision is Recompute or prim.name == "name":
             return decision
         if prim.name in _MOVES:
-            return pe.Recompute
+            return Recompute
         dts = _out_dtypes(prim, avals, params)
         if dts is None:
-            return pe.Recompute if _wide_float(prim, avals, params) else decision
+            return Recompute if _wide_float(prim, avals, params) else decision
         keep = all(jnp.issubdtype(d, jnp.floating) and jnp.dtype(d).itemsize < 4 for d in dts)
-        return decision if keep else pe.Recompute
+        return decision if keep else Recompute
 
 
-def _everything(*_, **__):
-    return True
-
-
-def _nothing(*_, **__):
-    return False
-
-
-def _names_arg(arg: str, name: str) -> frozenset:
+def _names_arg(arg: str, name: str) -> tuple:
     got = tuple(a.strip() for a in arg.split(",") if a.strip())
     bad = [a for a in got if a not in N.known()]
     if not got or bad:
         raise ValueError(f"policy {name!r}: unknown activation name(s) {bad or [arg]}; "
                          f"tagged names are {', '.join(N.known())}; for your own tags call "
                          f"remat.names.register({', '.join(map(repr, bad or ['name']))}) (docs/tagging.md)")
-    return frozenset(got)
+    return tuple(sorted(set(got)))
 
 
-def selective(modules) -> SaveNames:
+def selective(modules) -> Callable:
     """Save every tagged activation except the internals of `modules` (Megatron's
-    `recompute_modules`); untagged values are recomputed."""
+    `recompute_modules`): `jax.checkpoint_policies.save_any_names_but_these`; untagged values are
+    recomputed."""
     unknown = [m for m in modules if m not in N.MODULES]
     if unknown:
         raise ValueError(f"unknown recompute module(s) {unknown}; valid: {', '.join(N.MODULES)}")
-    dropped = {n for m in modules for n in N.MODULES[m]}
-    return SaveNames(frozenset(n for n in N.ALL if n not in dropped))
+    return cp.save_any_names_but_these(*sorted({n for m in modules for n in N.MODULES[m]}))
+
+
+def _offload(save: tuple = (), offload: tuple = ()) -> Callable:
+    return cp.save_and_offload_only_these_names(names_which_can_be_saved=save, names_which_can_be_offloaded=offload,
+                                                offload_src=OFFLOAD_SRC, offload_dst=OFFLOAD_DST)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +158,8 @@ class Entry:
 
 
 REGISTRY: dict[str, Entry] = {
-    "full": Entry(lambda: _nothing, "save nothing inside a region; only its inputs are kept"),
-    "everything": Entry(lambda: _everything, "save everything: remat becomes a no-op (baseline)"),
+    NOTHING: Entry(lambda: cp.nothing_saveable, "save nothing inside a region; only its inputs are kept"),
+    "everything": Entry(lambda: cp.everything_saveable, "save everything: remat becomes a no-op (baseline)"),
     "dots": Entry(lambda: cp.dots_saveable, "save matmul outputs, recompute the rest"),
     "dots_no_batch": Entry(lambda: cp.dots_with_no_batch_dims_saveable,
                            "save matmuls without batch dims (projections, not attention scores)"),
@@ -187,10 +173,10 @@ REGISTRY: dict[str, Entry] = {
                   "copy), "
                   "so never more bytes than the policy; `bf16:<policy>` wraps any policy",
                   template="bf16:<policy>", example="bf16:everything"),
-    "save_names": Entry(lambda arg: SaveNames(_names_arg(arg, "save_names")),
+    "save_names": Entry(lambda arg: cp.save_only_these_names(*_names_arg(arg, "save_names")),
                         "save only the listed tagged names",
                         template="save_names:<name,...>", example=f"save_names:{N.QKV},{N.ATTN_CONTEXT}"),
-    "offload_names": Entry(lambda arg: OffloadNames(_names_arg(arg, "offload_names")),
+    "offload_names": Entry(lambda arg: _offload(offload=_names_arg(arg, "offload_names")),
                            "offload the listed tagged names to pinned host memory, recompute the rest",
                            template="offload_names:<name,...>", example=f"offload_names:{N.MLP_UP},{N.QKV}"),
     "custom": Entry(lambda arg: _custom(arg),
@@ -202,26 +188,104 @@ REGISTRY: dict[str, Entry] = {
 _NEEDS_ARG = ("save_names", "offload_names", "custom")
 
 
-def _custom(arg: str) -> OffloadNames:
+def _custom(arg: str) -> Callable:
     choice = {"device": set(), "offload": set(), "remat": set()}
     for item in (a.strip() for a in arg.split(",") if a.strip()):
         name, eq, where = item.partition("=")
         if not eq or where not in choice:
             raise ValueError(f"policy 'custom:{arg}': {item!r} must be <name>=device|offload|remat")
-        choice[where] |= _names_arg(name, "custom")
+        choice[where] |= set(_names_arg(name, "custom"))
     if not any(choice.values()):
         raise ValueError(f"policy 'custom:{arg}' lists no names; e.g. custom:qkv=device,mlp_up=offload")
-    return OffloadNames(offload=frozenset(choice["offload"]), save=frozenset(choice["device"]))
+    twice = sorted(choice["device"] & choice["offload"])
+    if twice:
+        raise ValueError(f"policy 'custom:{arg}' puts {', '.join(twice)} both on the device and offloaded; choose "
+                         f"one of device|offload per name")
+    return _offload(save=tuple(sorted(choice["device"])), offload=tuple(sorted(choice["offload"])))
 
 
-def tag_names(policy) -> frozenset | None:
-    """The tag names a name-based policy acts on (save, offload), or None for any other policy."""
+# ------------------------------------------------------------------------------------------------
+# What a policy is, for people (describe) and for the name-based reports (by_name).
+
+def describe(policy) -> str:
+    """A readable name for a policy: a registry name as is, a JAX policy as the expression that
+    builds it, any other callable by its qualified name (None: "None").
+
+    Example:
+      >>> describe("core_attn"), describe(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+      ('core_attn', 'jax.checkpoint_policies.dots_with_no_batch_dims_saveable')
+      >>> describe(jax.checkpoint_policies.save_only_these_names("qkv", "mlp_up"))
+      "jax.checkpoint_policies.save_only_these_names('mlp_up', 'qkv')"
+    """
+    if policy is None or isinstance(policy, str):
+        return str(policy)
     if isinstance(policy, DtypePreserving):
-        return tag_names(policy.base)
-    if isinstance(policy, SaveNames):
-        return policy.names
-    if isinstance(policy, OffloadNames):
-        return policy.offload | policy.save
+        return f"remat.policies.{policy!r}"
+    name = _compat.policy_name(policy)
+    if name is not None:
+        return f"jax.checkpoint_policies.{name}"
+    parts = _compat.policy_parts(policy)
+    if parts is not None:
+        factory, args, kwargs = parts
+        shown = [describe(a) if callable(a) else repr(a) for a in args]
+        shown += [f"{k}={describe(v) if callable(v) else repr(v)}" for k, v in kwargs.items()]
+        return f"jax.checkpoint_policies.{factory}({', '.join(shown)})"
+    if isinstance(policy, functools.partial):
+        return repr(policy)
+    module = getattr(policy, "__module__", None) or type(policy).__module__
+    qual = getattr(policy, "__qualname__", None) or type(policy).__qualname__
+    return f"{module}.{qual}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ByName:
+    """What a name-based policy does with `checkpoint_name`-tagged values.
+
+    Attributes:
+      save: the tag names it saves on the device; None: every name not in `exclude` (selective).
+      exclude: with `save=None`, the names it does not save.
+      offload: the tag names it offloads to host memory.
+    """
+    save: frozenset | None = frozenset()
+    exclude: frozenset = frozenset()
+    offload: frozenset = frozenset()
+
+    def saves(self, name: str) -> bool:
+        return name not in self.exclude and (self.save is None or name in self.save)
+
+    def keeps(self, name: str) -> bool:
+        """Saved or offloaded."""
+        return self.saves(name) or name in self.offload
+
+    def __str__(self):
+        if self.save is None:
+            return f"any name but {sorted(self.exclude)}"
+        return str(sorted(self.save | self.offload))
+
+
+def by_name(policy) -> ByName | None:
+    """What a name-based policy (`save_names:`, the selective presets, `offload_names:`, `custom:`,
+    or the JAX policies they are made of, also inside `bf16:`) saves and offloads by tag; None for
+    any other policy (by operation: `dots`, `full_remat`, a callable of your own).
+
+    Example:
+      >>> by_name("core_attn").saves("attn_probs"), by_name("core_attn").saves("qkv")
+      (False, True)
+    """
+    policy = resolve(policy)
+    while isinstance(policy, DtypePreserving):
+        policy = policy.base
+    parts = _compat.policy_parts(policy)
+    if parts is None:
+        return None
+    factory, args, kwargs = parts
+    if factory == "save_only_these_names":
+        return ByName(save=frozenset(args))
+    if factory == "save_any_names_but_these":
+        return ByName(save=None, exclude=frozenset(args))
+    if factory == "save_and_offload_only_these_names":
+        return ByName(save=frozenset(kwargs["names_which_can_be_saved"]),
+                      offload=frozenset(kwargs["names_which_can_be_offloaded"]))
     return None
 
 
@@ -250,17 +314,17 @@ def warn_untagged(policy, fn, args, region: str) -> None:
     # on a model that does not call `checkpoint_name` silently becomes full remat. The check traces
     # the region once more (only for name-based policies) and names what is missing.
     """
-    wanted = tag_names(policy)
-    if not wanted:
+    wanted = by_name(policy)
+    if wanted is None or (wanted.save is not None and not wanted.save | wanted.offload):
         return
     found = region_tags(fn, *args)
-    if found & wanted:
+    if any(wanted.keeps(n) for n in found):
         return
     have = f"it tags only {sorted(found)}" if found else "it has no tagged activations"
     warnings.warn(
-        f"remat: region {region!r}: the policy saves or offloads values tagged {sorted(wanted)}, but {have}: "
-        f"it is full remat. Tag activations with jax.ad_checkpoint.checkpoint_name(x, name) (docs/tagging.md) "
-        f"or use policy 'full'", UntaggedRegionWarning, stacklevel=3)
+        f"remat: region {region!r}: the policy {describe(policy)} saves or offloads values tagged {wanted}, but "
+        f"{have}: it is full remat. Tag activations with jax.ad_checkpoint.checkpoint_name(x, name) "
+        f"(docs/tagging.md) or use policy {NOTHING!r}", UntaggedRegionWarning, stacklevel=3)
 
 
 def names() -> tuple[str, ...]:
@@ -287,16 +351,22 @@ def get(name: str) -> Callable:
     """Return the JAX policy for a registry name.
 
     Args:
-      name: a plain name (`full`, `core_attn`, ...), a '+'-combination of selective modules
+      name: a plain name (`full_remat`, `core_attn`, ...), a '+'-combination of selective modules
         (`core_attn+mlp`), or an argument form (`save_names:qkv,mlp_up`, `offload_names:mlp_up`,
         `bf16:<policy>`).
     Example:
       >>> get("core_attn+mlp") is get("core_attn+mlp")   # cached: jit sees one policy
       True
+      >>> get("full_remat") is jax.checkpoint_policies.nothing_saveable
+      True
     """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"policy must be a non-empty name; valid: {', '.join(names())}")
+        raise ValueError(f"policy must be a non-empty name or a JAX policy callable; valid names: "
+                         f"{', '.join(names())}")
     head, sep, arg = name.partition(":")
+    if head in RENAMED:
+        raise ValueError(f"policy {head!r} is now called {RENAMED[head]!r} (save nothing inside a region, "
+                         f"jax.checkpoint_policies.nothing_saveable); 'full' names only the granularity")
     if head == "bf16" and sep:
         return DtypePreserving(get(arg))
     if head in _NEEDS_ARG:
@@ -313,16 +383,33 @@ def get(name: str) -> Callable:
     return REGISTRY[name].factory()
 
 
-def validate(name: str) -> None:
-    """Raise ValueError with the valid choices if `name` is not a usable policy name."""
-    get(name)
+def resolve(policy) -> Callable | None:
+    """The JAX policy callable for `policy`: a registry name (`get`), a callable as it is, or None.
+
+    Example:
+      >>> resolve("dots") is resolve(jax.checkpoint_policies.dots_saveable)
+      True
+    """
+    if policy is None or callable(policy):
+        return policy
+    if isinstance(policy, str):
+        return get(policy)
+    raise ValueError(f"policy={policy!r} must be a remat.policies name or a JAX policy callable (e.g. "
+                     f"jax.checkpoint_policies.dots_saveable); valid names: {', '.join(names())}")
+
+
+def validate(policy) -> None:
+    """Raise ValueError with the valid choices if `policy` is neither a usable policy name nor a callable."""
+    resolve(policy)
 
 
 def table_markdown() -> str:
     """The README's policy table, generated from the registry."""
-    rows = ["| policy | what it does |", "|---|---|"]
+    rows = ["| policy | what it does | as JAX's policies (`jax.checkpoint_policies.`) |", "|---|---|---|"]
+    short = lambda p: describe(p).replace("jax.checkpoint_policies.", "")  # noqa: E731
     for k, e in REGISTRY.items():
-        rows.append(f"| `{e.template or k}` | {e.help} |")
+        jax_form = f"`{short(get(k))}`" if not e.template else f"`{e.example}` is `{short(get(e.example))}`"
+        rows.append(f"| `{e.template or k}` | {e.help} | {jax_form} |")
     return "\n".join(rows)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from remat.errors import lit, refuse, show
+from remat.errors import lit, refuse, show, show_policy
 
 
 class Segment(NamedTuple):
@@ -219,7 +219,7 @@ class PerLayer(Layers):
                          valid="one policy (or None) per layer") from None
 
     def __repr__(self):
-        return f"per_layer({self.policies!r})"
+        return f"per_layer({show_policy(self.policies)})"
 
     def split(self, n_layers):
         return tuple(Segment(i, i + 1, p is not None) for i, p in enumerate(self.policies))

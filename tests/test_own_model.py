@@ -67,23 +67,23 @@ def test_remat_module_keeps_parameter_paths_and_gradients():
     v = Net(FULL).init(KEY, X)
     assert jax.tree.structure(v) == jax.tree.structure(VARS)  # Block_0 ... Block_3, as without remat
     ref = jax.grad(_loss(Net()))(VARS)
-    for wrap in (FULL, "full", RecomputeConfig(granularity="full", use_reentrant=True)):
+    for wrap in (FULL, "full_remat", RecomputeConfig(granularity="full", use_reentrant=True)):
         assert rel_err(jax.grad(_loss(Net(wrap)))(VARS), ref) <= 1e-5
 
 
 @pytest.mark.slow  # tests/test_examples.py asserts the same on the Linen example (temp < 0.8x nn.remat)
 def test_remat_module_compiled_temp_falls_below_nn_remat():
-    vs = {w: Net(w).init(KEY, X) for w in (None, "nn.remat", "full")}  # nn.remat renames: CheckpointBlock_0
+    vs = {w: Net(w).init(KEY, X) for w in (None, "nn.remat", "full_remat")}  # nn.remat renames: CheckpointBlock_0
     temp = {w: compiled_memory(jax.grad(_loss(Net(w))), v).temp for w, v in vs.items()}
     saved = {w: saved_residuals(_loss(Net(w)), v).intermediates for w, v in vs.items()}
-    assert saved["full"] < saved[None]
-    assert temp["full"] < 0.8 * min(temp[None], temp["nn.remat"]), temp
+    assert saved["full_remat"] < saved[None]
+    assert temp["full_remat"] < 0.8 * min(temp[None], temp["nn.remat"]), temp
 
 
 def test_remat_module_static_argnums_count_self_as_zero():
     with pytest.raises(ValueError, match="Flax counts `self` as argument 0"):
-        rlinen.remat_module(Block, "full", static_argnums=(0,))
-    blk = rlinen.remat_module(Block, "full", static_argnums=(2,))  # self, x, scale
+        rlinen.remat_module(Block, "full_remat", static_argnums=(0,))
+    blk = rlinen.remat_module(Block, "full_remat", static_argnums=(2,))  # self, x, scale
     v = blk().init(KEY, X, 0.5)
     g = jax.grad(lambda v: jnp.sum(blk().apply(v, X, 0.5)))(v)
     assert rel_err(g, jax.grad(lambda v: jnp.sum(Block().apply(v, X, 0.5)))(v)) <= 1e-5
@@ -318,7 +318,7 @@ def test_user_tag_names_register_and_save():
     f = lambda w, x: jnp.sum(jnp.sin(checkpoint_name(x @ w, "my_query")))  # noqa: E731
     saved = saved_residuals(jax.checkpoint(f, policy=policies.get("save_names:my_query")), W, X[0]).by_name()
     assert "my_query" in saved
-    assert policies.get("custom:my_query=offload").offload == frozenset({"my_query"})
+    assert policies.by_name("custom:my_query=offload").offload == frozenset({"my_query"})
 
 
 # 6. NNX scan, parameter paths, layer axis -----------------------------------------------------

@@ -44,9 +44,9 @@ def _canonical(rc: RecomputeConfig) -> RecomputeConfig:
         return remat.planner.recompute_config(("+".join(rc.modules),) * L)
     if rc.granularity == "full" and rc.layer_policies is None and rc.policy is None and not rc.use_reentrant:
         if rc.method == "block":
-            return remat.planner.recompute_config(("full",) * rc.num_layers + (None,) * (L - rc.num_layers))
+            return remat.planner.recompute_config(("full_remat",) * rc.num_layers + (None,) * (L - rc.num_layers))
         if rc.method == "none" or rc.num_layers == 1:
-            return remat.planner.recompute_config(("full",) * L)
+            return remat.planner.recompute_config(("full_remat",) * L)
     return rc
 
 
@@ -129,7 +129,7 @@ def test_budget_too_small_states_the_minimum():
     with pytest.raises(ValueError) as e:
         plan_for_budget(compile_grad, L, lo - 1)
     msg = str(e.value)
-    assert f"minimum of {format_bytes(lo, up=True)} ({lo:,} bytes" in msg and "full remat on every layer" in msg
+    assert f"minimum of {format_bytes(lo, up=True)} ({lo:,} bytes" in msg and "(full_remat on every layer)" in msg
     assert parse_size(format_bytes(lo, up=True).replace(" ", "")) >= lo
     assert "smaller micro-batch" in msg
 
@@ -161,7 +161,7 @@ def test_hand_settings_compile_like_their_per_layer_form():
 # The search itself, on a synthetic step (no compilation): exact against brute force, refinement.
 
 SYN = {None: (0, 0, 0.0), "norm": (30, 10, 1.0), "mlp": (55, 12, 4.0), "core_attn+mlp+norm": (60, 14, 4.5),
-       "full": (90, 20, 9.0)}   # candidate: (interior bytes freed, last-layer bytes freed, FLOPs)
+       "full_remat": (90, 20, 9.0)}   # candidate: (interior bytes freed, last-layer bytes freed, FLOPs)
 
 
 def _syn_step(penalty=0):
@@ -224,7 +224,7 @@ def test_parse_size():
     (["--recompute_method", "auto"], "needs --memory_budget SIZE"),
     (["--recompute_method", "auto", "--memory_budget", "12 parsecs"], "e.g. 12GiB"),
     (["--recompute_method", "auto,none", "--memory_budget", "1GiB", "--memory_report"], "auto alone"),
-    (["--recompute_method", "auto", "--memory_budget", "1GiB", "--remat_policy", "full"], "drop --remat_policy"),
+    (["--recompute_method", "auto", "--memory_budget", "1GiB", "--remat_policy", "full_remat"], "drop --remat_policy"),
     (["--recompute_method", "auto", "--memory_budget", "1GiB", "--scan_layers"], "drop --scan_layers"),
 ])
 def test_cli_usage_errors(args, match):
@@ -292,7 +292,7 @@ def test_bench_helpers():
 
     hs = bp.hand_settings(4)
     assert {"full", "uniform 2", "uniform 4", "block 1", "block 3", "selective core_attn+mlp+norm"} <= set(hs)
-    assert hs["block 2"] == remat.planner.recompute_config(("full", "full", None, None))
+    assert hs["block 2"] == remat.planner.recompute_config(("full_remat", "full_remat", None, None))
     a = 'HloModule m\n\nFileNames\n1 "a.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="x"}\n}'
     b = 'HloModule m\n\nFileNames\n1 "b.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="y"}\n}'
     assert bp._fingerprint(a) == bp._fingerprint(b) != bp._fingerprint(a.replace("f32", "s32"))

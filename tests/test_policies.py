@@ -14,7 +14,7 @@ KEY = jax.random.PRNGKey(0)
 
 def test_names_cover_the_required_policies_and_all_resolve():
     ns = policies.names()
-    for need in ("full", "everything", "dots", "dots_no_batch", "core_attn", "mlp", "norm", "bf16",
+    for need in ("full_remat", "everything", "dots", "dots_no_batch", "core_attn", "mlp", "norm", "bf16",
                  "save_names:<name,...>", "offload_names:<name,...>", "bf16:<policy>"):
         assert need in ns
     for n in ns:
@@ -27,7 +27,8 @@ def test_names_cover_the_required_policies_and_all_resolve():
 @pytest.mark.parametrize("bad,needle", [
     ("nope", "unknown policy 'nope'"), ("save_names", "needs an argument"),
     ("save_names:", "needs an argument"), ("save_names:qkv,bogus", "bogus"),
-    ("full:qkv", "takes no argument"), ("core_attn+bogus", "bogus"), ("", "non-empty"),
+    ("everything:qkv", "takes no argument"), ("full", "now called 'full_remat'"),
+    ("full:qkv", "now called 'full_remat'"), ("core_attn+bogus", "bogus"), ("", "non-empty"),
     ("bf16:nope", "unknown policy 'nope'"),
 ])
 def test_bad_policy_names_say_what_is_valid(bad, needle):
@@ -42,9 +43,10 @@ def test_policies_are_hashable_and_cached():
 
 
 def test_selective_presets_drop_their_module_names():
-    assert policies.get("core_attn").names == frozenset(N.ALL) - {N.ATTN_PROBS}
-    assert policies.get("mlp").names == frozenset(N.ALL) - {N.MLP_UP, N.MLP_GATE, N.MLP_ACT}
-    assert policies.get("core_attn+norm").names == frozenset(N.ALL) - {N.ATTN_PROBS, N.LN_1, N.LN_2}
+    saved = lambda name: {n for n in N.ALL if policies.by_name(name).saves(n)}  # noqa: E731
+    assert saved("core_attn") == set(N.ALL) - {N.ATTN_PROBS}
+    assert saved("mlp") == set(N.ALL) - {N.MLP_UP, N.MLP_GATE, N.MLP_ACT}
+    assert saved("core_attn+norm") == set(N.ALL) - {N.ATTN_PROBS, N.LN_1, N.LN_2}
 
 
 def test_docs_policy_table_is_generated_from_the_registry():
@@ -63,9 +65,9 @@ def _saved(policy, n_layers=4, method="none", num_layers=1, dtype=jnp.float32, c
 
 
 def test_saved_bytes_strictly_ordered_full_core_attn_everything():
-    full, core, every = (_saved(p).total for p in ("full", "core_attn", "everything"))
+    full, core, every = (_saved(p).total for p in ("full_remat", "core_attn", "everything"))
     assert full < core < every, (full, core, every)
-    assert _saved("full", method="uniform", num_layers=2).total < full
+    assert _saved("full_remat", method="uniform", num_layers=2).total < full
 
 
 def test_save_names_saves_exactly_those_names():

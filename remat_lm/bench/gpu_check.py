@@ -188,6 +188,7 @@ def analytic(a, recompute_kwargs) -> dict:
       head's forward per chunked token (2·Vp·C) and the forward of every rematerialized layer
       (24·C² + 2·C·T per token).
     """
+    import jax
     import jax.numpy as jnp
 
     from remat_lm.models import gpt2, memory_model
@@ -196,9 +197,10 @@ def analytic(a, recompute_kwargs) -> dict:
 
     cfg = _model_config(a, recompute_kwargs)
     rc, L, T, C = cfg.recompute, cfg.n_layer, a.seq, cfg.n_embd
-    pol = policies.get(rc.effective_policy()) if rc.enabled and rc.layer_policies is None else None
-    if isinstance(pol, policies.OffloadNames):  # the device keeps what the policy saves
-        rc = RecomputeConfig(**{**recompute_kwargs, "policy": "save_names:" + ",".join(sorted(pol.save))})
+    rule = policies.by_name(rc.effective_policy()) if rc.enabled and rc.layer_policies is None else None
+    if rule is not None and rule.offload:  # the device keeps what the policy saves
+        save = jax.checkpoint_policies.save_only_these_names(*sorted(rule.save))
+        rc = RecomputeConfig(**{**recompute_kwargs, "policy": save})
     saved = []
     for b in (1, 2):
         layer, head = memory_model.activation_bytes(cfg, b, T)

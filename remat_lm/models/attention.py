@@ -472,7 +472,7 @@ def _cudnn_off_host():
     # NOTE: a wrapper installed for good rather than a patch around the call: `jax.checkpoint`
     # re-traces the region (and so the cuDNN call) during partial evaluation, after the call returned.
     """
-    from jax._src.cudnn import fused_attention_stablehlo as fas  # JAX internals: the one place
+    from remat._compat import fused_attention_stablehlo as fas  # JAX internals: remat/_compat.py
     if getattr(fas.check_cudnn_version, "_remat_off_host", False):
         return
     jax_check = fas.check_cudnn_version
@@ -489,7 +489,7 @@ def _cudnn_off_host():
 def cudnn_head_max() -> int:
     """The largest head size JAX's cuDNN flash attention takes here: 256 on a local Hopper or later
     GPU, else 128 (JAX's own rule, `check_is_flash_attention`; off-GPU it assumes pre-Hopper)."""
-    from jax._src.cudnn import fused_attention_stablehlo as fas
+    from remat._compat import fused_attention_stablehlo as fas
     try:
         return 256 if fas.check_compute_capability("9.0") else 128
     except Exception:  # no GPU backend here

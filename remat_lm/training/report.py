@@ -88,7 +88,7 @@ def describe(setup, compiled=None) -> str:
         f"{setup.fam.num_params(m):,} params, {m.n_layer} layers, "
         f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
         + (", scan" if m.scan_layers else ""),
-        f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {rc.effective_policy() if rc.layer_policies is None else 'per layer'}"
+        f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {remat.policies.describe(rc.effective_policy()) if rc.layer_policies is None else 'per layer'}"
                                             f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else "")
         + (f"; loss over chunks of {m.loss_chunk} positions" if m.loss_chunk else ""),
         f"data     {setup.train_ds.description}: {setup.train_ds.n_tokens:,} tokens"
