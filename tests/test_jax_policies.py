@@ -140,7 +140,7 @@ def test_reports_print_a_jax_policy_readably():
     pol = cp.save_only_these_names(N.QKV, N.MLP_UP)
     shown = "jax.checkpoint_policies.save_only_these_names('mlp_up', 'qkv')"
     assert f"policy={shown}," in repr(RecomputeConfig(granularity="full", policy=pol))
-    assert f"layer_policies=(None, {shown}, 'mlp')" in repr(
+    assert f"layers=per_layer((None, {shown}, 'mlp'))" in repr(
         RecomputeConfig(granularity="full", layer_policies=(None, pol, "mlp")))
     with pytest.raises(RecomputeConfigError, match=r"policy=jax\.checkpoint_policies\.dots_saveable has no effect"):
         RecomputeConfig(policy=cp.dots_saveable)

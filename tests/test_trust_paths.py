@@ -62,6 +62,8 @@ def test_every_model_config_flag_is_covered():
 
 
 def _argv(flag, value):
+    if flag == "attention":  # T=32 fits one default tile, where the tiled core is the xla core: tile by 8
+        return ["--attention", value, "--attention_tile", "8"]
     return [f"--{flag}" if value is True else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", value]
 
 
