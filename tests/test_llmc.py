@@ -42,7 +42,14 @@ RECOMPUTE_FLAGS = [
 ]
 
 
-@pytest.mark.parametrize("flags", RECOMPUTE_FLAGS, ids=lambda f: " ".join(f) or "none")
+# Fast: none, full, selective and the scanned uniform stack per family; the rest (uniform and block on
+# the loop, reentrant, the chunked loss) with the slow set: tests/test_models.py compares each of
+# those with no remat, and test_flag_to_program shows each flag reaches the compiled program.
+FAST_FLAGS = (0, 1, 5, 6)
+
+
+@pytest.mark.parametrize("flags", [pytest.param(f, marks=() if i in FAST_FLAGS else pytest.mark.slow)
+                                   for i, f in enumerate(RECOMPUTE_FLAGS)], ids=lambda f: " ".join(f) or "none")
 def test_verify_passes_for_every_recompute_setting(files, flags, capsys):
     kind, _, d = files
     assert llmc_cli.main(["verify", str(d / "model.bin"), str(d / "state.bin"), *flags]) == 0
