@@ -24,7 +24,7 @@ LAYERS = (
     ("library", ("remat",)),
     ("models", ("remat_lm.models",)),
     ("training", ("remat_lm.training", "remat_lm.argtypes")),
-    ("programs", ("train", "remat_lm.sample", "remat_lm.llmc", "remat_lm.bench")),
+    ("programs", ("train", "remat_lm.train", "remat_lm.sample", "remat_lm.llmc", "remat_lm.bench")),
 )
 # What the library may import from outside the tree: JAX, Flax, NumPy and the standard library,
 # minus what belongs to a program (flags) or an application (optimizers, checkpoints).

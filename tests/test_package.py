@@ -39,3 +39,7 @@ def test_the_wheel_adds_only_remat_and_remat_lm(tmp_path):
     for module in ("remat/checkpoint.py", "remat_lm/models/gpt2.py", "remat_lm/training/run.py",
                    "remat_lm/bench/policies.py"):
         assert (site / module).is_file(), f"{module} is not in the wheel"
+    # the programs come along as console scripts (python train.py / python -m ... keep working in a checkout)
+    scripts = {p.name for p in (venv / "bin").iterdir()}
+    assert {"remat-train", "remat-sample", "remat-llmc"} <= scripts, sorted(scripts)
+
