@@ -72,5 +72,12 @@ def main(argv=None) -> int:
     return 1 if bad else 0
 
 
+def entry() -> int:
+    """The `remat-llmc` console script: messages and --help name the command as typed."""
+    global PROG
+    PROG = "remat-llmc"
+    return main()
+
+
 if __name__ == "__main__":
     sys.exit(main())

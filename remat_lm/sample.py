@@ -176,5 +176,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def entry() -> int:
+    """The `remat-sample` console script: messages and --help name the command as typed."""
+    global PROG
+    PROG = "remat-sample"
+    return main()
+
+
 if __name__ == "__main__":
     sys.exit(main())

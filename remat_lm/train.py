@@ -116,7 +116,10 @@ def _exit_on_early_signals() -> None:
 
 
 def entry() -> int:
-    """The `remat-train` console script: `python train.py` installed with the package."""
+    """The `remat-train` console script: `python train.py` installed with the package (its messages
+    and --help name `remat-train`)."""
+    global PROG
+    PROG = "remat-train"
     _exit_on_early_signals()
     return main()
 

@@ -43,3 +43,29 @@ def test_the_wheel_adds_only_remat_and_remat_lm(tmp_path):
     scripts = {p.name for p in (venv / "bin").iterdir()}
     assert {"remat-train", "remat-sample", "remat-llmc"} <= scripts, sorted(scripts)
 
+
+
+def test_console_scripts_name_the_command_as_typed(monkeypatch, capsys, tmp_path):
+    """`remat-llmc` / `remat-sample` / `remat-train` say their own name in errors, not `python -m ...`."""
+    import signal
+
+    import remat_lm.llmc
+    import remat_lm.sample
+    import remat_lm.train
+    cases = [(remat_lm.llmc, ["remat-llmc", "verify", str(tmp_path / "none.bin"), str(tmp_path / "s.bin")],
+              "remat-llmc verify: error: "),
+             (remat_lm.sample, ["remat-sample", str(tmp_path), "--seed", "-1"], "remat-sample: error: "),
+             (remat_lm.train, ["remat-train", "--bogus"], "remat-train: error: ")]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # remat-train installs its own
+    for module, argv, prefix in cases:
+        monkeypatch.setattr(module, "PROG", module.PROG)  # restored after the test
+        monkeypatch.setattr(sys, "argv", argv)
+        try:
+            code = module.entry()
+        except SystemExit as e:  # argparse's exit
+            code = e.code
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(prefix) and err.count("\n") == 1, (argv, code, err)
