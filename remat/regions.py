@@ -24,6 +24,7 @@ Example:
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import NamedTuple
 
@@ -41,13 +42,14 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-class Layers:
+class Layers(abc.ABC):
     """Base of the specs. `field` is the RecomputeConfig keyword that also spells the spec and
     names it in errors; `spelling()` gives those keywords."""
     field: str
 
+    @abc.abstractmethod
     def split(self, n_layers: int) -> tuple[Segment, ...]:
-        raise NotImplementedError
+        """The segments tiling 0..n_layers in order."""
 
     def check(self, n_layers: int) -> None:
         """RecomputeConfigError unless the spec fits a stack of `n_layers` layers."""

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import os
@@ -89,7 +90,7 @@ def _fail(path: str, problem: str, fix: str) -> LlmcFormatError:
 # headers: the format description a model family gives
 
 
-class Header:
+class Header(abc.ABC):
     """An llm.c model file header, and the description of its family's file format.
 
     A family's header is a frozen dataclass subclass in its model file (``remat_lm.models.gpt2.GPT2Header``,
@@ -134,8 +135,9 @@ class Header:
     truncation: ClassVar[str] = ""
     float_fix: ClassVar[str] = ""
 
+    @abc.abstractmethod
     def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        raise NotImplementedError
+        """[(name, shape)] of the model file's tensors, in file order."""
 
     def problem(self) -> str | None:
         return None
