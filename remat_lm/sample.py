@@ -34,7 +34,7 @@ import numpy as np
 
 from remat_lm.argtypes import Parser, integer, parse_int, real
 from remat_lm.models import family, llmc
-from remat_lm.models.sample import decoder_for, generate, render
+from remat_lm.models.sample import SEED_MAX, decoder_for, generate, render
 from remat_lm.training import saving
 
 PROG = "python -m remat_lm.sample"
@@ -99,7 +99,6 @@ def parse_token_ids(spec: str, vocab_size: int, what: str = "--prompt_tokens") -
 
 
 
-SEED_MAX = 2**32 - 1  # jax.random.PRNGKey keeps 32 bits of a seed: larger ones repeat smaller ones
 
 
 def _args(argv):

@@ -145,6 +145,8 @@ def test_sampling_is_seeded_and_draws_only_from_the_top_k():
     (dict(prompt=[[250]]), "outside|vocabulary is 0..249"),
     (dict(top_k=3), "needs temperature > 0"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(seed=2**64), r"seed=18446744073709551616 must be an integer in 0\.\.4294967295"),  # was OverflowError
+    (dict(seed=-1), "seed=-1 must be"),
 ])
 def test_generate_rejects_bad_arguments(kw, match):
     cfg, params = _params("gpt2")

@@ -143,6 +143,9 @@ def _generate(params, prompt, key, *, config, n_new: int, temperature: float, to
     return lax.fori_loop(P + 1 + n_cached, total, window_step, out)
 
 
+SEED_MAX = 2**32 - 1  # jax.random.PRNGKey keeps 32 bits of a seed: larger ones repeat smaller ones
+
+
 def generate(params, config, prompt, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, seed: int = 0) -> np.ndarray:
     """Continue `prompt` by `max_new_tokens` tokens: greedy, or sampled with temperature and top-k.
@@ -154,7 +157,7 @@ def generate(params, config, prompt, max_new_tokens: int, *, temperature: float 
       max_new_tokens: N >= 0.
       temperature: 0 picks the argmax; > 0 samples from softmax(logits / temperature).
       top_k: sample among the k most likely tokens only (needs temperature > 0).
-      seed: the sampling seed; the same seed gives the same tokens.
+      seed: the sampling seed, 0..SEED_MAX; the same seed gives the same tokens.
     Returns:
       (B, P + N) int32 NumPy array: the prompt followed by the generated tokens.
     Example:
@@ -181,6 +184,8 @@ def generate(params, config, prompt, max_new_tokens: int, *, temperature: float 
             raise ValueError("top_k samples among the k most likely tokens; it needs temperature > 0 "
                              "(temperature 0 is greedy)")
         top_k = int(min(top_k, config.vocab_size))
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"seed={seed!r} must be an integer in 0..{SEED_MAX} (jax.random.PRNGKey keeps 32 bits)")
     if max_new_tokens == 0:
         return prompt.astype(np.int32)
     T = config.block_size
