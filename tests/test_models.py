@@ -123,13 +123,18 @@ def _assert_grads_close(got, want, tol=GRAD_TOL):
 # reentrant); the rest of its fast GPT-2 matrix runs with `-m slow` (the layer stack is shared).
 LLAMA_FAST = {("full-none", False), ("selective-core_attn", False), ("full-uniform2-L3", True),
               ("full-none-reentrant", False)}
+# GPT-2 cases whose code path another fast case takes (uniform2 at L=3 covers L=2, block2 covers
+# block1, core_attn+mlp+norm covers mlp, reentrant under scan and in the loop cover reentrant uniform):
+GPT2_SLOW = {("full-uniform2", False), ("full-block1", False), ("selective-mlp", False),
+             ("full-uniform2-L3-reentrant", False)}
 
 
 def _model_cases():
     for model in MODELS:
         for p in _cases():
             setting, scan = p.values
-            slow = bool(p.marks) or (model == "llama3" and (setting, scan) not in LLAMA_FAST)
+            slow = bool(p.marks) or (model == "llama3" and (setting, scan) not in LLAMA_FAST) or (
+                model == "gpt2" and (setting, scan) in GPT2_SLOW)
             yield pytest.param(model, setting, scan, id=f"{model}-{p.id}", marks=pytest.mark.slow if slow else ())
 
 

@@ -100,8 +100,11 @@ SCAN_SETTINGS = [c for c in SETTINGS if c.policy in (None, "core_attn")]
 
 def _scan_params():
     # fast: method none and every method at num_layers 2 with the default policy (non-reentrant), and
-    # the selective presets; num_layers 1 and 3, the reentrant path and core_attn run with `-m slow`
-    fast = lambda c: c.policy is None and not c.use_reentrant and (c.num_layers == 2 or c.method == "none")
+    # the three selective presets together; num_layers 1 and 3, the reentrant path, each preset alone
+    # and core_attn run with `-m slow`
+    # (of the selective presets only all three together: each alone is the same stack with fewer names)
+    fast = lambda c: (c.policy is None and not c.use_reentrant and (c.num_layers == 2 or c.method == "none")
+                      and (c.granularity != "selective" or len(c.modules) == 3))
     return [pytest.param(c, id=IDS[SETTINGS.index(c)], marks=() if fast(c) else pytest.mark.slow) for c in SCAN_SETTINGS]
 
 
@@ -137,10 +140,13 @@ JIT_SETTINGS = [RecomputeConfig(granularity="full", method=m, num_layers=n, use_
 
 
 def _jit_params():
-    # fast: each method non-reentrant in the loop, each method reentrant under scan; the rest slow
+    # fast: one case per method, covering the loop and scan and both paths: none non-reentrant in the
+    # loop, uniform (a remainder region) reentrant under scan, block non-reentrant under scan; the
+    # rest slow (test_plain_functions runs every method on both paths eagerly)
+    picks = {("none", False, False), ("uniform", True, True), ("block", False, True)}
     for c in JIT_SETTINGS:
         for scan in (False, True):
-            fast = c.use_reentrant == scan
+            fast = (c.method, c.use_reentrant, scan) in picks
             yield pytest.param(c, scan, id=f"{c.method}{c.num_layers}-re{int(c.use_reentrant)}-{scan}",
                                marks=() if fast else pytest.mark.slow)
 

@@ -122,6 +122,8 @@ SHARDING_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~13 s; fast siblings: test_multiprocess (2x4 against 1x8 devices, bit for bit) and
+# test_tensor_parallel (gradients on a data/fsdp/tensor mesh equal one device's)
 def test_mesh_2x4_matches_one_device(text_file):
     """--mesh data=2,fsdp=4 on 8 host devices: the same losses as one device, with remat on."""
     p = subprocess.run([sys.executable, "-c", SHARDING_SCRIPT, text_file], cwd=ROOT, capture_output=True, text=True,

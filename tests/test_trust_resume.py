@@ -200,6 +200,7 @@ def _popen(args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # ~10 s (two train.py processes); fast sibling: test_dir_lock_in_process (the same flock)
 def test_a_second_run_on_a_held_directory_exits_2_naming_the_holder(tmp_path, text_file):
     """Two train.py on one --checkpoint_dir: the second exits 2 with one line naming the first (pid,
     host); once the first is SIGKILLed, a new run takes the directory (no stale lock)."""
