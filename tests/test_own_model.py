@@ -53,9 +53,6 @@ def _loss(net):
     return lambda v: jnp.mean(net.apply(v, X) ** 2)
 
 
-VARS = Net().init(KEY, X)
-
-
 # 1. remat_module ------------------------------------------------------------------------------
 
 def test_remat_module_no_remat_is_the_class_itself():
@@ -64,11 +61,11 @@ def test_remat_module_no_remat_is_the_class_itself():
 
 
 def test_remat_module_keeps_parameter_paths_and_gradients():
-    v = Net(FULL).init(KEY, X)
-    assert jax.tree.structure(v) == jax.tree.structure(VARS)  # Block_0 ... Block_3, as without remat
-    ref = jax.grad(_loss(Net()))(VARS)
+    v, plain = Net(FULL).init(KEY, X), Net().init(KEY, X)
+    assert jax.tree.structure(v) == jax.tree.structure(plain)  # Block_0 ... Block_3, as without remat
+    ref = jax.grad(_loss(Net()))(plain)
     for wrap in (FULL, "full_remat", RecomputeConfig(granularity="full", use_reentrant=True)):
-        assert rel_err(jax.grad(_loss(Net(wrap)))(VARS), ref) <= 1e-5
+        assert rel_err(jax.grad(_loss(Net(wrap)))(plain), ref) <= 1e-5
 
 
 @pytest.mark.slow  # tests/test_examples.py asserts the same on the Linen example (temp < 0.8x nn.remat)

@@ -7,6 +7,7 @@ the compiled `jax.grad` of its loss; "peak" is XLA's arguments + outputs + temp 
 (`_compiled`), shared by the planner and the hand settings.
 """
 import dataclasses
+import functools
 import itertools
 import os
 import re
@@ -29,9 +30,13 @@ from remat_lm.training.config import UsageError, config_from_args
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L, B, T = 4, 4, 64
 CFG = gpt2.GPT2Config(block_size=T, vocab_size=256, n_layer=L, n_head=4, n_embd=64)
-PARAMS = gpt2.init_params(CFG, jax.random.PRNGKey(0))
-IDX = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, 256)
-TGT = jax.random.randint(jax.random.PRNGKey(2), (B, T), 0, 256)
+
+
+@functools.cache
+def _data():
+    """(params, idx, targets), made on first use (not while the test files are collected)."""
+    return (gpt2.init_params(CFG, jax.random.PRNGKey(0)), jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, 256),
+            jax.random.randint(jax.random.PRNGKey(2), (B, T), 0, 256))
 MODULE_PRESETS = ["+".join(c) for r in (1, 2, 3) for c in itertools.combinations(("core_attn", "mlp", "norm"), r)]
 _COMPILED: dict = {}
 
@@ -55,8 +60,9 @@ def compile_grad(rc: RecomputeConfig, canonical: bool = True):
     rc = _canonical(rc) if canonical else rc
     if rc not in _COMPILED:
         cfg = dataclasses.replace(CFG, recompute=rc)
-        fn = jax.grad(lambda p: gpt2.loss_fn(p, cfg, IDX, TGT))
-        _COMPILED[rc] = jax.jit(fn).lower(PARAMS).compile()
+        params, idx, tgt = _data()
+        fn = jax.grad(lambda p: gpt2.loss_fn(p, cfg, idx, tgt))
+        _COMPILED[rc] = jax.jit(fn).lower(params).compile()
     return _COMPILED[rc]
 
 
@@ -144,8 +150,8 @@ def test_no_remat_when_it_fits():
 def test_gradients_equal_no_remat():
     _, plan = planned(0.45)
     assert len(set(plan.layer_policies)) > 1 or plan.layer_policies[0] is not None, plan.table()
-    ref = compile_grad(RecomputeConfig())(PARAMS)
-    got = compile_grad(plan.recompute_config())(PARAMS)
+    ref = compile_grad(RecomputeConfig())(_data()[0])
+    got = compile_grad(plan.recompute_config())(_data()[0])
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
 
