@@ -18,6 +18,10 @@ What is used, and why there is no public equivalent (jax 0.10.2):
   check JAX runs while tracing cuDNN attention (replaced so a CPU host can build a cuda program)
   and its compute-capability check (the largest head size cuDNN takes). No public API exposes
   either.
+- `jax._src.interpreters.ad.JVPTracer` (remat/checkpoint.py, `forward_mode`): whether a region
+  is called under forward-mode AD (`jax.jvp`, `jacfwd`), where the cotangent tie (a custom_vjp)
+  cannot run and plain `jax.checkpoint` is what applies. `jax.grad` and `jax.linearize` trace with
+  another tracer type; JAX exposes no public test for the mode.
 - The shape of JAX's policy objects (`policy_parts`; no import, but implementation details):
   which `jax.checkpoint_policies` factory built a policy and with which arguments, for
   `remat.policies.describe` and the name-based reports. No public API says; JAX's objects are
@@ -36,6 +40,7 @@ import inspect
 import jax
 from jax._src.ad_checkpoint import saved_residuals  # noqa: F401  (re-exported for remat.memory)
 from jax._src.cudnn import fused_attention_stablehlo  # noqa: F401  (remat_lm/models/attention.py)
+from jax._src.interpreters.ad import JVPTracer as _JVPTracer
 from jax._src.interpreters.partial_eval import dce_jaxpr  # noqa: F401  (remat/checkpoint.py)
 
 JAX_TESTED = ("0.10.2",)
@@ -103,3 +108,8 @@ def policy_parts(policy):
                     args.append(v)
             return name, tuple(args), kwargs
     return None
+
+
+def forward_mode(leaves) -> bool:
+    """True when any leaf is traced for forward-mode AD at the innermost level (`jax.jvp`, `jacfwd`)."""
+    return any(isinstance(x, _JVPTracer) for x in leaves)

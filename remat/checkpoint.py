@@ -288,7 +288,7 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
 
 def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, policy=None,
                determinism_check: bool | str | None = None, static_argnums: Sequence[int] = (),
-               prevent_cse: bool = True, name: str | None = None, tie_to_cotangent: bool = True,
+               prevent_cse: bool = True, name: str | None = None, tie_to_cotangent: bool | None = None,
                shard_saved=None, offload_saved: Sequence[int] = (), **kwargs):
     """Run `fn(*args, **kwargs)` keeping less for the backward pass and recomputing the rest.
 
@@ -318,7 +318,12 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
       name: region name used in error messages (default `fn.__name__`).
       tie_to_cotangent: (non-reentrant) make the recomputation wait for the region's output
         cotangent, so XLA cannot schedule it early and the compiled peak really falls (see the
-        NOTE above). Set False for plain `jax.checkpoint` (e.g. for forward-mode `jax.jvp`).
+        NOTE above). None (default): where the target's compiler needs it (`tie_needed`: XLA:CPU
+        only; on cuda and tpu this is plain `jax.checkpoint`); True/False force it. Under the tie
+        `jax.jvp`/`jacfwd` called on this function still work (the region sees forward mode and
+        runs untied), but `jax.linearize`, or `jax.jvp` of an already jitted function, on CPU meet
+        JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function": pass
+        tie_to_cotangent=False there.
       shard_saved: {argument index: (saved spec, recompute spec)}: keep those region inputs sharded
         as `saved` (e.g. along the sequence over an `fsdp` axis) between the forward and the
         backward, and reshard them to `recompute` spec (an all-gather) before recomputing, as
@@ -383,6 +388,19 @@ def _cell_set(cell) -> bool:
     return True
 
 
+def tie_needed(platform: str | None = None) -> bool:
+    """Whether the non-reentrant path ties recomputation to the cotangent when built for `platform`
+    (default: the platform being built for, `remat.memory.target_platform()`): only on XLA:CPU.
+
+    # NOTE: measured by compiling the same GPT-2 gradients both ways (docs/targets.md, "The
+    # cotangent tie"): on XLA:CPU plain `jax.checkpoint` keeps ~all of no-remat's temp, tied it
+    # falls to a fifth; on XLA:GPU (H200) and XLA:TPU (v5e) the two compile to the same temp bytes,
+    # loop and scan, full, uniform and selective, so there the library is `jax.checkpoint` as JAX
+    # gives it, forward-mode AD included.
+    """
+    return (platform or _memory.target_platform()) == "cpu"
+
+
 def _has_arrays(tree) -> bool:
     return any(_is_traced(l) or isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(tree))
 
@@ -414,9 +432,12 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
     if bad:
         raise ValueError(f"offload_saved entry {bad[0]} is out of range for {n} argument(s)")
     storage = _storage(dyn, dyn_arg, shard_saved, {i % n + shift for i in offload_saved})
-    if storage and not (use_reentrant or tie_to_cotangent):
-        raise ValueError("shard_saved and offload_saved need use_reentrant=True or tie_to_cotangent=True "
-                         "(the default)")
+    if storage and not use_reentrant and tie_to_cotangent is False:
+        raise ValueError("shard_saved and offload_saved move the saved inputs inside the backward, which only the "
+                         "tied or reentrant forms have: drop tie_to_cotangent=False (or pass use_reentrant=True)")
+    tied = bool(storage) or (tie_needed() if tie_to_cotangent is None else tie_to_cotangent)
+    if tied and tie_to_cotangent is None and not storage and _compat.forward_mode(dyn):
+        tied = False  # forward mode (jax.jvp, jacfwd) has no backward to order: JAX's checkpoint as it is
 
     def flat_fn(*dyn_vals):
         return fn(*rebuild(dyn_vals))
@@ -428,7 +449,7 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
         if use_reentrant:
             check = True if determinism_check is None else determinism_check  # the check that applies
             return _reentrant(flat_fn, dyn, name=region, determinism_check=check, storage=storage)
-        if tie_to_cotangent:
+        if tied:
             return _tied(flat_fn, dyn, policy=policy, prevent_cse=prevent_cse, storage=storage)
         return jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)(*dyn)
 
@@ -437,7 +458,7 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
     # as JAX's own `closure_convert` does for custom_vjp users: up front when a tracer is found in
     # the closure, else on the UnexpectedTracerError of an eager call (a tracer reached another way).
     hoist = lambda: jax.closure_convert(flat_fn, *dyn)  # noqa: E731
-    if (use_reentrant or tie_to_cotangent) and _closes_over_tracers(target if kwargs else fn):
+    if (use_reentrant or tied) and _closes_over_tracers(target if kwargs else fn):
         conv, hoisted = hoist()
         return go(conv, list(dyn) + list(hoisted))
     try:

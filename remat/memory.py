@@ -150,7 +150,10 @@ class CompiledMemory:
     alias: int
     generated_code: int
     host_temp: int
-    flops: float
+    flops: float | None  # None: the compiler gave no cost analysis
+    host_argument: int = 0
+    host_output: int = 0
+    flops_source: str = "compiler"  # or "jaxpr matmuls" (remat.targets.matmul_flops)
 
     @property
     def peak_estimate(self) -> int:
@@ -185,7 +188,8 @@ def compiled_stats(compiled) -> CompiledMemory:
                           output=g("output_size_in_bytes"), alias=g("alias_size_in_bytes"),
                           generated_code=g("generated_code_size_in_bytes"),
                           host_temp=g("host_temp_size_in_bytes"),
-                          flops=float((ca or {}).get("flops", 0.0)))
+                          host_argument=g("host_argument_size_in_bytes"), host_output=g("host_output_size_in_bytes"),
+                          flops=float(ca["flops"]) if ca and "flops" in ca else None)
 
 
 def compiled_memory(fn, *args, static_argnums=()) -> CompiledMemory:

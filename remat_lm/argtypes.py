@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
+import tempfile
 from typing import Callable, NoReturn
 
 _INT = re.compile(r"[+-]?[0-9]+")
@@ -70,6 +72,38 @@ def usage_exit(prog: str, message) -> NoReturn:
     raise SystemExit(usage_error(prog, message))
 
 
+# What the target compilers' plugins print when JAX starts its backends on a machine without their
+# hardware (the CUDA PJRT plugin's driver probe, absl's pre-init notice; libtpu's host probe when
+# JAX_PLATFORMS does not say cpu): nothing a user can act on, dropped by `start_backends`.
+PLUGIN_BANNER = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|[IW]\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\."
+    r"|(?:WARNING:jax_plugins\.xla_cuda12:)?cuda_plugin_extension is not found\.)\s*$")
+
+
+def start_backends() -> None:
+    """Start JAX's backends (`jax.devices()`) with the plugin banner above dropped from stderr; every
+    other line JAX writes meanwhile is passed on unchanged. A program calls it once, after
+    `jax.distributed.initialize` where there is one (that must come before the backends start)."""
+    import jax
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            jax.devices()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode("utf-8", "replace")
+            kept = "".join(line for line in text.splitlines(keepends=True) if not PLUGIN_BANNER.match(line))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
+
+
 def run(main: Callable[[], int], prog: str) -> int:
     """Run a program's `main()`: a `SystemExit` carrying a message (bad input found after argument
     parsing) becomes a usage error, `prog: error: message` and status 2, like argparse's own.
@@ -79,6 +113,7 @@ def run(main: Callable[[], int], prog: str) -> int:
       ...     sys.exit(run(main, "python -m remat_lm.bench.policies"))
     """
     try:
+        start_backends()
         return main()
     except SystemExit as e:
         if isinstance(e.code, str):

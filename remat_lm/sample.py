@@ -131,6 +131,9 @@ def main(argv=None) -> int:
         a = _args(argv)
     except SystemExit as e:  # argparse: --help (0) or a one-line usage error (2), already printed
         return e.code
+    from remat_lm.argtypes import start_backends
+
+    start_backends()
 
     def fail(msg):
         print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr)

@@ -54,6 +54,9 @@ def main(argv=None) -> int:
                          f"check JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID and that every "
                          f"process was started\n")
         return 1
+    from remat_lm.argtypes import start_backends
+
+    start_backends()  # after jax.distributed.initialize; the target compilers' plugin banner dropped
     distributed.quiet_others()  # process 0 prints and logs
     distributed.tidy_stderr(PROG)  # N processes: one line, not JAX's abort, when the service finds a peer gone
     from remat_lm import training

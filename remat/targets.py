@@ -1,0 +1,438 @@
+"""Targets: compile a function for an accelerator this machine does not have, and read what its
+compiler allocated.
+
+A target is named the way it is bought: `h100`, `h200`, `a100-80g`, `b200` (NVIDIA GPUs, XLA:GPU),
+`v5e`, `v5p`, `v6e` (TPUs, XLA:TPU) and `cpu` (this host, XLA:CPU). A count asks for a mesh:
+`h200x8` is eight H200s, `v5e:2x4` an 8-chip v5e slice in libtpu's topology words (`v5e` alone
+is one chip). `get(name)` gives a `Target`; `compiled_memory(fn, *args, target=...)` traces, lowers
+and compiles `fn` for it with no device present and returns XLA's own answer
+(`remat.memory.CompiledMemory`: device and host bytes, FLOPs).
+
+Example:
+    >>> import jax, jax.numpy as jnp, remat
+    >>> t = remat.targets.get("h200")
+    >>> t.platform, t.count, remat.memory.format_bytes(t.memory)
+    ('cuda', 1, '141.00 GiB')
+    >>> x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    >>> remat.targets.compiled_memory(lambda x: jnp.sin(x @ x).sum(), x, target="h200").argument
+    2097152
+
+# NOTE: how a deviceless compile works. The compilers ship in `jax[cuda12]` (the `jax-cuda12-plugin`
+# and `jax-cuda12-pjrt` wheels) and `jax[tpu]` (`libtpu`); `pip install 'remat[targets]'` installs
+# exactly those. `jax.experimental.topologies.get_topology_desc` makes compile-only devices from a
+# description (an XLA `GpuTargetConfigProto` text for a GPU, a libtpu topology name for a TPU); a
+# mesh over them takes `ShapeDtypeStruct(..., sharding=NamedSharding(mesh, spec))` arguments, and
+# `jax.jit(f).trace(...).lower().compile()` runs the target's real compiler pipeline (fusion,
+# scheduling, buffer assignment), so `memory_analysis()` is what that compiler would allocate on the
+# device. Nothing runs. On a host without a GPU the CUDA plugin registers only when JAX does not try
+# to start a GPU backend first: run with `JAX_PLATFORMS=cpu` (or `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.extend
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from remat import memory as _memory
+
+GB = 10 ** 9
+GiB = 2 ** 30
+EXTRA = "pip install 'remat[targets]'  (in a checkout: pip install -e '.[targets]')"
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One accelerator as a user buys it: what the compiler needs to build for it, and the
+    figures a cost model needs. Sources: docs/targets.md."""
+    kind: str                   # registry name: "h200"
+    platform: str               # "cuda" | "tpu" | "cpu"
+    title: str                  # "NVIDIA H200 141GB HBM3e"
+    memory: int                 # device memory per device, bytes
+    memory_bandwidth: float     # bytes/s
+    peak_flops: Mapping[str, float] = dataclasses.field(hash=False)  # dense matrix FLOP/s per dtype name
+    host_link: float | None = None  # host <-> device bytes/s, one direction (None: not stated)
+    gpu: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)  # GpuTargetConfigProto fields
+    tpu: str | None = None      # libtpu's chip name ("v5e")
+
+
+def _gpu(cc, sms, fpus, smem_core, smem_optin, bandwidth, l2, clock, memory, dnn=(9, 8)):
+    return dict(cc=cc, sms=sms, fpus=fpus, smem_core=smem_core, smem_optin=smem_optin, bandwidth=bandwidth,
+                l2=l2, clock=clock, memory=memory, dnn=dnn)
+
+
+# NOTE: the GPU figures are those of XLA's own target descriptions of these devices (the
+# `gpu_device_info` XLA records from a real device: SM count, shared memory, L2, clocks and
+# `device_memory_size`, i.e. CUDA's totalGlobalMem); peak FLOP/s are NVIDIA's dense (no sparsity)
+# tensor-core figures for the SXM parts; host links are PCIe per direction. docs/targets.md lists
+# each figure with its source.
+SPECS: dict[str, Spec] = {s.kind: s for s in (
+    Spec("h100", "cuda", "NVIDIA H100 80GB HBM3", 84_942_979_072, 3.35232e12,
+         {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}, 64 * GB,
+         gpu=_gpu((9, 0), 132, 128, 233472, 232448, 3352320000000, 52428800, 1.98, 84_942_979_072)),
+    Spec("h200", "cuda", "NVIDIA H200 141GB HBM3e", 151_397_597_184, 4.8e12,
+         {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}, 64 * GB,
+         gpu=_gpu((9, 0), 132, 128, 233472, 232448, 4800000000000, 52428800, 1.98, 151_397_597_184)),
+    Spec("a100-80g", "cuda", "NVIDIA A100-SXM4-80GB", 85_100_068_864, 2.03904e12,
+         {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}, 32 * GB,
+         gpu=_gpu((8, 0), 108, 64, 167936, 166912, 2039040000000, 41943040, 1.41, 85_100_068_864)),
+    Spec("b200", "cuda", "NVIDIA B200", 191_514_411_008, 7.67232e12,
+         {"bfloat16": 2250e12, "float16": 2250e12, "float32": 1100e12}, 64 * GB,
+         gpu=_gpu((10, 0), 148, 128, 233472, 232448, 7672320000000, 132644864, 1.965, 191_514_411_008)),
+    Spec("v5e", "tpu", "TPU v5e", 16 * GiB, 8.19e11, {"bfloat16": 197e12, "float32": 197e12 / 4}, None, tpu="v5e"),
+    Spec("v5p", "tpu", "TPU v5p", 95 * GiB, 2.765e12, {"bfloat16": 459e12, "float32": 459e12 / 4}, None, tpu="v5p"),
+    Spec("v6e", "tpu", "TPU v6e", 32 * GiB, 1.64e12, {"bfloat16": 918e12, "float32": 918e12 / 4}, None, tpu="v6e"),
+)}
+GPUS = tuple(k for k, s in SPECS.items() if s.platform == "cuda")
+TPUS = tuple(k for k, s in SPECS.items() if s.platform == "tpu")
+
+# JAX's GPU allocator takes this fraction of device memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+# otherwise (JAX's documented default; XLA_PYTHON_CLIENT_ALLOCATOR=platform lifts the limit).
+GPU_MEM_FRACTION = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A spec times a count, with a topology: what `compiled_memory` builds for.
+
+    Attributes: name (canonical, "h200x8"), spec, count (devices), topology (the GPU `AxBxC` or
+    libtpu topology string; "" for the host CPU).
+    """
+    name: str
+    spec: Spec
+    count: int
+    topology: str
+
+    @property
+    def platform(self) -> str:
+        return self.spec.platform
+
+    @property
+    def memory(self) -> int:
+        """Device memory per device, in bytes (what the compiler is told the device has)."""
+        return self.spec.memory
+
+    @property
+    def memory_limit(self) -> int:
+        """What a JAX program may allocate per device: on a GPU the allocator's share of the device
+        memory (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75; the whole memory with
+        XLA_PYTHON_CLIENT_ALLOCATOR=platform), elsewhere the device memory. The default budget."""
+        if self.platform != "cuda":
+            return self.memory
+        if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+            return self.memory
+        return int(self.memory * mem_fraction())
+
+    @property
+    def compiler(self) -> str:
+        """"XLA:GPU", "XLA:TPU" or "XLA:CPU": the compiler whose figures this target gives."""
+        return {"cuda": "XLA:GPU", "tpu": "XLA:TPU", "cpu": "XLA:CPU"}[self.platform]
+
+    def describe(self) -> str:
+        """`8 x NVIDIA H200 141GB HBM3e` (or one device's title)."""
+        return f"{self.count} x {self.spec.title}" if self.count > 1 else self.spec.title
+
+    def devices(self) -> list:
+        """The target's devices: compile-only ones for an accelerator, this host's CPUs for `cpu`."""
+        if self.platform == "cpu":
+            return list(jax.devices("cpu"))[: self.count]
+        return list(_topology_devices(self.name, self.platform, self.topology, _gpu_config(self.spec)))
+
+    def mesh(self, shape: Mapping[str, int] | None = None) -> Mesh:
+        """A Mesh over the target's devices: `shape` {axis: size} (sizes whose product is the device
+        count; missing: one axis "devices" over all of them).
+
+        Example:
+          >>> get("h200x8").mesh({"data": 2, "fsdp": 4}).shape
+          OrderedDict({'data': 2, 'fsdp': 4})
+        """
+        devs = self.devices()
+        shape = dict(shape or {"devices": len(devs)})
+        n = math.prod(shape.values())
+        if n != len(devs):
+            raise ValueError(f"a mesh of {shape} spans {n} devices but {self.name} has {len(devs)}; "
+                             f"use axis sizes whose product is {len(devs)} (or a target with {n} devices, "
+                             f"e.g. {self.spec.kind}{'x' if self.platform == 'cuda' else ':'}{n})")
+        return Mesh(np.array(devs).reshape(tuple(shape.values())), tuple(shape))
+
+
+def mem_fraction() -> float:
+    """JAX's GPU allocator fraction: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75."""
+    try:
+        f = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
+    except ValueError:
+        return GPU_MEM_FRACTION
+    return f if 0 < f <= 1 else GPU_MEM_FRACTION
+
+
+_NAME = re.compile(r"^(?P<kind>[a-z0-9-]+?)(?:x(?P<count>\d+)|:(?P<topo>\d+(?:x\d+){1,2}))?$")
+
+
+def names() -> tuple[str, ...]:
+    """The accelerator names `get` takes (without a count), and `cpu`."""
+    return (*SPECS, "cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def get(name: str | Target) -> Target:
+    """The target named `name`: `h200`, `h200x8`, `a100-80g`, `v5e`, `v5e:2x4`, `v5p:2x2x1`, `cpu`.
+
+    Raises ValueError naming the valid forms for anything else.
+    Example:
+      >>> get("h200x8").count, get("v5e:2x4").count, get("v5e:2x4").topology
+      (8, 8, 'v5e:2x4')
+    """
+    if isinstance(name, Target):
+        return name
+    text = str(name).strip().lower()
+    m = _NAME.match(text)
+    kind = m.group("kind") if m else None
+    if text == "cpu" or (m and kind == "cpu" and m.group("count")):
+        n = int(m.group("count")) if m and m.group("count") else len(jax.devices("cpu"))
+        host = len(jax.devices("cpu"))
+        if not 1 <= n <= host:
+            raise ValueError(f"target {name!r}: this host has {host} CPU device(s); use cpu or cpux1..cpux{host} "
+                             f"(more CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+        spec = Spec("cpu", "cpu", "this host's CPU", _memory_available(), 0.0, {}, None)
+        return Target("cpu" if n == host else f"cpux{n}", spec, n, "")
+    if kind not in SPECS:
+        raise ValueError(f"target {name!r} is not known; use one of {', '.join(names())}, with a count for "
+                         f"several devices: h200x8 (GPUs), v5e:2x4 (a TPU slice in libtpu's words)")
+    spec = SPECS[kind]
+    if spec.platform == "cuda":
+        if m.group("topo"):
+            raise ValueError(f"target {name!r}: a GPU count is written {kind}xN (e.g. {kind}x8)")
+        n = int(m.group("count") or 1)
+        if not 1 <= n <= 4096:
+            raise ValueError(f"target {name!r}: the GPU count must be 1..4096")
+        return Target(kind if n == 1 else f"{kind}x{n}", spec, n, f"1x1x{n}")
+    if m.group("count"):
+        raise ValueError(f"target {name!r}: a TPU slice is written in libtpu's topology words, e.g. {kind}:2x4 "
+                         f"(8 chips){' or ' + kind + ':2x2x2' if kind == 'v5p' else ''}")
+    dims = m.group("topo") or ("1x1x1" if kind == "v5p" else "1x1")
+    n = math.prod(int(d) for d in dims.split("x"))
+    if n < 1:
+        raise ValueError(f"target {name!r}: every topology size must be at least 1")
+    return Target(kind if n == 1 and not m.group("topo") else f"{kind}:{dims}", spec, n, f"{spec.tpu}:{dims}")
+
+
+def _memory_available() -> int:
+    """This host's available RAM (MemAvailable), the `cpu` target's memory; 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _gpu_config(spec: Spec) -> str | None:
+    """The GpuTargetConfigProto text XLA:GPU takes for `spec` (None for a TPU or the CPU)."""
+    g = spec.gpu
+    if g is None:
+        return None
+    return "\n".join([
+        "gpu_device_info {",
+        "  threads_per_block_limit: 1024", "  threads_per_warp: 32", "  shared_memory_per_block: 49152",
+        f"  shared_memory_per_core: {g['smem_core']}", "  threads_per_core_limit: 2048",
+        f"  core_count: {g['sms']}", f"  fpus_per_core: {g['fpus']}",
+        "  block_dim_limit_x: 2147483647", "  block_dim_limit_y: 65535", "  block_dim_limit_z: 65535",
+        f"  memory_bandwidth: {g['bandwidth']}", f"  l2_cache_size: {g['l2']}", f"  clock_rate_ghz: {g['clock']}",
+        f"  device_memory_size: {g['memory']}", f"  shared_memory_per_block_optin: {g['smem_optin']}",
+        f"  cuda_compute_capability {{ major: {g['cc'][0]} minor: {g['cc'][1]} }}",
+        "  registers_per_core_limit: 65536", "  registers_per_block_limit: 65536",
+        "}", 'platform_name: "CUDA"',
+        f"dnn_version_info {{ major: {g['dnn'][0]} minor: {g['dnn'][1]} }}",
+        f'device_description_str: "{spec.title}"', ""])
+
+
+class TargetUnavailable(RuntimeError):
+    """The target's compiler is not installed, or JAX did not register it in this process."""
+
+
+def available(platform: str) -> bool:
+    """True when this process can compile for `platform` ("cuda", "tpu", "cpu") without a device."""
+    if platform == "cpu":
+        return True
+    try:
+        _topology_devices(f"probe-{platform}", platform, "1x1x1" if platform == "cuda" else "v5e:1x1",
+                          _gpu_config(SPECS["h100"]) if platform == "cuda" else None)
+        return True
+    except TargetUnavailable:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _topology_devices(name: str, platform: str, topology: str, config: str | None) -> tuple:
+    from jax.experimental import topologies
+
+    module, wheel = (("jax_plugins.xla_cuda12", "jax-cuda12-plugin") if platform == "cuda" else ("libtpu", "libtpu"))
+    try:
+        installed = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        installed = False
+    compiler = "XLA:GPU" if platform == "cuda" else "XLA:TPU"
+    if not installed:
+        raise TargetUnavailable(f"compiling for {name} needs {compiler}'s compiler ({wheel}), which is not "
+                                f"installed: {EXTRA}")
+    try:
+        if platform == "cuda":
+            topo = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=config,
+                                                topology=topology)
+        else:
+            dims = topology.split(":")[1].split("x")
+            per_host = tuple(int(d) for d in dims) + (1,) * (3 - len(dims)) if math.prod(map(int, dims)) < 4 else None
+            kw = {"chips_per_host_bounds": per_host} if per_host else {}
+            topo = topologies.get_topology_desc(topology, "tpu", **kw)
+    except NotImplementedError as e:
+        raise TargetUnavailable(
+            f"compiling for {name}: {compiler}'s compiler is installed but JAX did not register it in this process "
+            f"({e}); on a machine without that accelerator start Python with JAX_PLATFORMS=cpu (or "
+            f"JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 for a GPU target)") from None
+    except Exception as e:  # noqa: BLE001 - libtpu/XLA raise their own types; name the target in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetUnavailable(f"compiling for {name}: {compiler} refused the topology {topology!r}: {first}") from None
+    return tuple(topo.devices)
+
+
+def _struct(x, sharding):
+    if isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+    return x  # a Python value: passed as is (traced as a weak-typed scalar, as jit does)
+
+
+def place(args, mesh: Mesh, specs=None):
+    """`args` (arrays, ShapeDtypeStructs, pytrees of them) as ShapeDtypeStructs placed on `mesh`:
+    `specs` is a PartitionSpec, or a pytree prefix of `args` with PartitionSpec leaves (None:
+    replicated). Example: `place((w, x), mesh, (P(None, "fsdp"), P("fsdp")))`."""
+    if specs is None:
+        specs = jax.tree.map(lambda _: P(), args)
+    elif isinstance(specs, P):
+        specs = jax.tree.map(lambda _: specs, args)
+    is_spec = lambda s: isinstance(s, P) or s is None  # noqa: E731
+    flat_specs, tree = jax.tree.flatten(specs, is_leaf=is_spec)
+    subtrees = tree.flatten_up_to(args)
+    out = [jax.tree.map(lambda x, s=s: _struct(x, NamedSharding(mesh, s if s is not None else P())), a)
+           for a, s in zip(subtrees, flat_specs)]
+    return jax.tree.unflatten(tree, out)
+
+
+def lower(fn, *args, target: str | Target, mesh: Mesh | Mapping[str, int] | None = None, specs=None,
+          static_argnums=(), donate_argnums=(), **kwargs) -> jax.stages.Lowered:
+    """`fn(*args, **kwargs)` traced and lowered for `target` (see `compiled_memory`)."""
+    t = get(target)
+    if not isinstance(mesh, Mesh):
+        mesh = t.mesh(mesh)
+    structs = place(args, mesh, specs)
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnums=static_argnums, donate_argnums=donate_argnums)
+    with _memory.building_for(t.platform), jax.set_mesh(mesh):
+        return jitted.trace(*structs, **kwargs).lower()
+
+
+def compile(fn, *args, target: str | Target, mesh=None, specs=None, static_argnums=(), donate_argnums=(),
+            **kwargs) -> jax.stages.Compiled:
+    """`fn(*args, **kwargs)` compiled by `target`'s compiler with no device present.
+
+    Raises TargetUnavailable (one line naming the install) when that compiler is missing, and
+    MemoryError when the compiler itself refuses the program for lack of memory (XLA:TPU does).
+    """
+    lowered = lower(fn, *args, target=target, mesh=mesh, specs=specs, static_argnums=static_argnums,
+                    donate_argnums=donate_argnums, **kwargs)
+    try:
+        return lowered.compile()
+    except Exception as e:  # noqa: BLE001
+        if _memory.is_oom(e):
+            t = get(target)
+            first = str(e).strip().splitlines()[0]
+            raise MemoryError(f"{t.compiler} cannot fit the program on {t.describe()}: {first}") from e
+        raise
+
+
+def compiled_memory(fn, *args, target: str | Target, mesh=None, specs=None, static_argnums=(),
+                    donate_argnums=(), **kwargs) -> _memory.CompiledMemory:
+    """XLA's memory and cost analysis of `fn(*args, **kwargs)` compiled for `target`, per device.
+
+    Args:
+      fn: a function (or a `jax.jit` of one) of arrays/pytrees.
+      *args: arrays or `jax.ShapeDtypeStruct`s (pytrees of them); only shapes and dtypes are used.
+      target: a name (`h200`, `h200x8`, `v5e:2x2`, `cpu`) or a `Target`.
+      mesh: a Mesh over `get(target).devices()`, or {axis: size} to make one (default: one axis
+        "devices" over all of them).
+      specs: where each argument lives: a PartitionSpec for all, or a pytree prefix of `args` with
+        PartitionSpec leaves; default replicated.
+      static_argnums, donate_argnums, **kwargs: as for `jax.jit` and the call.
+    Returns:
+      `CompiledMemory` (temp, argument, output, alias, host bytes; `flops` from the compiler's cost
+      analysis where it gives one, else the matmul FLOPs of the traced program, `flops_source` says which).
+    Example:
+      >>> import jax.numpy as jnp
+      >>> w = jax.ShapeDtypeStruct((8, 4096, 4096), jnp.bfloat16)
+      >>> cm = compiled_memory(lambda w: (w @ w).sum(), w, target="h200x8", mesh={"fsdp": 8}, specs=P("fsdp"))
+      >>> cm.argument == 8 * 4096 * 4096 * 2 // 8   # per device
+      True
+    """
+    t = get(target)
+    if not isinstance(mesh, Mesh):
+        mesh = t.mesh(mesh)
+    compiled = compile(fn, *args, target=t, mesh=mesh, specs=specs, static_argnums=static_argnums,
+                       donate_argnums=donate_argnums, **kwargs)
+    cm = _memory.compiled_stats(compiled)
+    if cm.flops:
+        return cm
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnums=static_argnums)
+    with _memory.building_for(t.platform), jax.set_mesh(mesh):
+        jaxpr = jitted.trace(*place(args, mesh, specs), **kwargs).jaxpr
+    return dataclasses.replace(cm, flops=matmul_flops(jaxpr) / t.count, flops_source="jaxpr matmuls")
+
+
+def matmul_flops(jaxpr) -> float:
+    """FLOPs of the matrix products of a (closed) jaxpr, every nested program included: 2·M·N·K per
+    `dot_general`, `scan` bodies times their length, `cond` its costliest branch, a `while` body
+    once (its trip count is not static). Forward, recomputation and backward all count when the
+    jaxpr is a gradient's.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> matmul_flops(jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((4, 8)), jnp.ones((8, 16))))
+      1024.0
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in lc)
+            continue
+        subs = [v for v in eqn.params.values() if _is_jaxpr(v)]
+        subs += [j for v in eqn.params.values() if isinstance(v, (tuple, list)) for j in v if _is_jaxpr(j)]
+        if not subs:
+            continue
+        if name == "scan":
+            total += eqn.params["length"] * sum(matmul_flops(s) for s in subs)
+        elif name == "cond":
+            total += max(matmul_flops(s) for s in subs)
+        elif name == "while":
+            total += matmul_flops(eqn.params["body_jaxpr"])
+        else:
+            total += sum(matmul_flops(s) for s in subs)
+    return total
+
+
+def _is_jaxpr(v) -> bool:
+    return isinstance(v, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
