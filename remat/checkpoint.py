@@ -10,14 +10,14 @@ whose backward re-traces the function under `jax.vjp`, checked against the forwa
 # are differentiated; integer and PRNG-key leaves get no cotangent.
 #
 # NOTE: scheduling. XLA sees no data dependency between a recomputation and the backward that
-# consumes it, so its scheduler may run every recomputation during the forward pass (XLA:CPU's
-# default scheduler does: with plain `jax.checkpoint` on a loop of layers the compiled temp
-# memory does not fall at all, and optimization barriers are stripped before scheduling). So in
-# the backward each region's residuals are made to depend on the arrival of its output cotangent
-# (`_tie`: on CPU `x + 0·s`, s a finite-guarded reduction of the cotangent, exact and NaN-safe;
-# built for a GPU or TPU one optimization barrier with the cotangent) before the
-# pullback runs. Both paths do it (non-reentrant: `_tied`, a custom_vjp around `jax.vjp` of
-# `jax.checkpoint`, so the policy still decides what is saved). Measured in docs/BENCHMARKS.md.
+# consumes it, so its scheduler may run every recomputation during the forward pass. XLA:CPU's does
+# on a loop of layers (plain `jax.checkpoint` keeps all of no-remat's temp there); XLA:GPU's and
+# XLA:TPU's do not (tied and untied compile to the same temp: docs/targets.md). So built for the CPU
+# each region's residuals are made to depend on the arrival of its output cotangent in the backward
+# (`_tie`: `x + 0·s`, s a finite-guarded reduction of the cotangent, exact and NaN-safe) before the
+# pullback runs (`_tied`, a custom_vjp around `jax.vjp` of `jax.checkpoint`, so the policy still
+# decides what is saved; the reentrant path ties too); built for cuda or tpu the region is plain
+# `jax.checkpoint` (`tie_needed`).
 """
 from __future__ import annotations
 

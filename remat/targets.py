@@ -151,8 +151,8 @@ class Target:
         count; missing: one axis "devices" over all of them).
 
         Example:
-          >>> get("h200x8").mesh({"data": 2, "fsdp": 4}).shape
-          OrderedDict({'data': 2, 'fsdp': 4})
+          >>> dict(get("h200x8").mesh({"data": 2, "fsdp": 4}).shape)
+          {'data': 2, 'fsdp': 4}
         """
         devs = self.devices()
         shape = dict(shape or {"devices": len(devs)})
@@ -162,6 +162,19 @@ class Target:
                              f"use axis sizes whose product is {len(devs)} (or a target with {n} devices, "
                              f"e.g. {self.spec.kind}{'x' if self.platform == 'cuda' else ':'}{n})")
         return Mesh(np.array(devs).reshape(tuple(shape.values())), tuple(shape))
+
+
+def table_markdown() -> str:
+    """The targets as a Markdown table (docs/targets.md holds it; `python -m remat.targets` prints it)."""
+    rows = ["| name | compiler | device | memory per device | memory bandwidth | dense bf16 | host link |",
+            "|---|---|---|---|---|---|---|"]
+    for s in SPECS.values():
+        link = f"{s.host_link / GB:.0f} GB/s" if s.host_link else "not stated"
+        rows.append(f"| `{s.kind}` | {'XLA:GPU' if s.platform == 'cuda' else 'XLA:TPU'} | {s.title} | "
+                    f"{_memory.format_bytes(s.memory)} | {s.memory_bandwidth / 1e12:.2f} TB/s | "
+                    f"{s.peak_flops['bfloat16'] / 1e12:.0f} TFLOP/s | {link} |")
+    rows.append("| `cpu` | XLA:CPU | this host's CPU (its devices, `jax.devices('cpu')`) | available RAM | | | |")
+    return "\n".join(rows)
 
 
 def mem_fraction() -> float:
@@ -279,7 +292,7 @@ def available(platform: str) -> bool:
 def _topology_devices(name: str, platform: str, topology: str, config: str | None) -> tuple:
     from jax.experimental import topologies
 
-    module, wheel = (("jax_plugins.xla_cuda12", "jax-cuda12-plugin") if platform == "cuda" else ("libtpu", "libtpu"))
+    module, wheel = (("jax_plugins.xla_cuda12", "jax-cuda12-pjrt") if platform == "cuda" else ("libtpu", "libtpu"))
     try:
         installed = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -436,3 +449,7 @@ def matmul_flops(jaxpr) -> float:
 
 def _is_jaxpr(v) -> bool:
     return isinstance(v, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
+
+
+if __name__ == "__main__":
+    print(table_markdown())
