@@ -1,7 +1,7 @@
 """Tests for remat_lm.models.llmc_io (llm.c file formats) and the float64 reference in llmc_reference.
 
 Expected files are built here by hand with struct/NumPy/ml_dtypes straight from
-FORMATS.md, independently of the writer under test.
+docs/llmc-format.md, independently of the writer under test.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from remat_lm.models.llmc_io import (
 KINDS = ("gpt2", "llama3")
 DTYPES = ("float32", "bfloat16")
 
-# Tensor order and shapes of the tiny configs, transcribed from FORMATS.md.
+# Tensor order and shapes of the tiny configs, transcribed from docs/llmc-format.md.
 GPT2_TINY_SHAPES = [  # Vp=128, T=16, L=2, C=32
     ("wte", (128, 32)), ("wpe", (16, 32)), ("ln_1.w", (2, 32)), ("ln_1.b", (2, 32)),
     ("attn.c_attn.w", (2, 96, 32)), ("attn.c_attn.b", (2, 96)), ("attn.c_proj.w", (2, 32, 32)),
@@ -517,3 +517,10 @@ def test_rope_frequencies_llama31_scaling():
     smooth = (8192 / wavelen[mid] - 1) / 3
     np.testing.assert_allclose(scaled[mid], (1 - smooth) * base[mid] / 8 + smooth * base[mid], rtol=1e-15)
     assert (scaled[mid] < base[mid]).all() and (scaled[mid] > base[mid] / 8).all()
+
+
+def test_format_page_holds_the_generated_tables():
+    from pathlib import Path
+    from remat_lm.models import llmc
+    page = (Path(__file__).parent.parent / "docs" / "llmc-format.md").read_text()
+    assert llmc.format_markdown() in page

@@ -29,6 +29,52 @@ def header_for(config):
     return family.of(config).llmc_header(config)
 
 
+def format_markdown(presets: dict | None = None) -> str:
+    """The llm.c file formats as Markdown tables, from the families' header classes (docs/llmc-format.md
+    holds this text; tests/test_llmc_io.py checks it): per family the model-file header slots, the
+    tensor order (with one preset's shapes), the debug-state header; then the token shards.
+
+    `presets`: {family name: preset} whose shapes illustrate the tensors (default d12 and 8b).
+    """
+    from remat_lm.models import llmc_io
+
+    presets = presets or {"gpt2": "d12", "llama3": "8b"}
+    out = []
+    for fam in family.families():
+        h = fam.header_cls
+        header = header_for(fam.config(presets[fam.name]))
+        out += [f"### {h.title} model file", "",
+                f"Magic {h.model_magic}; version {llmc_io.VERSION_FLOAT32} (every tensor float32) or "
+                f"{llmc_io.VERSION_BFLOAT16} (every tensor bfloat16, raw 16-bit words)"
+                + (f"; versions {', '.join(map(str, h.retired_versions))} are {h.retired} (refused)" if h.retired_versions else "")
+                + ".", "", "| slot | field | stored as |", "|---|---|---|",
+                "| 0 | magic | int32 |", "| 1 | version | int32 |"]
+        slot = 2
+        for f in dataclasses.fields(h):
+            kind = ("float32 bit pattern" if f.name in h.float_ranges else "int32, 0 or 1" if f.name in h.flags
+                    else "int32 >= 0" if f.name in h.counts else "int32 > 0")
+            out.append(f"| {slot} | `{f.name}` | {kind} |")
+            slot += 1
+        for v in h.trailer:
+            out.append(f"| {slot} | format version | int32 = {v} |")
+            slot += 1
+        pad = f" (`{h.padded[0]}` has `{h.padded[2]}` rows; those past `{h.padded[1]}` are zeros)" if h.padded else ""
+        out += ["", f"Tensors, in this order{pad}; shapes for preset `{presets[fam.name]}`:", "",
+                "| tensor | shape |", "|---|---|"]
+        out += [f"| `{name}` | {tuple(shape)} |" for name, shape in header.tensor_shapes()]
+        state = ["magic", *(["version"] if h.state_version is not None else []), "B", "T"]
+        words = ", ".join(f"slot {i} {w}" for i, w in enumerate(state))
+        magic = f"magic {h.state_magic}" + (f", version {h.state_version}" if h.state_version is not None else "")
+        out += ["", f"Debug state file: {magic} ({words}); then x and y (B, T) int32, logits (B, T, "
+                f"{' or '.join(map(str, ['V' if w == header.vocab_size else 'Vp' for w in header.logit_widths()]))}) "
+                f"float32, the loss (one float32), and every parameter's gradient in float32, in the model "
+                f"file's tensor order.", ""]
+    out += ["### Token shards", "", "| model | magic | version | token |", "|---|---|---|---|"]
+    for f in llmc_io.TOKEN_FORMATS.values():
+        out.append(f"| {f.title} | {f.magic} | {f.version} | {np.dtype(f.dtype).name}, little-endian |")
+    return "\n".join(out)
+
+
 def config_for(kind: str, header, **fields):
     """A model config for an llm.c header; `fields` (recompute, dtype, scan_layers...) are added."""
     return family.get(kind).config_from_llmc(header, **fields)
