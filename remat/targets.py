@@ -29,8 +29,10 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import glob
 import importlib.util
 import math
 import os
@@ -309,7 +311,8 @@ def _topology_devices(name: str, platform: str, topology: str, config: str | Non
             dims = topology.split(":")[1].split("x")
             per_host = tuple(int(d) for d in dims) + (1,) * (3 - len(dims)) if math.prod(map(int, dims)) < 4 else None
             kw = {"chips_per_host_bounds": per_host} if per_host else {}
-            topo = topologies.get_topology_desc(topology, "tpu", **kw)
+            with _no_libtpu_lock():
+                topo = topologies.get_topology_desc(topology, "tpu", **kw)
     except NotImplementedError as e:
         raise TargetUnavailable(
             f"compiling for {name}: {compiler}'s compiler is installed but JAX did not register it in this process "
@@ -319,6 +322,25 @@ def _topology_devices(name: str, platform: str, topology: str, config: str | Non
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TargetUnavailable(f"compiling for {name}: {compiler} refused the topology {topology!r}: {first}") from None
     return tuple(topo.devices)
+
+
+# NOTE: libtpu takes /tmp/libtpu_lockfile when it starts, so that two processes never drive one
+# host's TPU chips; a second process that loads it (another deviceless compile, a parallel test
+# worker, a second dry run) then fails with "Internal error when accessing libtpu multi-process
+# lockfile". A topology-only load drives no chip, so where this host has none (no /dev/accel*, no
+# /dev/vfio) libtpu is told to skip the lock (ALLOW_MULTIPLE_LIBTPU_LOAD) for that call only: the
+# environment is restored after it, so no child process inherits the exemption.
+@contextlib.contextmanager
+def _no_libtpu_lock():
+    key = "ALLOW_MULTIPLE_LIBTPU_LOAD"
+    if glob.glob("/dev/accel*") or os.path.exists("/dev/vfio") or key in os.environ:
+        yield
+        return
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 def _struct(x, sharding):

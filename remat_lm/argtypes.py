@@ -79,6 +79,37 @@ PLUGIN_BANNER = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
     r"|[IW]\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\."
     r"|(?:WARNING:jax_plugins\.xla_cuda12:)?cuda_plugin_extension is not found\.)\s*$")
+# What libtpu prints when it starts for a deviceless compile (`remat.targets` on a host without TPU
+# chips): its probe for a TPU VM's accelerator type and worker hostnames, which such a host has not,
+# and the source trace of that probe's error. Dropped by `quietly`.
+LIBTPU_BANNER = re.compile(
+    r"^(Failed to find host bounds for accelerator type: WARNING: could not determine TPU accelerator type.*"
+    r"|WARNING: Logging before InitGoogle\(\) is written to STDERR"
+    r"|E\d{4} [\d:. ]+\d+ common_lib\.cc:\d+\] INVALID_ARGUMENT: Error: unexpected worker hostname "
+    r"'WARNING: could not determine TPU worker hostnames.*"
+    r"|=== Source Location Trace: ===|learning/[\w/]+/libtpu_init_utils\.cc:\d+)\s*$")
+
+
+def quietly(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` with what the target compilers print while they start (`PLUGIN_BANNER`,
+    `LIBTPU_BANNER`) dropped from stderr (fd 2, where C++ writes); every other line written
+    meanwhile is passed on unchanged, after `fn` returns or raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode("utf-8", "replace")
+            kept = "".join(line for line in text.splitlines(keepends=True)
+                           if not (PLUGIN_BANNER.match(line) or LIBTPU_BANNER.match(line)))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
 
 
 def start_backends() -> None:
@@ -87,21 +118,7 @@ def start_backends() -> None:
     `jax.distributed.initialize` where there is one (that must come before the backends start)."""
     import jax
 
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            jax.devices()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            text = tmp.read().decode("utf-8", "replace")
-            kept = "".join(line for line in text.splitlines(keepends=True) if not PLUGIN_BANNER.match(line))
-            if kept:
-                sys.stderr.write(kept)
-                sys.stderr.flush()
+    quietly(jax.devices)
 
 
 def run(main: Callable[[], int], prog: str) -> int:

@@ -16,6 +16,8 @@
     python train.py --sample_every 500 --prompt "def " --temperature 0.8 --top_k 20   # samples while training
     python train.py --preset d12 --sequence_length 1024 --activation_recompute --loss_chunk 128  # no (B,T,V) logits
     python train.py --num_iterations 20 --profile_steps 10:13 --log_jsonl runs/x.jsonl  # trace to runs/x.profile
+    python train.py --model llama3 --preset 8b --target h200x8 --mesh fsdp=8 --batch_size 8 \\
+        --sequence_length 8192 --dtype bfloat16 --scan_layers --dry_run   # will it fit 8 H200s? (no GPU needed)
 
 Flags are generated from `remat_lm.training.TrainConfig` (`python train.py --help`). Bad input (an unknown
 value, inconsistent recompute flags, a missing or malformed data file, a mismatched --init_from,

@@ -129,14 +129,31 @@ def device_memory_limit(device) -> int | None:
     return None
 
 
-def check_model_size(n_params: int, fsdp: int, devices) -> None:
-    """UsageError when the parameters and AdamW state alone cannot fit the devices.
+def host_available() -> int | None:
+    """Available host RAM in bytes: /proc/meminfo's MemAvailable (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_model_size(n_params: int, fsdp: int, devices, limit: int | None = None, what: str | None = None) -> None:
+    """UsageError when the parameters and AdamW state alone cannot fit the devices (`limit` bytes per
+    device, and `what` they are, for `--target`'s compile-only devices; default: the devices' own).
 
     Checked before JAX traces anything: an absurd shape (say --n_embd 2147483648) otherwise aborts
     inside XLA (an int64 overflow of an array's extent) instead of failing with a message.
     """
     dev = devices[0]
-    limit = device_memory_limit(dev)
+    if limit is None:
+        limit = device_memory_limit(dev)
     if limit is None:
         return
     per_device = STATE_BYTES_PER_PARAM * n_params / max(1, fsdp)
@@ -145,7 +162,7 @@ def check_model_size(n_params: int, fsdp: int, devices) -> None:
     if need > limit:
         raise UsageError(f"the model has {n_params:,} parameters: its parameters and AdamW state need "
                          f"{format_bytes(need)} ({STATE_BYTES_PER_PARAM} bytes per parameter, sharded over fsdp={fsdp}) but "
-                         f"a {dev.platform} device has {format_bytes(limit)}; use a smaller model (--n_embd, --n_layer) "
+                         f"{what or 'a ' + dev.platform + ' device has'} {format_bytes(limit)}; use a smaller model (--n_embd, --n_layer) "
                          f"or shard it over more devices (--mesh fsdp=N)")
 
 

@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 
 import remat
+import remat.targets
 from remat_lm.training import sharding as sh
+from remat_lm.training import target as run_target
 from remat_lm.training.config import UsageError
 from remat_lm.models import family
 from remat_lm.training.optim import make_optimizer, optimizer_settings
@@ -54,11 +56,31 @@ _COMPILED_MAX = 8
 
 
 def compile_train_step(setup, mcfg=None):
-    """AOT-compile the train step for the run's shapes and shardings (cached per process)."""
+    """AOT-compile the train step for the run's shapes and shardings (cached per process), built for
+    the run's devices (`--target`: its compiler). A program the target's compiler refuses for lack of
+    memory (XLA:TPU does) raises `remat_lm.training.target.Refused`, a MemoryError."""
+    return _compiled(setup, mcfg)[0]
+
+
+def step_stats(setup, mcfg=None) -> remat.memory.CompiledMemory:
+    """XLA's memory and cost analysis of the train step (`remat.memory.compiled_stats`) with FLOPs
+    always given: where the compiler gives none (XLA:GPU), the matmul FLOPs of the traced program per
+    device (`remat.targets.matmul_flops`; `flops_source` says so). The planner's cost."""
+    compiled, jaxpr = _compiled(setup, mcfg)
+    cm = remat.memory.compiled_stats(compiled)
+    if cm.flops:
+        return cm
+    return dataclasses.replace(cm, flops=remat.targets.matmul_flops(jaxpr) / setup.mesh.size,
+                               flops_source="jaxpr matmuls")
+
+
+def _compiled(setup, mcfg=None):
+    """(compiled train step, its traced jaxpr), cached per process."""
     cfg = setup.cfg
     mcfg = sh.model_sharding(setup.mcfg if mcfg is None else mcfg, setup.mesh, cfg.sequence_parallel)
+    platform = setup.target.platform if setup.deviceless else None  # the host's (the same on the target itself)
     key = (setup.fam.name, mcfg, optimizer_settings(cfg), cfg.dropout, setup.mesh, cfg.grad_accum_steps,
-           cfg.batch_size, cfg.sequence_length)
+           cfg.batch_size, cfg.sequence_length, platform)
     if key in _COMPILED:
         _COMPILED.move_to_end(key)
         return _COMPILED[key]
@@ -66,12 +88,22 @@ def compile_train_step(setup, mcfg=None):
     jitted = jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
                      out_shardings=(setup.state_sharding, sh.replicated(setup.mesh)), donate_argnums=(0,))
     b = batch_struct(setup)
-    with jax.set_mesh(setup.mesh):  # the model's tensor/sequence-parallel constraints are PartitionSpecs
-        compiled = jitted.lower(abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b).compile()
-    _COMPILED[key] = compiled
+    # the mesh: the model's tensor/sequence-parallel constraints are PartitionSpecs; the target's platform:
+    # its attention core and other platform choices
+    with run_target.building(setup):
+        traced = jitted.trace(abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b)
+        lowered = traced.lower()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:
+        if setup.deviceless and remat.memory.is_oom(e):
+            flops = remat.targets.matmul_flops(traced.jaxpr) / setup.mesh.size  # the planner's cost of it
+            raise run_target.refused(setup.target, e, flops) from e
+        raise
+    _COMPILED[key] = (compiled, traced.jaxpr)
     while len(_COMPILED) > _COMPILED_MAX:
         _COMPILED.popitem(last=False)
-    return compiled
+    return _COMPILED[key]
 
 
 def batch_struct(setup):
@@ -88,18 +120,37 @@ def plan_memory(setup, out=None):
     """--recompute_method auto: ask the planner (`remat.plan_for_budget` on the real train step) for a
     setting per layer that fits the request's budget, print the plan, and return
     `(setup with that model config, BudgetPlan)`. A budget below what full remat needs is a
-    UsageError stating the minimum."""
+    UsageError stating the minimum. With --target the candidates are compiled by its compiler, and
+    without --memory_budget the budget is its memory (`TrainConfig.target_budget`)."""
     from remat_lm.models.memory_model import activation_bytes
 
     cfg, base, request = setup.cfg, setup.base_mcfg, setup.auto
-    print(f"planner  fitting the train step into --memory_budget {cfg.memory_budget} per device "
-          f"(compiling candidate settings)", file=out)
+    if cfg.memory_budget is not None:
+        what = f"--memory_budget {cfg.memory_budget}"
+        flag = f"--memory_budget {cfg.memory_budget}"
+    else:
+        what = (f"{remat.memory.format_bytes(request.budget)}, the memory of --target {setup.target.name} "
+                f"({run_target.limit_words(setup.target)})")
+        flag = f"--target {setup.target.name}'s memory of {remat.memory.format_bytes(request.budget)}"
+    built = f" by {run_target.words(setup.target)}" if setup.target is not None else ""
+    print(f"planner  fitting the train step into {what} per device (compiling candidate settings{built})",
+          file=out)
+
+    def measure(rc):
+        try:
+            return step_stats(setup, dataclasses.replace(base, recompute=rc))
+        except run_target.Refused as e:
+            # NOTE: refused by the target's compiler (XLA:TPU, too large for its memory): to the
+            # planner a program that does not fit, so its peak is the compiler's figure, and never
+            # below the budget (the refusal is the verdict, whatever the figure).
+            need = max(e.needed or 0, request.budget + 1)
+            return remat.memory.CompiledMemory(temp=need, argument=0, output=0, alias=0, generated_code=0,
+                                               host_temp=0, flops=e.flops, flops_source="jaxpr matmuls")
     try:
-        plan = remat.plan_for_budget(
-            lambda rc: compile_train_step(setup, dataclasses.replace(base, recompute=rc)), base.n_layer,
-            request.budget, layer_bytes=activation_bytes(base, cfg.batch_size, cfg.sequence_length)[0])
+        plan = remat.plan_for_budget(measure, base.n_layer, request.budget,
+                                     layer_bytes=activation_bytes(base, cfg.batch_size, cfg.sequence_length)[0])
     except ValueError as e:
-        raise UsageError(f"--memory_budget {cfg.memory_budget}: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
     print(plan.table(), file=out)
     planned = dataclasses.replace(base, recompute=plan.recompute_config())
     return dataclasses.replace(setup, mcfgs=(("auto", planned),)), plan

@@ -26,9 +26,10 @@ from remat_lm.models.family import NAMES as model_family_names
 from remat import RecomputeConfig
 from remat_lm import argtypes
 from remat_lm.argtypes import UsageError  # noqa: F401  (re-exported: raised throughout training/)
-from remat_lm.training.checks import check_input_file
+from remat_lm.training.checks import check_input_file, host_available
 from remat_lm.training import deepspeed as remat_deepspeed
 from remat_lm.training import flags as recompute_flags
+from remat import targets as remat_targets
 from remat.config import AutoRecompute
 from remat.planner import parse_size
 
@@ -177,6 +178,13 @@ class TrainConfig:
                                     "state over fsdp; tensor=N splits attention heads and MLP hidden units over "
                                     "N devices (Megatron tensor parallelism), e.g. data=2,fsdp=2,tensor=2",
                    metavar="data=N,fsdp=M,tensor=K")
+    target: str | None = _f(None, "build for this accelerator, with no device present: "
+                                  "h100|h200|a100-80g|b200 (XLA:GPU), v5e|v5p|v6e (XLA:TPU), cpu, with a count for a "
+                                  "mesh (h200x8, v5e:2x4; --mesh must span its devices); the train step, the "
+                                  "preflight, --memory_report and the planner use its compiler, and its memory is "
+                                  "the capacity and the default --memory_budget; without its hardware only with "
+                                  "--dry_run or --memory_report (the host is the target: trains as usual)",
+                            metavar="NAME")
     sequence_parallel: bool = _f(True, "with tensor=N > 1 in --mesh: keep activations between attention and MLP "
                                        "(norms, residual adds, dropout) split along T over tensor (Megatron's "
                                        "sequence parallelism); --no-sequence_parallel keeps them whole on each "
@@ -251,6 +259,8 @@ class TrainConfig:
             parse_mesh(self.mesh)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if self.target is not None:
+            self._check_target()
         if self.profile_steps is not None:
             from remat_lm.training.profile import parse_steps
             try:
@@ -260,6 +270,33 @@ class TrainConfig:
         if self.deepspeed_config is not None:  # read by recompute_configs: a FIFO would block, /dev/zero never end
             check_input_file(self.deepspeed_config, "--deepspeed_config", "pass a DeepSpeed JSON config file")
         self.recompute_configs()  # validates the recompute flags
+
+    def _check_target(self) -> None:
+        """UsageError for a --target that is not a name, or a --mesh of another size. The host's CPU
+        (`cpu`, `cpuxN`) is checked by `prepare`: its device count needs JAX's backends, which a
+        multi-process run may start only after `jax.distributed.initialize`."""
+        from remat_lm.training import target as run_target
+
+        if not isinstance(self.target, str) or not self.target.strip():
+            raise UsageError(f"--target {self.target!r} is empty; pass an accelerator name "
+                             f"({', '.join(remat_targets.names())}) or drop --target")
+        if not run_target.is_host_cpu(self.target):
+            run_target.check_mesh(run_target.get(self.target), self.mesh, self.mesh_size)
+
+    @property
+    def target_budget(self) -> int | None:
+        """The target's memory per device that JAX may use (`remat.targets.Target.memory_limit`): the
+        default --memory_budget; None without --target."""
+        if self.target is None:
+            return None
+        if _host_cpu(self.target):  # remat.targets' cpu target: the host's available RAM
+            return host_available()
+        return remat_targets.get(self.target).memory_limit
+
+    @property
+    def mesh_size(self) -> int:
+        """The number of devices --mesh spans."""
+        return math.prod(parse_mesh(self.mesh).values())
 
     def _check_paths(self) -> None:
         """UsageError for an empty path flag (it read as "unset": nothing saved, no log, a fresh
@@ -302,6 +339,7 @@ class TrainConfig:
         try:
             out = recompute_flags.from_flags({k: getattr(self, k) for k in recompute_flags.BY_NAME},
                                              tensor_axis=self._partition_axis,
+                                             default_budget=self.target_budget,
                                              distribute_axis=TENSOR_AXIS if self.distribute_saved_activations else None)
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -374,6 +412,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _host_cpu(name: str) -> bool:
+    from remat_lm.training.target import is_host_cpu
+    return is_host_cpu(name)
 
 
 def _ascii_int(text: str) -> bool:

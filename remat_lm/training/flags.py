@@ -245,15 +245,16 @@ def _off_error(e: RecomputeConfigError, flags: Mapping[str, str], recompute_gran
 
 
 def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
-               distribute_axis: str | None = None) -> list:
+               distribute_axis: str | None = None, default_budget: int | None = None) -> list:
     """Flag values ({flag name: value}; missing ones take their defaults) → [(label, RecomputeConfig)],
     one per `--recompute_method` entry, or [("auto", AutoRecompute)] for `--recompute_method auto`.
-    ValueError naming the flag and the fix.
+    `default_budget` (bytes; train.py's `--target` memory per device) is auto's budget
+    when `--memory_budget` is not given. ValueError naming the flag and the fix.
     """
     v = {**defaults(), **{k: values[k] for k in BY_NAME if k in values}}
     methods = tuple(m.strip() for m in str(v["recompute_method"]).split(","))
     if "auto" in methods or v["memory_budget"] is not None:
-        return [("auto", _auto_request(v, methods))]
+        return [("auto", _auto_request(v, methods, default_budget))]
     deepspeed = None
     if v["deepspeed_config"] is not None:
         from remat_lm.training import deepspeed as _deepspeed
@@ -269,9 +270,9 @@ def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
         tensor_axis=tensor_axis, distribute_axis=distribute_axis)
 
 
-def _auto_request(v: dict, methods: tuple) -> AutoRecompute:
-    """`--recompute_method auto --memory_budget SIZE` → AutoRecompute; the planner chooses every
-    other recompute setting, so giving one is an error naming it."""
+def _auto_request(v: dict, methods: tuple, default_budget: int | None = None) -> AutoRecompute:
+    """`--recompute_method auto --memory_budget SIZE` → AutoRecompute (without the flag: `default_budget`,
+    if any); the planner chooses every other recompute setting, so giving one is an error naming it."""
     from remat.planner import parse_size
 
     if methods != ("auto",):
@@ -280,13 +281,17 @@ def _auto_request(v: dict, methods: tuple) -> AutoRecompute:
                              f"--recompute_method auto alone")
         raise ValueError(f"--memory_budget {v['memory_budget']} needs --recompute_method auto (the planner that "
                          f"fits it); add --recompute_method auto or drop --memory_budget")
-    if v["memory_budget"] is None:
+    if v["memory_budget"] is None and not default_budget:
         raise ValueError("--recompute_method auto needs --memory_budget SIZE (e.g. 12GiB), the compiled peak "
-                         "to fit; add it, or choose --recompute_method none/uniform/block")
-    try:
-        budget = parse_size(v["memory_budget"])
-    except ValueError as e:
-        raise ValueError(f"--memory_budget: {e}") from None
+                         "to fit (or --target NAME, whose memory is then the budget); add it, or choose "
+                         "--recompute_method none/uniform/block")
+    if v["memory_budget"] is None:
+        budget = int(default_budget)
+    else:
+        try:
+            budget = parse_size(v["memory_budget"])
+        except ValueError as e:
+            raise ValueError(f"--memory_budget: {e}") from None
     fixed = ("activation_recompute", "recompute_method", "memory_budget")
     for f in FLAGS:
         value = v[f.name]

@@ -4,7 +4,11 @@ The peak is XLA's estimate for the compiled step (arguments + outputs + temp −
 `remat_lm.training.log.compiled_estimate`). What there is: on a GPU/TPU `memory_stats()['bytes_limit']` of
 the devices in the mesh (the smallest); on CPU the host's available RAM (`MemAvailable` in
 /proc/meminfo), shared by all CPU devices of the mesh, so the need is the per-device peak times
-their number. When the step does not fit, `check` raises a UsageError whose one line says what it
+their number; with `--target` and no such device here, the target's `memory_limit` per device (JAX's
+share of a GPU's memory, a TPU's HBM), the peak being its compiler's. The line names the verdict:
+`fits on 8 x NVIDIA H200 141GB HBM3e with 61% headroom at batch 8` or `does not fit ...`; a program
+that XLA:TPU refuses to compile for lack of memory does not fit, with the compiler's figure
+(`refusal`). When the step does not fit, `check` raises a UsageError whose one line says what it
 needs, what there is, and the setting to try, found by compiling (not running) at most a few
 candidates, most memory-saving first:
 
@@ -12,11 +16,11 @@ candidates, most memory-saving first:
      The first that fits gives `--recompute_method auto --memory_budget B` (plus `--loss_chunk`):
      the planner (remat.plan_for_budget) then picks the cheapest recompute per layer that fits B,
      which is 80% of what there is (per device), rounded down.
-  3. If neither fits, a smaller `--batch_size` (a multiple of the mesh's size that divides the
-     sequences per step) with `--grad_accum_steps` raised so that their product stays the same, `--activation_recompute` and the
+  3. If neither fits (or the target's compiler refuses them), a smaller `--batch_size` (a multiple
+     of the mesh's size that divides the sequences per step) with `--grad_accum_steps` raised so that their product stays the same, `--activation_recompute` and the
      chunked loss: concrete flags, verified by compiling exactly the configuration they give (at most
      3 tries); or, when the parameters and optimizer state alone exceed the budget, a smaller
-     model or more devices.
+     model or more devices. The candidates are compiled for the run's target too.
 
 It runs after the step is compiled and before anything is trained or written, for `--dry_run` too.
 `train.py --no-preflight` skips the check (and then may die of XLA's RESOURCE_EXHAUSTED).
@@ -29,15 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
+from remat import policies
 from remat.memory import GiB, MiB, compiled_stats
 from remat.memory import format_bytes
 from remat.planner import parse_size, recompute_config
-from remat_lm.training.checks import device_memory_limit
+from remat_lm.training.checks import device_memory_limit, host_available  # noqa: F401 (host_available: re-exported)
 from remat_lm.training.compile import compile_train_step
 from remat_lm.training.config import UsageError
 from remat_lm.training.log import compiled_estimate
+from remat_lm.training import target as run_target
 
 HEADROOM = 0.8       # a suggested budget leaves 20% to the rest of the process (and, on CPU, the host)
 DEFAULT_CHUNK = 128  # --loss_chunk suggested when the run has none (at most a quarter of T)
@@ -64,21 +69,6 @@ class Capacity:
         return parse_size(self.budget_flag)
 
 
-def host_available() -> int | None:
-    """Available host RAM in bytes: /proc/meminfo's MemAvailable (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def capacity(devices) -> Capacity | None:
     """What the devices hold: accelerator `bytes_limit` (smallest over `devices`), or host RAM."""
     devices = list(devices)
@@ -91,32 +81,78 @@ def capacity(devices) -> Capacity | None:
     return Capacity(min(limits), f"the device memory limit ({devices[0].platform} bytes_limit)", 1)
 
 
+def capacity_of(setup) -> Capacity | None:
+    """What one device of the run holds: `--target`'s `memory_limit` when its devices are compile-only
+    (`remat_lm.training.target.limit_words` says what that is), else the devices' own (`capacity`)."""
+    if setup.deviceless:
+        t = setup.target
+        return Capacity(t.memory_limit, run_target.limit_words(t), 1)
+    return capacity(setup.mesh.devices.flat)
+
+
+def headroom(need: int, cap: Capacity) -> int:
+    """The percent of the capacity left free, rounded down: 61 for a step needing 39.4% of it."""
+    return max(0, math.floor(100 * (1 - need / cap.bytes)))
+
+
+def verdict(setup, need: int | None, cap: Capacity, refused: run_target.Refused | None = None) -> str:
+    """`fits on 8 x NVIDIA H200 141GB HBM3e with 61% headroom at batch 8` / `does not fit on ...`."""
+    where = f" on {setup.target.describe()}" if setup.target is not None else ""
+    batch = f" at batch {setup.cfg.batch_size}"
+    if refused is None and need is not None and need <= cap.bytes:
+        return f"fits{where} with {headroom(need, cap)}% headroom{batch}"
+    return f"does not fit{where}{batch}"
+
+
 def check(setup, compiled, compile_step=None) -> str | None:
-    """Raise UsageError (one line: need, capacity, what to try) unless the compiled step fits.
+    """Raise UsageError (one line: need, capacity, verdict, what to try) unless the compiled step fits.
 
     Args:
       setup: the run's `remat_lm.training.prepare.Setup`; compiled: its compiled train step.
       compile_step: `(setup, model_config) -> compiled` (default `remat_lm.training.compile.compile_train_step`),
         used to compile the candidate settings of the advice.
     Returns:
-      a line for the run's summary ("needs X of Y ...: fits"), or None when the capacity is unknown.
+      a line for the run's summary ("needs X of Y ...: fits ..."), or None when the capacity is unknown.
     """
     compile_step = compile_train_step if compile_step is None else compile_step
-    cap = capacity(setup.mesh.devices.flat)
+    cap = capacity_of(setup)
     peak = compiled_estimate(compiled)
     if cap is None or peak is None:
         return None
     need = peak * cap.sharing
-    if need <= cap.bytes:
-        return f"the train step needs {format_bytes(need)} of {format_bytes(cap.bytes)} {cap.what}: fits"
-    per = f" ({cap.sharing} devices x {format_bytes(peak)})" if cap.sharing > 1 else ""
-    head = f"the train step needs {format_bytes(need)}{per} (XLA's compiled peak) but {cap.what} is {format_bytes(cap.bytes)}"
+    t = setup.target
+    if t is not None:
+        per = " per device" if cap.sharing == 1 else f" ({cap.sharing} devices x {format_bytes(peak)})"
+        figure = f"the train step needs {format_bytes(need)}{per} ({t.compiler}'s figure)"
+        if need <= cap.bytes:
+            return f"{figure} of {format_bytes(cap.bytes)} ({cap.what}): {verdict(setup, need, cap)}"
+        head = f"{figure} but {cap.what} is {format_bytes(cap.bytes)}: {verdict(setup, need, cap)}"
+    else:
+        if need <= cap.bytes:
+            return f"the train step needs {format_bytes(need)} of {format_bytes(cap.bytes)} {cap.what}: fits"
+        per = f" ({cap.sharing} devices x {format_bytes(peak)})" if cap.sharing > 1 else ""
+        head = (f"the train step needs {format_bytes(need)}{per} (XLA's compiled peak) but {cap.what} is "
+                f"{format_bytes(cap.bytes)}")
+    raise UsageError(f"{head}; {_hint(setup, cap, compile_step)}; or pass --no-preflight to try anyway")
+
+
+def refusal(setup, err: run_target.Refused, compile_step=None, advise: bool = True) -> UsageError:
+    """The UsageError for a train step the target's compiler refused (`Refused`): the compiler's words
+    and figure, the verdict (does not fit), and, with `advise`, the setting to try (compiled for it)."""
+    compile_step = compile_train_step if compile_step is None else compile_step
+    cap = capacity_of(setup)
+    head = f"the train step {verdict(setup, None, cap, err)}: {err}"
+    if not advise or cap is None:
+        return UsageError(head)
+    return UsageError(f"{head}; {_hint(setup, cap, compile_step)}")
+
+
+def _hint(setup, cap: Capacity, compile_step) -> str:
     try:
-        hint = advice(setup, cap, compile_step)
+        return advice(setup, cap, compile_step)
     except Exception as e:  # a candidate that does not even compile must not hide the finding
-        hint = (f"compiling a more memory-saving setting failed ({type(e).__name__}); lower --batch_size or "
+        return (f"compiling a more memory-saving setting failed ({type(e).__name__}); lower --batch_size or "
                 f"--sequence_length, or add --activation_recompute --loss_chunk 128")
-    raise UsageError(f"{head}; {hint}; or pass --no-preflight to try anyway")
 
 
 def _full(mcfg):
@@ -124,9 +160,21 @@ def _full(mcfg):
     return recompute_config((policies.NOTHING,) * mcfg.n_layer)
 
 
-def _peak(setup, compile_step, mcfg) -> tuple[int, object]:
-    compiled = compile_step(setup, mcfg)
+def _peak(setup, compile_step, mcfg) -> tuple[int | None, object]:
+    """(compiled peak, compiled) of a candidate; (None, the Refused) when the target's compiler refused it."""
+    try:
+        compiled = compile_step(setup, mcfg)
+    except run_target.Refused as e:
+        return None, e
     return compiled_estimate(compiled), compiled
+
+
+def _needs(p: int | None, refused, cap: Capacity) -> str:
+    """`needs 12.3 GiB`, or `is refused by XLA:TPU (needs 47.7 GiB)` for a refused candidate."""
+    if p is not None:
+        return f"needs {format_bytes(p * cap.sharing)}"
+    figure = f" (needs {format_bytes(refused.needed)})" if refused.needed else ""
+    return f"is refused by {refused.args[0].split(' cannot fit')[0]}{figure}"
 
 
 def advice(setup, cap: Capacity, compile_step) -> str:
@@ -148,9 +196,9 @@ def advice(setup, cap: Capacity, compile_step) -> str:
         p, compiled = _peak(setup, compile_step, cand)
         last = (p, compiled)
         what = "full remat" + (f" and --loss_chunk {c}" if c else "")
-        if p <= budget:
+        if p is not None and p <= budget:
             flags = auto + (f" --loss_chunk {c}" if c != mcfg.loss_chunk else "")
-            return f"{what} needs {format_bytes(p * cap.sharing)}: try {flags}{without} ({planner})"
+            return f"{what} {_needs(p, compiled, cap)}: try {flags}{without} ({planner})"
     p_min, compiled = last
     return _batch_advice(setup, cap, compile_step, chunk, p_min, compiled)
 
@@ -183,9 +231,12 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
     """A smaller micro-batch with full remat and the chunked loss, as concrete flags, verified by
     compiling exactly the configuration they give."""
     cfg, budget = setup.cfg, cap.budget
-    temp = compiled_stats(compiled).temp
-    fixed = p_min - temp  # parameters, optimizer state, gradients, the batch: what temp is not
-    what = f"even full remat with --loss_chunk {chunk} needs {format_bytes(p_min * cap.sharing)}"
+    if p_min is None:  # refused by the target's compiler: only its figure for the temporaries, if any
+        temp, fixed = compiled.needed or 0, 0
+    else:
+        temp = compiled_stats(compiled).temp
+        fixed = p_min - temp  # parameters, optimizer state, gradients, the batch: what temp is not
+    what = f"even full remat with --loss_chunk {chunk} {_needs(p_min, compiled, cap)}"
     step = setup.mesh.size  # the batch is sharded over every mesh axis
     drop = [f for f, on in (("--recompute_granularity", cfg.recompute_granularity not in (None, "full")),
                             ("--recompute_method", cfg.recompute_method != "none"),
@@ -195,10 +246,11 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
     without = f" (without {', '.join(drop)})" if drop else ""
     b, seqs = cfg.batch_size, cfg.batch_size * cfg.grad_accum_steps  # sequences per optimizer step
     for _ in range(BATCH_TRIES):
-        if fixed >= budget or temp <= 0:
+        if fixed >= budget or (temp <= 0 and p_min is not None):
             return (f"{what} and the parameters and optimizer state alone need {format_bytes(fixed * cap.sharing)}: use a "
                     f"smaller model, or shard them over more devices (--mesh fsdp=N)")
-        most = min(int(b * (budget - fixed) / temp), b - 1)  # below the micro-batch that did not fit
+        # below the micro-batch that did not fit (half of it when a refusal gave no figure)
+        most = min(int(b * (budget - fixed) / temp), b - 1) if temp > 0 else b // 2
         if most < step:
             break
         split = split_batch(seqs, most, step)
@@ -214,14 +266,17 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
         trial = dataclasses.replace(setup, cfg=tcfg)
         p, compiled = _peak(trial, compile_step, dataclasses.replace(setup.mcfg, recompute=tcfg.recompute,
                                                                      loss_chunk=chunk))
-        if p <= budget:
+        if p is not None and p <= budget:
             keep = f" --grad_accum_steps {accum}" if accum != cfg.grad_accum_steps else ""
             short = (f"; {b:,} is the largest micro-batch that divides them (a multiple of {step}) below the "
                      f"{most:,} that might fit" if 2 * b <= most else "")
             return (f"{what}: reduce the micro-batch, e.g. --batch_size {b}{keep} --activation_recompute "
-                    f"--loss_chunk {chunk}{without}, which needs {format_bytes(p * cap.sharing)} "
+                    f"--loss_chunk {chunk}{without}, which {_needs(p, compiled, cap)} "
                     f"(the same {seqs:,} sequences, {seqs * cfg.sequence_length:,} tokens, per step{short})")
-        temp = compiled_stats(compiled).temp
-        fixed = p - temp
+        if p is None:
+            temp, fixed, p_min = compiled.needed or 0, 0, None
+        else:
+            temp = compiled_stats(compiled).temp
+            fixed, p_min = p - temp, p
     return (f"{what}, and no smaller batch found fits: use a shorter --sequence_length, a smaller model, or "
             f"more devices (--mesh fsdp=N)")

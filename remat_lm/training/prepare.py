@@ -28,6 +28,7 @@ from remat_lm.training import data as data_lib
 from remat_lm.training import distributed
 from remat_lm.training import saving
 from remat_lm.training import sharding as sh
+from remat_lm.training import target as run_target
 from remat_lm.training.compile import optimizer
 from remat_lm.training.config import TrainConfig, UsageError, parse_mesh
 from remat_lm.training.model import config_dict
@@ -68,6 +69,8 @@ class Setup:
     init_dir_step: int | None = None   # step to read params from for --init_from DIR
     sampler: Any = None                # remat_lm.training.samples.Sampler for --sample_every
     auto: AutoRecompute | None = None  # --recompute_method auto: the request plan_memory answers
+    target: Any = None                 # --target: the remat.targets.Target every program is built for
+    deviceless: bool = False           # the target's devices are compile-only (this host has not got them)
 
     @property
     def mcfg(self):
@@ -173,6 +176,7 @@ def prepare(cfg: TrainConfig) -> Setup:
     distributed.initialize()  # jax.distributed, when the environment asks for several processes
     fam = family.get(cfg.model)
     recomputes = cfg.recompute_configs()
+    target, deviceless = run_target.resolve(cfg)  # a bad --target, or training on devices not here: now
     data_files = checks.check_data_files(cfg.data, "--data")  # special, unreadable or too large: before reading
     val_files = checks.check_data_files(cfg.val_data, "--val_data")
     if cfg.init_from:
@@ -189,9 +193,13 @@ def prepare(cfg: TrainConfig) -> Setup:
     if init_is_file:
         file_mcfg, init_params = _load_llmc(cfg, fam)
         base = file_mcfg
+    # NOTE: byte-level text (the default corpus) means a vocabulary of 256, right for a run that trains on
+    # it. A run built for a --target this host has not got trains on nothing: it measures the model a
+    # user would train there, so without --data it keeps the preset's vocabulary (an 8B LLaMA-3's
+    # 128,256-way logits are a large part of its step), and --vocab_size still sets one.
     if cfg.vocab_size is not None:
         vocab = cfg.vocab_size
-    elif train_ds.kind == "text" and not cfg.init_from:
+    elif train_ds.kind == "text" and not cfg.init_from and not (deviceless and not cfg.data):
         vocab = data_lib.BYTE_VOCAB
     else:
         vocab = base.vocab_size
@@ -225,14 +233,15 @@ def prepare(cfg: TrainConfig) -> Setup:
 
     checks.check_batch_size(cfg, model)
     sampler = make_sampler(cfg, model, train_ds, val_ds)  # validates --tokenizer and --prompt
-    mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
-    checks.check_model_size(fam.num_params(model), parse_mesh(cfg.mesh)["fsdp"], list(mesh.devices.flat))
+    mesh = sh.make_mesh(parse_mesh(cfg.mesh), cfg.batch_size, run_target.devices(target) if deviceless else None)
+    limit = dict(limit=target.memory_limit, what=f"{run_target.limit_words(target)} is") if deviceless else {}
+    checks.check_model_size(fam.num_params(model), parse_mesh(cfg.mesh)["fsdp"], list(mesh.devices.flat), **limit)
     sh.check_tensor(model, parse_mesh(cfg.mesh), cfg.sequence_length, cfg.sequence_parallel)
     tx, schedule = optimizer(optimizer_settings(cfg))
     abstract_state = jax.eval_shape(lambda: init_state(fam, model, tx, cfg.seed))
     state_sharding = sh.state_shardings(mesh, abstract_state)
     setup = Setup(cfg, fam, model, mcfgs, train_ds, val_ds, mesh, tx, schedule, abstract_state, state_sharding,
-                  sh.batch_sharding(mesh, 3, 1), sampler=sampler, auto=auto)
+                  sh.batch_sharding(mesh, 3, 1), sampler=sampler, auto=auto, target=target, deviceless=deviceless)
     if cfg.memory_report:
         return setup
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 import remat
 from remat_lm.training import log as log_lib
+from remat_lm.training import target as run_target
 from remat_lm.training.compile import compile_train_step
 
 # NOTE: XLA:CPU has one memory space: pinned host memory is the same host RAM as "device" memory, so
@@ -37,24 +38,33 @@ def memory_report(setup) -> str:
     cfg = setup.cfg
     params = setup.abstract_state["params"]
     xy = jax.ShapeDtypeStruct((cfg.batch_size, cfg.sequence_length), jnp.int32)
-    cols = []
+    cols, refused = [], {}
     for label, mcfg in setup.mcfgs:
-        with jax.set_mesh(setup.mesh):  # --distribute_saved_activations constrains with PartitionSpecs
+        # the mesh: --distribute_saved_activations constrains with PartitionSpecs; --target: traced for its
+        # platform (its attention core), as the compiled step below is
+        with run_target.building(setup):
             res = remat.memory.saved_residuals(lambda p, x, y, m=mcfg: setup.fam.loss_fn(p, m, x, y), params, xy, xy)
-        cm = remat.memory.compiled_stats(compile_train_step(setup, mcfg))
-        comp = {"temp": cm.temp, "arguments": cm.argument, "outputs": cm.output, "aliased": cm.alias,
-                "peak estimate": cm.peak_estimate}
+        try:
+            cm = remat.memory.compiled_stats(compile_train_step(setup, mcfg))
+            comp = {"temp": cm.temp, "arguments": cm.argument, "outputs": cm.output, "aliased": cm.alias,
+                    "peak estimate": cm.peak_estimate}
+        except run_target.Refused as e:  # XLA:TPU: too large for the target; a verdict, not a crash
+            refused[label] = e
+            comp = dict.fromkeys(("temp", "arguments", "outputs", "aliased", "peak estimate"))
         cols.append((label, res, comp))
     names = []
     for _, res, _ in cols:
         names += [k for k in res.by_name() if k not in names]
-    mib = remat.memory.format_bytes
+    fmt = remat.memory.format_bytes
+    mib = lambda n: "refused" if n is None else fmt(n)  # noqa: E731  (a column the target's compiler refused)
     table = [[_saved_cell(res, n) for _, res, _ in cols] for n in names]
     w0, w = 46, max(18, *(len(c[0]) + 2 for c in cols), *(len(x) + 2 for row in table for x in row))
     dev = setup.mesh.devices.flat[0]
+    t = setup.target
+    on = (f"{t.describe()} ({t.compiler}{', compile-only: no device here' if setup.deviceless else ''})"
+          if t is not None else f"{setup.mesh.size} {dev.platform} device(s)")
     lines = [f"memory report: {cfg.model} {cfg.preset} ({setup.fam.num_params(setup.mcfg):,} params), micro-batch "
-             f"{cfg.batch_size}x{cfg.sequence_length}, {cfg.dtype}, mesh {cfg.mesh} on {setup.mesh.size} "
-             f"{dev.platform} device(s)",
+             f"{cfg.batch_size}x{cfg.sequence_length}, {cfg.dtype}, mesh {cfg.mesh} on {on}",
              "", "saved for the backward of one micro-batch, by tagged name: count x bytes of each "
                  "(count, total where their sizes differ)",
              "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
@@ -64,7 +74,8 @@ def memory_report(setup) -> str:
     lines.append("  total (with arguments)".ljust(w0) + "".join(mib(r.total).rjust(w) for _, r, _ in cols))
     if dev.platform == "cpu" and any(res.offloaded for _, res, _ in cols):
         lines.append(f"  (host) rows: {CPU_OFFLOAD}")
-    lines += ["", "XLA's compiled train step, per device", "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
+    compiled_by = f"{run_target.words(t)}: its" if t is not None else "XLA's"
+    lines += ["", f"{compiled_by} compiled train step, per device", "".ljust(w0) + "".join(c[0].rjust(w) for c in cols)]
     for k in ("temp", "arguments", "outputs", "aliased", "peak estimate"):
         lines.append(f"  {k}".ljust(w0) + "".join(mib(comp[k]).rjust(w) for _, _, comp in cols))
     wl = max(len(c[0]) for c in cols) + 2
@@ -74,7 +85,33 @@ def memory_report(setup) -> str:
     for label, res, comp in cols:
         lines.append("  " + label.ljust(wl) + mib(res.intermediates).rjust(22) + mib(comp["temp"]).rjust(16)
                      + mib(comp["peak estimate"]).rjust(16))
+    if t is not None:
+        lines += _verdicts(setup, cols, refused, wl)
     return "\n".join(lines)
+
+
+def _verdicts(setup, cols, refused, wl) -> list[str]:
+    """With --target: one verdict per setting against the capacity (`preflight.capacity_of`), then a
+    line that sums them up ("full/uniform/2 fits with 61% headroom; none does not fit")."""
+    from remat_lm.training import preflight
+
+    cap = preflight.capacity_of(setup)
+    if cap is None:
+        return []
+    fmt = remat.memory.format_bytes
+    lines = ["", f"verdict against {fmt(cap.bytes)} per device, {cap.what}"]
+    short = []
+    for label, _, comp in cols:
+        peak = comp["peak estimate"]
+        err = refused.get(label)
+        v = preflight.verdict(setup, None if peak is None else peak * cap.sharing, cap, err)
+        why = (f" ({err})" if err is not None else
+               f" (needs {fmt(peak * cap.sharing)})")
+        lines.append("  " + label.ljust(wl) + v + why)
+        short.append(f"{label} " + ("does not fit" if err is not None or peak * cap.sharing > cap.bytes
+                                    else f"fits with {preflight.headroom(peak * cap.sharing, cap)}% headroom"))
+    lines.append(f"  {'; '.join(short)}")
+    return lines
 
 
 def describe(setup, compiled=None) -> str:
@@ -96,12 +133,16 @@ def describe(setup, compiled=None) -> str:
         f"batch    {cfg.batch_size} x {cfg.sequence_length} x {cfg.grad_accum_steps} accum = "
         f"{cfg.tokens_per_step:,} tokens/step, {setup.fam.flops_per_token(m, cfg.sequence_length) / 1e6:,.1f} "
         f"MFLOP/token",
-        f"mesh     {cfg.mesh} over {setup.mesh.size} {setup.mesh.devices.flat[0].platform} device(s)",
+        f"mesh     {cfg.mesh} over " + (f"{setup.target.describe()} (compile-only: {setup.target.compiler} builds "
+                                         f"for it, no device here)" if setup.deviceless else
+                                         f"{setup.mesh.size} {setup.mesh.devices.flat[0].platform} device(s)"),
     ]
     lines[2:2] = [f"deepspeed {note}" for note in cfg.deepspeed_notes()]
     ds = cfg.deepspeed
     if rc.offload_inputs and setup.mesh.devices.flat[0].platform == "cpu" and not (ds and ds.cpu_checkpointing):
         lines.insert(2, f"offload  region inputs wait in pinned host memory (--cpu_checkpointing); {CPU_OFFLOAD}")
     if compiled is not None:
-        lines.append(f"memory   {remat.memory.format_bytes(log_lib.compiled_estimate(compiled))} per device (compiled est.)")
+        by = f" by {run_target.words(setup.target)}" if setup.target is not None else ""
+        lines.append(f"memory   {remat.memory.format_bytes(log_lib.compiled_estimate(compiled))} per device "
+                     f"(compiled est.){by}")
     return "\n".join(lines)

@@ -30,7 +30,7 @@ RESUME_MAY_CHANGE = frozenset({
     "num_iterations", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "init_from", "mesh",
     "recompute_segments", "recompute_every", "cpu_checkpointing", "deepspeed_config", "loss_chunk",
     "preflight", "profile_steps", "sample_every", "sample_length", "prompt", "temperature", "top_k", "tokenizer",
-    "sequence_parallel", "distribute_saved_activations",
+    "sequence_parallel", "distribute_saved_activations", "target",
 })
 # NOTE: the learning-rate schedule on resume. --lr_decay_iters defaults to --num_iterations, so a
 # finished 6-step run resumed with --num_iterations 12 (what the "already at step" error advises)

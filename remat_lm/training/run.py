@@ -19,6 +19,7 @@ import remat
 from remat_lm.training import preflight
 from remat_lm.training import saving
 from remat_lm.training import signals
+from remat_lm.training import target as run_target
 from remat_lm.training.compile import compile_train_step, plan_memory
 from remat_lm.training.config import TrainConfig
 from remat_lm.training.loop import Interrupted, RunResult, TrainingDiverged, oom_error, train
@@ -62,11 +63,14 @@ def run(cfg: TrainConfig, out=None) -> RunResult:
 def _compile_and_train(cfg: TrainConfig, setup: Setup, out) -> RunResult:
     signals.set_phase("compiling the train step")
     model = cfg.preset if setup.init_params is None else f"from {cfg.init_from}"
-    print(f"compile  the train step ({cfg.model} {model}, micro-batch {cfg.batch_size}x{cfg.sequence_length})",
+    built = f" by {run_target.words(setup.target)}" if setup.target is not None else ""
+    print(f"compile  the train step ({cfg.model} {model}, micro-batch {cfg.batch_size}x{cfg.sequence_length}){built}",
           file=out, flush=True)
     t_compile = time.perf_counter()
     try:
         compiled = compile_train_step(setup)
+    except run_target.Refused as e:  # the target's compiler: too large for its memory (a verdict)
+        raise preflight.refusal(setup, e, advise=cfg.preflight) from None
     except Exception as e:
         if remat.memory.is_oom(e):
             raise oom_error(cfg, "compiling the train step", e) from None
@@ -78,6 +82,7 @@ def _compile_and_train(cfg: TrainConfig, setup: Setup, out) -> RunResult:
             print(f"preflight {fit}", file=out)
     if cfg.dry_run:
         print(describe(setup, compiled), file=out)
-        print(f"dry run: the train step compiled in {t_compile:.1f} s; nothing was trained or written", file=out)
+        print(f"dry run: the train step compiled in {t_compile:.1f} s{built}; nothing was trained or written",
+              file=out)
         return RunResult([], None, setup, stopped="dry_run")
     return train(setup, compiled, out, t_compile)

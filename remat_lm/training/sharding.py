@@ -34,15 +34,16 @@ from remat_lm.training.config import MESH_AXES, TENSOR_AXIS, UsageError
 BATCH_AXES = ("data", "fsdp")
 
 
-def make_mesh(shape: dict[str, int], global_batch: int | None = None) -> Mesh:
-    """A Mesh with axes ("data", "fsdp", "tensor") of the given sizes over the first data·fsdp·tensor devices.
+def make_mesh(shape: dict[str, int], global_batch: int | None = None, devices=None) -> Mesh:
+    """A Mesh with axes ("data", "fsdp", "tensor") of the given sizes over the first data·fsdp·tensor
+    of `devices` (default `jax.devices()`; `--target`: its compile-only devices, `remat.targets`).
 
     An axis missing from `shape` has size 1. Raises UsageError when the mesh does not divide the
     device count or the batch.
     """
     shape = {a: int(shape.get(a, 1)) for a in MESH_AXES}
     n = int(np.prod([shape[a] for a in MESH_AXES]))
-    devices = jax.devices()
+    devices = list(jax.devices() if devices is None else devices)
     spec = ",".join(f"{a}={shape[a]}" for a in MESH_AXES)
     if len(devices) % n:
         raise UsageError(f"--mesh {spec} spans {n} devices, which does not divide the {len(devices)} available "
