@@ -69,7 +69,7 @@ def test_missing_compiler_is_one_line_exit_2(capsys, monkeypatch):
         targets._topology_devices.cache_clear()
     assert rc == 2 and out == ""
     line = _one_line(err)
-    assert ("--target b200: compiling for b200 needs XLA:GPU's compiler (jax-cuda12-plugin), which is not "
+    assert ("--target b200: compiling for b200 needs XLA:GPU's compiler (jax-cuda12-pjrt), which is not "
             "installed: pip install 'remat[targets]'") in line, line
 
 
