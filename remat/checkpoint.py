@@ -18,6 +18,13 @@ whose backward re-traces the function under `jax.vjp`, checked against the forwa
 # pullback runs (`_tied`, a custom_vjp around `jax.vjp` of `jax.checkpoint`, so the policy still
 # decides what is saved; the reentrant path ties too); built for cuda or tpu the region is plain
 # `jax.checkpoint` (`tie_needed`).
+#
+# NOTE: offload. A region that keeps residuals in host memory (`offload_saved`, or a policy that
+# offloads) is, built for an accelerator, fenced: its output waits for its copies to host memory
+# (`_fence`) and its input cotangents leave its backward together (`_join`). Without both, XLA:GPU's
+# latency-hiding scheduler starts each copy to host only just before the copy back, and fills the
+# copies' latency with other regions' deferred weight gradients, so offloading raised the device
+# temp above saving the same values on the device (docs/offload.md has the HLO and the figures).
 """
 from __future__ import annotations
 
@@ -97,6 +104,57 @@ def _barrier(xs, gl):
     return list(jax.lax.optimization_barrier((tuple(xs), tuple(gl)))[0])
 
 
+def _fences(target: str | None = None) -> bool:
+    """Whether offloading regions are fenced (`_fence`/`_join`) when built for `target` (default:
+    the platform being built for): on the accelerators, where host memory is memory of its own."""
+    return (target or _memory.target_platform()) in _memory.ACCELERATORS
+
+
+def _fence(out, res):
+    """`out` through one optimization barrier with the host-memory leaves of `res`: the region's
+    output exists only once every copy to host memory is done. Returns (out, fenced?).
+
+    # NOTE: why (docs/offload.md has the HLO). XLA:GPU turns each move to host memory into an
+    # asynchronous copy-start/copy-done pair, and its latency-hiding scheduler starts the copy as
+    # late as the copy's latency allows before its one use, the copy back in the backward. So in a
+    # loop of layers the device buffer lives from the forward to the backward next to its host copy
+    # (GPT-2 d12: 1.9 GiB device temp for `offload_names:qkv,mlp_up`, more than saving the values on
+    # the device). The barrier gives the copy a consumer in the forward. The residuals stay the
+    # barrier's inputs, not its outputs: inside `lax.scan` XLA's host offloader fails on a
+    # host-memory barrier output that is stacked by the loop.
+    """
+    host = [x for x in jax.tree.leaves(res) if hasattr(x, "dtype") and not _on_device(x)]
+    if not host:
+        return out, False
+    leaves, tree = jax.tree.flatten(out)
+    idx = [i for i, x in enumerate(leaves) if hasattr(x, "dtype")]
+    if not idx:
+        return out, False
+    got = jax.lax.optimization_barrier(([leaves[i] for i in idx], host))[0]
+    for i, x in zip(idx, got):
+        leaves[i] = x
+    return jax.tree.unflatten(tree, leaves), True
+
+
+def _join(dyn, cts):
+    """The region's input cotangents through one optimization barrier: the next region's backward
+    (which needs the input cotangent) starts only once this region's weight gradients are done.
+
+    # NOTE: why. The copies back from host memory are asynchronous too, and to hide their latency
+    # XLA:GPU's scheduler fills the wait with whatever is ready: every earlier region's weight
+    # gradients (their only consumer is the program's output, so nothing orders them). Deferred,
+    # they keep their inputs (recomputed activations, attention gradients) live across regions: 3
+    # regions' worth at the peak of a 4-layer GPT-2. With the barrier one region's backward is live.
+    """
+    idx = [i for i, (x, ct) in enumerate(zip(dyn, cts)) if _is_inexact(x) and hasattr(ct, "dtype")]
+    if not idx:
+        return cts
+    out = list(cts)
+    for i, ct in zip(idx, jax.lax.optimization_barrier([cts[i] for i in idx])):
+        out[i] = ct
+    return tuple(out)
+
+
 def _tie(dyn, g):
     """Make every inexact leaf of `dyn` depend on the cotangent `g`, exactly and NaN-safely.
 
@@ -149,6 +207,8 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
             state["tree"] = jax.tree.structure(out)
         saved = tuple(jax.tree.leaves(out)) if determinism_check == "values" else ()
         kept, state["restore"] = _store(dyn, dyn, storage or {})
+        if _fences():
+            out, state["fenced"] = _fence(out, kept)
         return out, (tuple(kept), marks, saved)
 
     def bwd(res, g):
@@ -186,7 +246,8 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
             _check.compare_values(name, saved, flat[:n_out], tolerance=VALUES_RTOL)
             flat = flat[n_out:]
         cts = iter(flat)
-        return tuple(next(cts) if m else None for m in mask)
+        cts = tuple(next(cts) if m else None for m in mask)
+        return _join(dyn, cts) if state.get("fenced") else cts
 
     region.defvjp(fwd, bwd)
     return region(*dyn)
@@ -262,7 +323,8 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
 
     The forward runs `jax.vjp` of the checkpointed function and hands its residuals (what the
     policy saved, plus the region inputs) to a `custom_vjp`; the backward makes them depend on
-    the cotangent (`_tie`) and only then calls the pullback, which recomputes the rest.
+    the cotangent (`_tie`) and only then calls the pullback, which recomputes the rest. Residuals in
+    host memory fence the region on an accelerator (`_fence`, `_join`).
     """
     state: dict[str, Any] = {}
     ck = jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)
@@ -275,12 +337,15 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
         out, pullback = jax.vjp(ck, *dyn)
         leaves, state["tree"] = jax.tree.flatten(pullback)
         leaves, state["restore"] = _store(leaves, dyn, storage or {})
+        if _fences():
+            out, state["fenced"] = _fence(out, leaves)
         return out, tuple(leaves)
 
     def bwd(res, g):
         res = _load(list(res), state["restore"], g)
         pullback = jax.tree.unflatten(state["tree"], _tie(res, g))
-        return tuple(None if not _is_inexact(x) else ct for x, ct in zip(dyn, pullback(g)))
+        cts = tuple(None if not _is_inexact(x) else ct for x, ct in zip(dyn, pullback(g)))
+        return _join(dyn, cts) if state.get("fenced") else cts
 
     region.defvjp(fwd, bwd)
     return region(*dyn)
@@ -319,7 +384,8 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
       tie_to_cotangent: (non-reentrant) make the recomputation wait for the region's output
         cotangent, so XLA cannot schedule it early and the compiled peak really falls (see the
         NOTE above). None (default): where the target's compiler needs it (`tie_needed`: XLA:CPU
-        only; on cuda and tpu this is plain `jax.checkpoint`); True/False force it. Under the tie
+        only; on cuda and tpu this is plain `jax.checkpoint`, except for an offloading policy,
+        which is fenced as `offload_saved` says); True/False force it (False: no fence). Under the tie
         `jax.jvp`/`jacfwd` called on this function still work (the region sees forward mode and
         runs untied), but `jax.linearize`, or `jax.jvp` of an already jitted function, on CPU meet
         JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function": pass
@@ -331,6 +397,9 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
       offload_saved: argument indices whose floating inputs are kept in pinned host memory between
         the forward and the backward and copied back before recomputing (DeepSpeed's
         cpu_checkpointing). On CPU, host and device memory are the same: it compiles and moves nothing.
+        Built for a GPU or TPU an offloading region (this, or a policy that offloads) is fenced:
+        its output waits for the copies to host memory, and its backward hands its input
+        cotangents on only once its weight gradients are done (docs/offload.md).
     Returns:
       `fn(*args)`; or, called without args (`checkpoint(use_reentrant=True)(fn)` or `@checkpoint`),
       a wrapped function.
@@ -401,6 +470,20 @@ def tie_needed(platform: str | None = None) -> bool:
     return (platform or _memory.target_platform()) == "cpu"
 
 
+def _policy_offloads(policy, flat_fn, dyn, prevent_cse) -> bool:
+    """Whether `policy` keeps any of this region's residuals in host memory: from the policy where
+    `remat.policies.offloads` knows it, else by tracing what `jax.vjp` of the region keeps."""
+    known = _policies.offloads(policy)
+    if known is not None:
+        return known
+    ck = jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)
+    try:
+        closed = jax.make_jaxpr(lambda *d: jax.tree.leaves(jax.vjp(ck, *d)[1]))(*dyn)
+    except Exception:  # noqa: BLE001 - a region that only traces in place (closed-over tracers): unknown
+        return False
+    return any("host" in str(getattr(a, "memory_space", "")).lower() for a in closed.out_avals)
+
+
 def _has_arrays(tree) -> bool:
     return any(_is_traced(l) or isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(tree))
 
@@ -435,15 +518,18 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
     if storage and not use_reentrant and tie_to_cotangent is False:
         raise ValueError("shard_saved and offload_saved move the saved inputs inside the backward, which only the "
                          "tied or reentrant forms have: drop tie_to_cotangent=False (or pass use_reentrant=True)")
-    tied = bool(storage) or (tie_needed() if tie_to_cotangent is None else tie_to_cotangent)
-    if tied and tie_to_cotangent is None and not storage and _compat.forward_mode(dyn):
-        tied = False  # forward mode (jax.jvp, jacfwd) has no backward to order: JAX's checkpoint as it is
 
     def flat_fn(*dyn_vals):
         return fn(*rebuild(dyn_vals))
 
     _policies.warn_untagged(policy, flat_fn, dyn, region)  # as given: a registry name reads as that name
     policy = _policies.resolve(policy)
+    # an offloading policy on an accelerator takes the custom_vjp form too: it fences the region (_fence, _join)
+    fenced = (not use_reentrant and tie_to_cotangent is None and _fences()
+              and _policy_offloads(policy, flat_fn, dyn, prevent_cse))
+    tied = bool(storage) or fenced or (tie_needed() if tie_to_cotangent is None else tie_to_cotangent)
+    if tied and tie_to_cotangent is None and not storage and _compat.forward_mode(dyn):
+        tied = False  # forward mode (jax.jvp, jacfwd) has no backward to order: JAX's checkpoint as it is
 
     def go(flat_fn, dyn):
         if use_reentrant:

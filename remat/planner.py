@@ -268,6 +268,15 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         return _result(none_lp, cands, {None: Candidate("none", 0.0, 0.0, 0.0, saved_of(None), p_none)}, budget,
                        peak, p_none, base, p_none, p_none, 0.0, 1, len(cache), notes, pk)
     uniform = {c: measure((c,) * L) for c in cands if c is not None}
+    for c in [c for c in uniform if _policies.offloads(c)]:
+        dropped = _offload_raises(c, uniform[c], measure, pk, L)
+        if dropped:
+            del uniform[c]
+            cands.remove(c)
+            notes.append(dropped)
+    if not uniform:
+        raise ValueError("plan_for_budget: every remat candidate was dropped (" + "; ".join(notes) + "); "
+                         "add one that keeps its values on the device, e.g. full_remat")
     best_c = min(uniform, key=lambda c: pk(uniform[c]))
     minimum = min(pk(uniform[best_c]), p_none)
     if budget < minimum:
@@ -335,7 +344,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
             if lp not in failed and (cm is None or pk(cm) <= budget):
                 pick = (lp, float(pred[idx]), float(cost[idx]))
                 break
-        known = [lp for lp, cm in cache.items() if pk(cm) <= budget and len(lp) == L]
+        known = [lp for lp, cm in cache.items() if pk(cm) <= budget and len(lp) == L and all(c in table for c in lp)]
         best_known = min(known, key=lambda lp: (flops_of(lp), pk(cache[lp])), default=None)
         if best_known is not None and (pick is None or flops_of(best_known) <= pick[2]):
             chosen, chosen_pred = best_known, _predict(best_known, table, p_none)
@@ -355,7 +364,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
                      f"budget of {format_bytes(internal)}")
     if chosen is None:
         # Out of rounds: the cheapest compiled plan that fits (the minimum plan always does).
-        fitting = [lp for lp, cm in cache.items() if pk(cm) <= budget]
+        fitting = [lp for lp, cm in cache.items() if pk(cm) <= budget and all(c in table for c in lp)]
         chosen = min(fitting, key=lambda lp: (sum(table[c].flops for c in lp), pk(cache[lp])))
         chosen_pred = _predict(chosen, table, p_none)
         notes.append(f"no plan predicted to fit was verified within {max_iterations} round(s): using the cheapest "
@@ -365,6 +374,28 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
     cm = cache[chosen]
     return _result(chosen, cands, table, budget, peak, int(round(chosen_pred)), cm, p_none, minimum,
                    cm.flops - f_none, iterations, len(cache), notes, pk)
+
+
+def _offload_raises(c, cm, measure, pk, L: int) -> str | None:
+    """Why offloading candidate `c` is dropped (a note), or None to keep it: dropped when its
+    uniform peak is not below that of its device twin (the same values saved on the device,
+    `remat.policies.device_twin`), i.e. when on this compiler offloading raises device memory.
+
+    # NOTE: the planner minimizes recompute FLOPs, and offloading recomputes less than full remat
+    # at no FLOP cost (its cost is host-link time, which the objective does not see), so an
+    # offload candidate that fits would always win. It must at least free device memory against
+    # keeping the values on the device, as measured by the very compiler the plan is for
+    # (docs/offload.md: before its fence, `offload_names` raised the XLA:GPU peak above that).
+    """
+    twin = _policies.device_twin(c)
+    if twin is None:
+        return None
+    kept = measure((twin,) * L)
+    if pk(cm) < pk(kept):
+        return None
+    return (f"candidate {_name(c)} dropped: offloading does not lower the compiled peak on this compiler "
+            f"({format_bytes(pk(cm))} on every layer against {format_bytes(pk(kept))} keeping the same values on "
+            f"the device, {_name(twin)})")
 
 
 def _predict(lp: tuple, table: dict, p_none: int) -> float:

@@ -289,6 +289,59 @@ def by_name(policy) -> ByName | None:
     return None
 
 
+def offloads(policy) -> bool | None:
+    """Whether `policy` moves saved values to host memory: True (`offload_names:`, `custom:` with an
+    `offload` name, JAX's offloading factories, also inside `bf16:` or `save_from_both_policies`),
+    False (a policy known to keep everything on the device, or None), None (a callable of
+    unknown make: only tracing the region tells).
+
+    Example:
+      >>> offloads("offload_names:qkv"), offloads("save_names:qkv"), offloads(lambda *a, **k: True)
+      (True, False, None)
+    """
+    policy = resolve(policy)
+    while isinstance(policy, DtypePreserving):
+        policy = policy.base
+    if policy is None or _compat.policy_name(policy) is not None:
+        return False
+    parts = _compat.policy_parts(policy)
+    if parts is None:
+        return None
+    factory, args, kwargs = parts
+    if factory == "save_and_offload_only_these_names":
+        return bool(kwargs["names_which_can_be_offloaded"])
+    if factory == "offload_dot_with_no_batch_dims":
+        return True
+    if factory == "save_from_both_policies":
+        each = [offloads(p) for p in args]
+        return True if True in each else None if None in each else False
+    return False
+
+
+def device_twin(policy) -> Callable | None:
+    """The policy that saves on the device what `policy` offloads (and saves what it saves): what
+    offloading is measured against. None for a policy that does not offload, or of unknown make.
+
+    Example:
+      >>> describe(device_twin("custom:qkv=device,mlp_up=offload"))
+      "jax.checkpoint_policies.save_only_these_names('mlp_up', 'qkv')"
+    """
+    policy = resolve(policy)
+    if isinstance(policy, DtypePreserving):
+        twin = device_twin(policy.base)
+        return None if twin is None else DtypePreserving(twin)
+    if not offloads(policy):
+        return None
+    parts = _compat.policy_parts(policy)
+    factory, args, kwargs = parts
+    if factory == "save_and_offload_only_these_names":
+        return cp.save_only_these_names(*sorted(set(kwargs["names_which_can_be_saved"]) |
+                                                set(kwargs["names_which_can_be_offloaded"])))
+    if factory == "offload_dot_with_no_batch_dims":
+        return cp.dots_with_no_batch_dims_saveable
+    return None
+
+
 def _tags(jaxpr, out: set) -> set:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "name":

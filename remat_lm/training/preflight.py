@@ -22,6 +22,10 @@ candidates, most memory-saving first:
      3 tries); or, when the parameters and optimizer state alone exceed the budget, a smaller
      model or more devices. The candidates are compiled for the run's target too.
 
+No advice offloads to host memory: each drops `--cpu_checkpointing` and offload policies (whether
+an offload frees device memory depends on the compiler: docs/offload.md), and the planner's
+default candidates keep everything on the device.
+
 It runs after the step is compiled and before anything is trained or written, for `--dry_run` too.
 `train.py --no-preflight` skips the check (and then may die of XLA's RESOURCE_EXHAUSTED).
 
@@ -187,7 +191,8 @@ def advice(setup, cap: Capacity, compile_step) -> str:
     drop = [f for f, on in (("--recompute_granularity", cfg.recompute_granularity not in (None, "full")),
                             ("--recompute_modules", cfg.recompute_modules is not None),
                             ("--remat_policy", cfg.remat_policy is not None),
-                            ("--use_reentrant", cfg.use_reentrant), ("--scan_layers", cfg.scan_layers)) if on]
+                            ("--use_reentrant", cfg.use_reentrant), ("--scan_layers", cfg.scan_layers),
+                            ("--cpu_checkpointing", cfg.cpu_checkpointing)) if on]
     without = f" (without {', '.join(drop)})" if drop else ""
     planner = "the planner then picks the cheapest recompute per layer that fits"
     last = None
@@ -242,7 +247,8 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
                             ("--recompute_method", cfg.recompute_method != "none"),
                             ("--memory_budget", cfg.memory_budget is not None),
                             ("--recompute_modules", cfg.recompute_modules is not None),
-                            ("--remat_policy", cfg.remat_policy is not None)) if on]
+                            ("--remat_policy", cfg.remat_policy is not None),
+                            ("--cpu_checkpointing", cfg.cpu_checkpointing)) if on]
     without = f" (without {', '.join(drop)})" if drop else ""
     b, seqs = cfg.batch_size, cfg.batch_size * cfg.grad_accum_steps  # sequences per optimizer step
     for _ in range(BATCH_TRIES):
@@ -262,7 +268,8 @@ def _batch_advice(setup, cap, compile_step, chunk, p_min, compiled) -> str:
         b, accum = split
         tcfg = dataclasses.replace(cfg, batch_size=b, grad_accum_steps=accum, activation_recompute=True,
                                    recompute_granularity=None, recompute_method="none", memory_budget=None,
-                                   recompute_modules=None, remat_policy=None, loss_chunk=chunk)
+                                   recompute_modules=None, remat_policy=None, cpu_checkpointing=False,
+                                   loss_chunk=chunk)
         trial = dataclasses.replace(setup, cfg=tcfg)
         p, compiled = _peak(trial, compile_step, dataclasses.replace(setup.mcfg, recompute=tcfg.recompute,
                                                                      loss_chunk=chunk))
