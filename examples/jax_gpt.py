@@ -56,7 +56,7 @@ def forward(params, tokens, remat_policy=None):
         elif remat_policy == "jax.checkpoint":
             x = jax.checkpoint(block)(p, x)
         else:
-            x = remat.checkpoint(block, p, x, policy=remat_policy)  # remat: the one change
+            x = remat.checkpoint(block, policy=remat_policy)(p, x)  # remat: the one change
     return layer_norm(x, params["lnf"]) @ params["wte"].T
 
 

@@ -6,7 +6,7 @@ Example:
     >>> [tuple(s) for s in remat.plan(4, cfg)]
     [(0, 2, True), (2, 4, True)]
     >>> layer = lambda w, x: jnp.tanh(x @ w)
-    >>> remat.checkpoint(layer, jnp.eye(4), jnp.ones((2, 4)), use_reentrant=True).shape
+    >>> remat.checkpoint(layer, use_reentrant=True)(jnp.eye(4), jnp.ones((2, 4))).shape
     (2, 4)
 """
 from remat import names, policies

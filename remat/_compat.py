@@ -18,10 +18,20 @@ What is used, and why there is no public equivalent (jax 0.10.2):
   check JAX runs while tracing cuDNN attention (replaced so a CPU host can build a cuda program)
   and its compute-capability check (the largest head size cuDNN takes). No public API exposes
   either.
-- `jax._src.interpreters.ad.JVPTracer` (remat/checkpoint.py, `forward_mode`): whether a region
-  is called under forward-mode AD (`jax.jvp`, `jacfwd`), where the cotangent tie (a custom_vjp)
-  cannot run and plain `jax.checkpoint` is what applies. `jax.grad` and `jax.linearize` trace with
-  another tracer type; JAX exposes no public test for the mode.
+- `jax._src.interpreters.ad.JVPTrace` / `LinearizeTrace` (and its `is_vjp`),
+  `jax._src.interpreters.partial_eval.DynamicJaxprTrace`, `jax._src.core.EvalTrace`
+  (remat/checkpoint.py, `ad_mode`): how the trace a region is called under will differentiate it:
+  forward mode (`jax.jvp`, `jacfwd`, `jax.linearize`: `is_vjp` False), reverse mode (`jax.vjp`,
+  `jax.grad`: `is_vjp` True), staged for later (jit, scan and loop bodies), or eagerly. The
+  cotangent tie is a custom_vjp, which only reverse mode can run. JAX exposes no public test for
+  the mode; `jax.extend.core.find_top_trace` gives the current trace.
+- `jax._src.lax.lax._convert_element_type` (remat/checkpoint.py `_tie`, `weak_like`): the
+  cotangent tie adds a strongly typed zero, which would make a weakly typed input (a Python scalar,
+  traced as `jax.checkpoint` traces it) strong, and so change dtype promotion in the recomputation;
+  JAX's public `convert_element_type` cannot set the weak type back.
+- `jax._src.config.trace_context` (remat/checkpoint.py): the configuration JAX's own trace caches
+  key on (x64, default device, user contexts such as `remat.memory.building_for`), so that a
+  region traced once per call signature is traced again when one of them changes.
 - The shape of JAX's policy objects (`policy_parts`; no import, but implementation details):
   which `jax.checkpoint_policies` factory built a policy and with which arguments, for
   `remat.policies.describe` and the name-based reports. No public API says; JAX's objects are
@@ -40,7 +50,11 @@ import inspect
 import jax
 from jax._src.ad_checkpoint import saved_residuals  # noqa: F401  (re-exported for remat.memory)
 from jax._src.cudnn import fused_attention_stablehlo  # noqa: F401  (remat_lm/models/attention.py)
-from jax._src.interpreters.ad import JVPTracer as _JVPTracer
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax
 from jax._src.interpreters.partial_eval import dce_jaxpr  # noqa: F401  (remat/checkpoint.py)
 
 JAX_TESTED = ("0.10.2",)
@@ -110,6 +124,40 @@ def policy_parts(policy):
     return None
 
 
-def forward_mode(leaves) -> bool:
-    """True when any leaf is traced for forward-mode AD at the innermost level (`jax.jvp`, `jacfwd`)."""
-    return any(isinstance(x, _JVPTracer) for x in leaves)
+def ad_mode() -> str:
+    """How the current trace treats a region called now: "forward" (`jax.jvp`, `jacfwd`,
+    `jax.linearize`), "reverse" (`jax.vjp`, `jax.grad`), "staged" (traced into a jaxpr, e.g. a jit,
+    scan or loop body, whose differentiation is decided later) or "eager" (run now, no AD).
+
+    Walks from the current trace to its parents through the traces that do not differentiate
+    (vmap's and the like); the first one that does, or the staging/eager one at the bottom, decides.
+    """
+    trace = _core.find_top_trace(())
+    while trace is not None:
+        if isinstance(trace, _ad.JVPTrace):
+            return "forward"
+        if isinstance(trace, _ad.LinearizeTrace):
+            return "reverse" if trace.is_vjp else "forward"
+        if isinstance(trace, _pe.DynamicJaxprTrace):
+            return "staged"
+        if isinstance(trace, _core.EvalTrace):
+            return "eager"
+        trace = getattr(trace, "parent_trace", None)
+    return "staged"  # an unknown trace: the form that serves every later mode
+
+
+def forward_mode(leaves=()) -> bool:
+    """True when a region called now is differentiated in forward mode (`ad_mode() == "forward"`)."""
+    return ad_mode() == "forward"
+
+
+def trace_context():
+    """The configuration JAX keys its trace caches on (hashable)."""
+    return _config.trace_context()
+
+
+def weak_like(y, x):
+    """`y` weakly typed when `x` is (same dtype), else `y`."""
+    if getattr(jax.typeof(x), "weak_type", False) and not getattr(jax.typeof(y), "weak_type", False):
+        return _lax._convert_element_type(y, jax.typeof(x).dtype, weak_type=True)
+    return y

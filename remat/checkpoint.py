@@ -36,6 +36,13 @@ from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 
+import weakref
+
+from jax.extend import core as _jcore
+from jax.interpreters import ad as _ad
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
+
 from remat import _compat
 from remat import check as _check
 from remat import memory as _memory
@@ -48,6 +55,10 @@ from remat.config import check_region
 # fuse it differently); a wrong dropout mask or RNG key moves values by O(1).
 VALUES_RTOL = 1e-5
 
+# JAX's own checkpoint, bound once: a caller that replaces `jax.checkpoint` by this module's
+# (as a drop-in test does) must not make the library call itself.
+_JAX_CHECKPOINT = jax.checkpoint
+
 
 class _Static:
     """A leaf passed through untraced (hashable by identity is enough: it is only closed over)."""
@@ -58,7 +69,11 @@ class _Static:
 
 
 def _is_traced(leaf) -> bool:
-    return not isinstance(leaf, _Static) and isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+    """A leaf JAX traces: an array, a NumPy scalar or a Python number (as `jax.checkpoint` does)."""
+    if isinstance(leaf, _Static):
+        return False
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)) or (
+        type(leaf) in (bool, int, float, complex))
 
 
 def _is_inexact(x) -> bool:
@@ -66,25 +81,25 @@ def _is_inexact(x) -> bool:
 
 
 def _flatten(args: tuple, static_argnums: Sequence[int]):
-    """Split `args` into traced leaves and a function rebuilding the args from them."""
+    """Split `args` into traced leaves and a function rebuilding the args from them (reentrant path).
+
+    The rebuild function keeps only the constants (never a traced leaf), so a custom_vjp holding
+    it leaks no tracer."""
     n = len(args)
-    static = set()
-    for i in static_argnums:
-        if not -n <= i < n:
-            raise ValueError(f"static_argnums entry {i} is out of range for {n} argument(s)")
-        static.add(i % n)
+    static = {i % n for i in static_argnums}
     marked = tuple(_Static(a) if i in static else a for i, a in enumerate(args))
     leaves, tree = jax.tree.flatten(marked, is_leaf=lambda x: isinstance(x, _Static) or x is None)
     traced = [_is_traced(l) for l in leaves]
     dyn = [l for l, t in zip(leaves, traced) if t]
+    consts = [None if t else (l.value if isinstance(l, _Static) else l) for l, t in zip(leaves, traced)]
     owner = [i for i, a in enumerate(marked)
              for _ in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, _Static) or x is None)]
     dyn_arg = [o for o, t in zip(owner, traced) if t]
+    del leaves
 
     def rebuild(dyn_vals):
         it = iter(dyn_vals)
-        full = [next(it) if t else (l.value if isinstance(l, _Static) else l) for l, t in zip(leaves, traced)]
-        return jax.tree.unflatten(tree, full)
+        return jax.tree.unflatten(tree, [next(it) if t else c for c, t in zip(consts, traced)])
 
     return dyn, rebuild, dyn_arg
 
@@ -136,7 +151,7 @@ def _fence(out, res):
     return jax.tree.unflatten(tree, leaves), True
 
 
-def _join(dyn, cts):
+def _join(mask, cts):
     """The region's input cotangents through one optimization barrier: the next region's backward
     (which needs the input cotangent) starts only once this region's weight gradients are done.
 
@@ -146,7 +161,7 @@ def _join(dyn, cts):
     # they keep their inputs (recomputed activations, attention gradients) live across regions: 3
     # regions' worth at the peak of a 4-layer GPT-2. With the barrier one region's backward is live.
     """
-    idx = [i for i, (x, ct) in enumerate(zip(dyn, cts)) if _is_inexact(x) and hasattr(ct, "dtype")]
+    idx = [i for i, (m, ct) in enumerate(zip(mask, cts)) if m and hasattr(ct, "dtype")]
     if not idx:
         return cts
     out = list(cts)
@@ -180,27 +195,39 @@ def _tie(dyn, g):
         zero = jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s)) * 0
         for i in idx:
             if i not in barred:
-                out[i] = dyn[i] + zero.astype(dyn[i].dtype)
+                out[i] = _compat.weak_like(dyn[i] + zero.astype(dyn[i].dtype), dyn[i])
     if barred:
         for i, x in zip(barred, _barrier([dyn[i] for i in barred], gl)):
             out[i] = x
     return out
 
 
-def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
+def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None, first=None):
+    """The reentrant region. `first`: (ClosedJaxpr, output tree) of a trace of `flat_fn` made for
+    this call, which the forward evaluates (so the Python function is traced once for the forward
+    and once more, checked against it, in the backward)."""
     state: dict[str, Any] = {}
+    run = None
+    if first is not None:
+        closed0, tree0 = first
+
+        def run(*a):
+            return jax.tree.unflatten(tree0, jax.core.eval_jaxpr(closed0.jaxpr, closed0.consts, *jax.tree.leaves(a)))
 
     @jax.custom_vjp
     def region(*dyn):
-        return flat_fn(*dyn)
+        return run(*dyn) if run is not None else flat_fn(*dyn)
 
     def fwd(*dyn):
         if determinism_check == "structure":  # fingerprint the very program that computes `out`
-            closed, tree, state["run"] = _check.trace(flat_fn, *dyn)
+            if run is not None:
+                closed, tree, state["run"] = closed0, tree0, run
+            else:
+                closed, tree, state["run"] = _check.trace(flat_fn, *dyn)
             state["jaxpr"] = _check.fingerprint(closed, tree)
             out = state["run"](*dyn)
         else:
-            out = flat_fn(*dyn)
+            out = run(*dyn) if run is not None else flat_fn(*dyn)
         marks = ()
         if determinism_check:
             marks, state["specs"] = _check.fingerprint_outputs(out)
@@ -247,7 +274,7 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None):
             flat = flat[n_out:]
         cts = iter(flat)
         cts = tuple(next(cts) if m else None for m in mask)
-        return _join(dyn, cts) if state.get("fenced") else cts
+        return _join(mask, cts) if state.get("fenced") else cts
 
     region.defvjp(fwd, bwd)
     return region(*dyn)
@@ -327,7 +354,8 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
     host memory fence the region on an accelerator (`_fence`, `_join`).
     """
     state: dict[str, Any] = {}
-    ck = jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)
+    ck = _JAX_CHECKPOINT(flat_fn, policy=policy, prevent_cse=prevent_cse)
+    mask = [_is_inexact(x) for x in dyn]  # the backward closes over no traced input
 
     @jax.custom_vjp
     def region(*dyn):
@@ -344,30 +372,170 @@ def _tied(flat_fn, dyn, *, policy, prevent_cse, storage=None):
     def bwd(res, g):
         res = _load(list(res), state["restore"], g)
         pullback = jax.tree.unflatten(state["tree"], _tie(res, g))
-        cts = tuple(None if not _is_inexact(x) else ct for x, ct in zip(dyn, pullback(g)))
-        return _join(dyn, cts) if state.get("fenced") else cts
+        cts = tuple(ct if m else None for m, ct in zip(mask, pullback(g)))
+        return _join(mask, cts) if state.get("fenced") else cts
 
     region.defvjp(fwd, bwd)
     return region(*dyn)
 
 
-def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, policy=None,
-               determinism_check: bool | str | None = None, static_argnums: Sequence[int] = (),
-               prevent_cse: bool = True, name: str | None = None, tie_to_cotangent: bool | None = None,
-               shard_saved=None, offload_saved: Sequence[int] = (), **kwargs):
-    """Run `fn(*args, **kwargs)` keeping less for the backward pass and recomputing the rest.
+# --- the linear half of a staged region: forward-evaluable and transposed with the tie -----------
+#
+# NOTE: a region traced into a jaxpr (a jit, scan or loop body) cannot know yet whether it will be
+# differentiated forward or backward. It is staged as a `custom_jvp` whose rule runs `jax.vjp` of
+# the checkpointed function (the forward: what the policy saves) and expresses the tangent map as
+# one linear primitive, `_lin_p`, whose operands are the residuals and the input tangents.
+# Evaluated forward (`jax.jvp`, `jax.linearize` of a jitted function) it is the transpose of the
+# pullback (`jax.linear_transpose`); transposed (`jax.grad`) it is the pullback with the residuals
+# tied to the output cotangent, as `_tied` does. Batching maps both halves with `jax.vmap`. So a
+# staged region keeps the tie in reverse mode and still supports every forward mode.
+
+
+class _LinSpec:
+    """The two halves of a region's tangent map (hashable by identity, as JAX params must be)."""
+    __slots__ = ("fwd", "bwd", "out_avals", "n_res")
+
+    def __init__(self, fwd, bwd, out_avals, n_res):
+        self.fwd, self.bwd, self.out_avals, self.n_res = fwd, bwd, tuple(out_avals), n_res
+
+
+_lin_p = _jcore.Primitive("remat_tied_linear")
+_lin_p.multiple_results = True
+
+
+def _lin_impl(*args, spec):
+    return list(spec.fwd(list(args[:spec.n_res]), list(args[spec.n_res:])))
+
+
+_lin_p.def_impl(_lin_impl)
+_lin_p.def_abstract_eval(lambda *args, spec: list(spec.out_avals))
+_mlir.register_lowering(_lin_p, _mlir.lower_fun(_lin_impl, multiple_results=True))
+
+
+def _lin_transpose(cts, *args, spec):
+    res, ts = args[:spec.n_res], args[spec.n_res:]
+    cts = [_ad.instantiate_zeros(c) for c in cts]
+    in_cts = spec.bwd(list(res), cts)
+    return [None] * len(res) + [c if _ad.is_undefined_primal(t) else None for t, c in zip(ts, in_cts)]
+
+
+_ad.primitive_transposes[_lin_p] = _lin_transpose
+
+
+def _lin_jvp(primals, tangents, *, spec):
+    tangents = [_ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(lambda *a: _lin_impl(*a, spec=spec), tuple(primals), tuple(tangents))
+
+
+_ad.primitive_jvps[_lin_p] = _lin_jvp
+
+
+def _lin_batch(args, dims, *, spec):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    res, ts = list(args[:spec.n_res]), list(args[spec.n_res:])
+    res_axes = [d for d in dims[:spec.n_res]]
+    ts = [jnp.broadcast_to(t, (size,) + jnp.shape(t)) if d is None else jnp.moveaxis(t, d, 0)
+          for t, d in zip(ts, dims[spec.n_res:])]
+    fwd = jax.vmap(spec.fwd, in_axes=(res_axes, 0))
+    bwd = jax.vmap(spec.bwd, in_axes=(res_axes, 0))
+    avals = [jax.ShapeDtypeStruct((size,) + a.shape, a.dtype) for a in spec.out_avals]
+    out = _lin_p.bind(*res, *ts, spec=_LinSpec(fwd, bwd, [jax.core.ShapedArray(a.shape, a.dtype) for a in avals],
+                                               spec.n_res))
+    return out, [0] * len(out)
+
+
+_batching.primitive_batchers[_lin_p] = _lin_batch
+
+
+def _float0_zeros(x):
+    return np.zeros(jnp.shape(x), dtype=jax.dtypes.float0)
+
+
+def _tied_jvp(flat_fn, dyn, *, policy, prevent_cse):
+    """A staged region: `jax.checkpoint` as a custom_jvp whose tangent map is `_lin_p` (see NOTE)."""
+    ck = _JAX_CHECKPOINT(flat_fn, policy=policy, prevent_cse=prevent_cse)
+    diff = [i for i, x in enumerate(dyn) if _is_inexact(x)]
+    n_in = len(dyn)
+
+    @jax.custom_jvp
+    def region(*dyn):
+        return ck(*dyn)
+
+    @region.defjvp
+    def region_jvp(primals, tangents):
+        out, pullback = jax.vjp(ck, *primals)
+        res, tree = jax.tree.flatten(pullback)
+        odiff = [j for j, y in enumerate(out) if _is_inexact(y)]
+        int_cts = {j: _float0_zeros(y) for j, y in enumerate(out) if j not in odiff}
+        int_ts = {i: _float0_zeros(x) for i, x in enumerate(primals) if i not in diff}
+
+        def pull(res, ct_diff):  # cotangents of the inexact outputs -> of the inexact inputs
+            cts = dict(int_cts)
+            cts.update(zip(odiff, ct_diff))
+            full = jax.tree.unflatten(tree, res)([cts[j] for j in range(len(out))])
+            return [full[i] for i in diff]
+
+        out_avals = [jax.typeof(out[j]) for j in odiff]
+        out_avals = [jax.core.ShapedArray(a.shape, a.dtype) for a in out_avals]
+
+        def fwd(res, t_diff):
+            shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+            return jax.linear_transpose(lambda ct: pull(res, ct), shapes)(list(t_diff))[0]
+
+        def bwd(res, ct_diff):
+            return pull(_tie(list(res), ct_diff), ct_diff)
+
+        t_diff = [tangents[i] for i in diff]
+        if odiff and diff:
+            t_out = _lin_p.bind(*res, *t_diff, spec=_LinSpec(fwd, bwd, out_avals, len(res)))
+        else:
+            t_out = [jnp.zeros(a.shape, a.dtype) for a in out_avals]
+        t_all = dict(int_cts)
+        t_all.update(zip(odiff, t_out))
+        del int_ts
+        return out, [t_all[j] for j in range(len(out))]
+
+    del n_in
+    return region(*dyn)
+
+
+# --- the public function ------------------------------------------------------------------------
+
+_OPTIONS = ("prevent_cse", "policy", "static_argnums", "static_argnames", "use_reentrant", "determinism_check",
+            "name", "tie_to_cotangent", "shard_saved", "offload_saved")
+
+
+def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[bool] | Any = True, policy=None,
+               static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+               use_reentrant: bool = False, determinism_check: bool | str | None = None, name: str | None = None,
+               tie_to_cotangent: bool | None = None, shard_saved=None, offload_saved: Sequence[int] = (),
+               **unknown):
+    """`fn` rematerialized: `jax.checkpoint`'s semantics and signature, plus the library's options.
+
+    `remat.checkpoint(fn, **options)` returns the wrapped function (as `jax.checkpoint` /
+    `jax.remat` do; `@remat.checkpoint` and `@functools.partial(remat.checkpoint, policy=...)`
+    decorate). The options are keyword-only and never shared with `fn`'s own keyword arguments:
+    call the result as `remat.checkpoint(fn, policy=...)(*args, **kwargs)`.
+
+    As in JAX: arguments are pytrees whose array leaves and Python scalars are traced (a Python
+    `bool` is a tracer inside `fn`: use `static_argnums` for control flow), `static_argnums` /
+    `static_argnames` are passed as they are (and must be hashable to be cached), the function is
+    traced once per distinct call signature, and forward mode (`jax.jvp`, `jacfwd`,
+    `jax.linearize`), reverse mode, `vmap`, `jit` and higher orders compose. Beyond JAX: leaves
+    that are no JAX type (strings, functions, objects) are constants instead of an error, and a
+    callable that is itself a pytree with array leaves (an Equinox or NNX module) is an input like
+    the arguments.
 
     Args:
-      fn: the function; its arguments and outputs may be pytrees. A callable that is itself a
-        pytree with array leaves (an Equinox module, an NNX module) is an input like the
-        arguments, and a function closing over traced values (weights of an outer `jax.grad`) has
-        them hoisted into inputs (`jax.closure_convert`), so both differentiate as in plain JAX.
-      *args: arguments. Non-array leaves and `static_argnums` arguments are constants.
-      **kwargs: keyword arguments for `fn` (array leaves traced, the rest constants, e.g. `train=False`).
-      use_reentrant: False (default) uses `jax.checkpoint` with `policy`; True uses a
-        `jax.custom_vjp` that saves only the inputs and re-traces `fn` in the backward.
+      fn: the function; called without it (`checkpoint(policy=...)`) returns a decorator.
+      prevent_cse: as `jax.checkpoint`: a bool, or a pytree prefix of the arguments (`(args,)` /
+        `(args, kwargs)`) of bools per argument.
       policy: a `remat.policies` name or a JAX policy callable (non-reentrant only); default saves
         nothing inside the region.
+      static_argnums, static_argnames: as `jax.checkpoint`.
+      use_reentrant: False (default) is `jax.checkpoint` with `policy`; True is a `jax.custom_vjp`
+        that saves only the inputs and re-traces `fn` in the backward (reverse mode only: forward
+        mode raises, naming `use_reentrant=False`).
       determinism_check: what to compare between the forward and the recomputation. None
         (default): the check that applies: with `use_reentrant=True` the recomputation's output
         shapes, dtypes and shardings against the forward's at trace time; on `jax.checkpoint` none
@@ -378,83 +546,73 @@ def checkpoint(fn: Callable | None = None, *args, use_reentrant: bool = False, p
         backward differentiates the forward's own program) or `"values"` (debugging, costs memory:
         also keeps the forward's outputs and compares the recomputed values at run time, raising
         CheckpointError above VALUES_RTOL).
-      static_argnums: positions of arguments passed through untraced.
-      prevent_cse: passed to `jax.checkpoint`.
       name: region name used in error messages (default `fn.__name__`).
       tie_to_cotangent: (non-reentrant) make the recomputation wait for the region's output
         cotangent, so XLA cannot schedule it early and the compiled peak really falls (see the
         NOTE above). None (default): where the target's compiler needs it (`tie_needed`: XLA:CPU
         only; on cuda and tpu this is plain `jax.checkpoint`, except for an offloading policy,
-        which is fenced as `offload_saved` says); True/False force it (False: no fence). Under the tie
-        `jax.jvp`/`jacfwd` called on this function still work (the region sees forward mode and
-        runs untied), but `jax.linearize`, or `jax.jvp` of an already jitted function, on CPU meet
-        JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function": pass
-        tie_to_cotangent=False there.
+        which is fenced as `offload_saved` says); True/False force it (False: no fence). The tie
+        applies only where there is a backward to order: forward mode is plain `jax.checkpoint`.
       shard_saved: {argument index: (saved spec, recompute spec)}: keep those region inputs sharded
         as `saved` (e.g. along the sequence over an `fsdp` axis) between the forward and the
         backward, and reshard them to `recompute` spec (an all-gather) before recomputing, as
         Megatron's distribute_saved_activations does. Needs a mesh context (`jax.set_mesh`).
+        Reverse mode only.
       offload_saved: argument indices whose floating inputs are kept in pinned host memory between
         the forward and the backward and copied back before recomputing (DeepSpeed's
-        cpu_checkpointing). On CPU, host and device memory are the same: it compiles and moves nothing.
-        Built for a GPU or TPU an offloading region (this, or a policy that offloads) is fenced:
-        its output waits for the copies to host memory, and its backward hands its input
-        cotangents on only once its weight gradients are done (docs/offload.md).
+        cpu_checkpointing). On CPU, host and device memory are the same: it compiles and moves
+        nothing. Built for a GPU or TPU an offloading region (this, or a policy that offloads) is
+        fenced: its output waits for the copies to host memory, and its backward hands its input
+        cotangents on only once its weight gradients are done (docs/offload.md). Reverse mode only.
     Returns:
-      `fn(*args)`; or, called without args (`checkpoint(use_reentrant=True)(fn)` or `@checkpoint`),
-      a wrapped function.
+      the wrapped function, or a decorator when `fn` is omitted.
     Example:
       >>> import jax, jax.numpy as jnp
       >>> block = lambda w, x: jnp.tanh(x @ w)
       >>> w, x = jnp.eye(4), jnp.ones((2, 4))
-      >>> g = jax.grad(lambda w: checkpoint(block, w, x).sum())(w)
-      >>> g_reentrant = jax.grad(lambda w: checkpoint(block, w, x, use_reentrant=True).sum())(w)
+      >>> g = jax.grad(lambda w: checkpoint(block)(w, x).sum())(w)
+      >>> g_reentrant = jax.grad(lambda w: checkpoint(block, use_reentrant=True)(w, x).sum())(w)
       >>> bool(jnp.allclose(g, g_reentrant))
       True
+      >>> jax.jvp(checkpoint(jnp.sin), (1.0,), (1.0,))[1]   # forward mode, as jax.checkpoint
+      Array(0.5403023, dtype=float32, weak_type=True)
     """
-    opts = dict(use_reentrant=use_reentrant, policy=policy, determinism_check=determinism_check,
-                static_argnums=tuple(static_argnums), prevent_cse=prevent_cse, name=name,
-                tie_to_cotangent=tie_to_cotangent, shard_saved=shard_saved, offload_saved=tuple(offload_saved))
+    if args or unknown:
+        what = f"keyword argument(s) {sorted(unknown)}" if unknown else f"{len(args)} argument(s) after the function"
+        raise TypeError(
+            f"remat.checkpoint(fn, **options) returns the rematerialized function, as jax.checkpoint does; it was "
+            f"given {what}. Call the result: remat.checkpoint(fn, policy=...)(*args, **kwargs). Options: "
+            f"{', '.join(_OPTIONS)}")
+    opts = dict(prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums,
+                static_argnames=static_argnames, use_reentrant=use_reentrant, determinism_check=determinism_check,
+                name=name, tie_to_cotangent=tie_to_cotangent, shard_saved=shard_saved,
+                offload_saved=tuple(offload_saved))
     if fn is None:
-        return lambda f: checkpoint(f, **opts)
-    if not args and not kwargs:
-        @functools.wraps(fn)
-        def wrapped(*a, **kw):
-            return _run(fn, a, kw, **opts)
-        return wrapped
-    return _run(fn, args, kwargs, **opts)
+        return functools.partial(checkpoint, **opts)
+    if not callable(fn):
+        raise TypeError(f"remat.checkpoint: expected a function, got {type(fn).__name__} {fn!r}")
+    check_region(use_reentrant, policy, determinism_check)  # the rules RecomputeConfig also applies
+    opts["static_argnums"] = _argnums(static_argnums)
+    opts["static_argnames"] = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+
+    @functools.wraps(fn)
+    def wrapped(*a, **kw):
+        return _run(fn, a, kw, **opts)
+
+    return wrapped
+
+
+def _argnums(static_argnums):
+    if type(static_argnums) is int:
+        return (static_argnums,)
+    if isinstance(static_argnums, (tuple, list)) and all(type(d) is int for d in static_argnums):
+        return tuple(static_argnums)
+    raise TypeError(f"the `static_argnums` argument to `remat.checkpoint` must be an int or a tuple of ints, but got "
+                    f"value {static_argnums}")
 
 
 def _call(f, *args, **kwargs):
     return f(*args, **kwargs)
-
-
-def _closes_over_tracers(fn, depth: int = 3) -> bool:
-    """True when `fn` (a function, a functools.partial, a bound method) reaches a JAX tracer
-    through its closure cells, partial arguments, defaults or `__self__` (a few levels deep)."""
-    if depth < 0:
-        return False
-    seen = []
-    if isinstance(fn, functools.partial):
-        seen += [fn.func, fn.args, fn.keywords]
-    seen += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_set(c)]
-    seen += [getattr(fn, "__self__", None), getattr(fn, "__defaults__", None)]
-    for v in seen:
-        if v is None:
-            continue
-        if any(isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(v)):
-            return True
-        if callable(v) and not isinstance(v, type) and _closes_over_tracers(v, depth - 1):
-            return True
-    return False
-
-
-def _cell_set(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # an empty cell
-        return False
-    return True
 
 
 def tie_needed(platform: str | None = None) -> bool:
@@ -476,7 +634,7 @@ def _policy_offloads(policy, flat_fn, dyn, prevent_cse) -> bool:
     known = _policies.offloads(policy)
     if known is not None:
         return known
-    ck = jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)
+    ck = _JAX_CHECKPOINT(flat_fn, policy=policy, prevent_cse=prevent_cse)
     try:
         closed = jax.make_jaxpr(lambda *d: jax.tree.leaves(jax.vjp(ck, *d)[1]))(*dyn)
     except Exception:  # noqa: BLE001 - a region that only traces in place (closed-over tracers): unknown
@@ -485,70 +643,199 @@ def _policy_offloads(policy, flat_fn, dyn, prevent_cse) -> bool:
 
 
 def _has_arrays(tree) -> bool:
-    return any(_is_traced(l) or isinstance(l, jax.core.Tracer) for l in jax.tree.leaves(tree))
+    return any(_is_traced(l) and not isinstance(l, (bool, int, float, complex)) for l in jax.tree.leaves(tree))
 
 
-def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_argnums, prevent_cse, name,
-         tie_to_cotangent, shard_saved, offload_saved):
-    check_region(use_reentrant, policy, determinism_check)  # the rules RecomputeConfig also applies
+class _Hashably:
+    """A constant as a cache key: by value when hashable, else by identity (as JAX's remat does)."""
+    __slots__ = ("value", "hash", "hashable")
+
+    def __init__(self, value):
+        self.value = value
+        try:
+            self.hash, self.hashable = hash(value), True
+        except TypeError:
+            self.hash, self.hashable = id(value), False
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        if not isinstance(other, _Hashably):
+            return False
+        if self.hashable and other.hashable:
+            try:
+                return type(self.value) is type(other.value) and bool(self.value == other.value)
+            except Exception:
+                return self.value is other.value
+        return self.value is other.value
+
+
+class _Traced:
+    """One trace of a region: its jaxpr, constants and output tree."""
+    __slots__ = ("jaxpr", "consts", "out_tree", "hoist", "bodies", "__weakref__")
+
+    def __init__(self, closed, out_tree):
+        self.jaxpr, self.consts, self.out_tree = closed.jaxpr, list(closed.consts), out_tree
+        self.hoist = [j for j, c in enumerate(self.consts) if isinstance(c, jax.core.Tracer)]
+        self.bodies = {}
+
+    def body(self, n_hoist, name):
+        """The traced program as a function of (hoisted constants, inputs) -> flat outputs (one
+        function object per trace, so JAX's own caches of `jax.checkpoint` hit too)."""
+        if name in self.bodies:
+            return self.bodies[name]
+        jaxpr, consts, hoist = self.jaxpr, list(self.consts), self.hoist
+        for j in hoist:
+            consts[j] = None  # the body keeps no tracer: hoisted values arrive as inputs
+
+        def body(*vals):
+            cs = list(consts)
+            for j, v in zip(hoist, vals[:n_hoist]):
+                cs[j] = v
+            return jax.core.eval_jaxpr(jaxpr, cs, *vals[n_hoist:])
+        body.__name__ = body.__qualname__ = name
+        if not hoist:
+            self.bodies[name] = body
+        return body
+
+
+# {fn: {call signature: _Traced}}: one trace per distinct call signature, as jax.checkpoint keeps
+# (dropped with the function; a trace that closed over a tracer is never kept).
+_TRACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _traced(fn, key, flat_fn, dyn) -> _Traced:
+    """The trace of `flat_fn(*dyn)` for `fn` under the call signature `key` (None: not cached)."""
+    try:
+        per_fn = _TRACES.get(fn) if key is not None else None
+    except TypeError:  # not weakly referenceable: trace every call
+        per_fn = None
+    if per_fn is not None and key in per_fn:
+        return per_fn[key]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+    t = _Traced(closed, jax.tree.structure(out_shape))
+    if not t.hoist and key is not None:
+        try:
+            _TRACES.setdefault(fn, {})[key] = t
+        except TypeError:
+            pass
+    return t
+
+
+def _cse_flags(prevent_cse, args, kwargs, static_leaf):
+    """`prevent_cse` as one bool per traced leaf (JAX's rule: a pytree prefix of `args`, or of
+    `(args, kwargs)` when there are keyword arguments), or the bool itself."""
+    if isinstance(prevent_cse, bool):
+        return prevent_cse
+    cse_args = (tuple(args), kwargs) if kwargs else tuple(args)
+    try:
+        per = jax.tree.map(lambda p, sub: jax.tree.map(lambda _: bool(p), sub), prevent_cse, cse_args,
+                           is_leaf=lambda x: isinstance(x, bool))
+    except ValueError as e:
+        raise ValueError(f"remat.checkpoint: prevent_cse must be a bool or a pytree prefix of the arguments "
+                         f"{'(args, kwargs)' if kwargs else '(args,)'}, one bool per argument: {e}") from None
+    flags = jax.tree.leaves(per)
+    return tuple(f for f, s in zip(flags, static_leaf) if not s)
+
+
+def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_argnums, static_argnames, prevent_cse,
+         name, tie_to_cotangent, shard_saved, offload_saved):
     region = name or getattr(fn, "__name__", None) or type(fn).__name__
     n = len(args)
+    if not all(-n <= d < n for d in static_argnums):
+        raise ValueError(f"the `static_argnums` argument to `remat.checkpoint` can only take integer values greater "
+                         f"than or equal to `-len(args)` and less than `len(args)`, but got {static_argnums}, while "
+                         f"`len(args)` = {n}")
+    for what, idx in (("shard_saved", list(shard_saved or ())), ("offload_saved", list(offload_saved))):
+        bad = [i for i in idx if not -n <= i < n]
+        if bad:
+            raise ValueError(f"{what} entry {bad[0]} is out of range for {n} argument(s)")
+    static = {d % n for d in static_argnums}
     # NOTE: a pytree callable (Equinox/NNX module) carries its weights as leaves: it becomes argument
-    # 0 of `_call`, so its weights are region inputs. Keyword arguments ride as one last dict
-    # argument. Argument indices the caller gives (static_argnums, shard_saved, offload_saved) keep
-    # counting `args` from 0 and are shifted here.
-    shift, target = 0, fn
+    # 0 of `_call`, so its weights are region inputs. Argument indices the caller gives
+    # (static_argnums, shard_saved, offload_saved) keep counting `args` from 0 and are shifted here.
+    owner, shift = fn, 0
     if not isinstance(fn, type) and _has_arrays(fn):
-        args, fn, shift = (fn,) + tuple(args), _call, 1
-    if kwargs:
-        target = fn
-        fn = lambda *a: target(*a[:-1], **a[-1])  # noqa: E731
-        args = tuple(args) + (dict(kwargs),)
-    for i in static_argnums:
-        if not -n <= i < n:
-            raise ValueError(f"static_argnums entry {i} is out of range for {n} argument(s)")
-    static_argnums = [i % n + shift for i in static_argnums]
-    if shard_saved:
-        shard_saved = {i % n + shift: v for i, v in shard_saved.items()}
-    dyn, rebuild, dyn_arg = _flatten(tuple(args), static_argnums)
-    bad = [i for i in offload_saved if not -n <= i < n]
-    if bad:
-        raise ValueError(f"offload_saved entry {bad[0]} is out of range for {n} argument(s)")
-    storage = _storage(dyn, dyn_arg, shard_saved, {i % n + shift for i in offload_saved})
+        args, fn, shift, owner = (fn,) + tuple(args), _call, 1, _call
+    static = {i + shift for i in static}
+    skw = {k: kwargs[k] for k in static_argnames if k in kwargs}
+    dkw = {k: v for k, v in kwargs.items() if k not in skw}
+    dargs = tuple(_Static(a) if i in static else a for i, a in enumerate(args))
+    leaves, in_tree = jax.tree.flatten((dargs, dkw), is_leaf=lambda x: isinstance(x, _Static))
+    is_static = [not _is_traced(l) for l in leaves]
+    dyn = [l for l, s in zip(leaves, is_static) if not s]
+    consts = [(l.value if isinstance(l, _Static) else l) if s else None for l, s in zip(leaves, is_static)]
+    arg_of = [i for i, a in enumerate(dargs) for _ in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, _Static))]
+    arg_of += [None] * (len(leaves) - len(arg_of))
+    dyn_arg = [a for a, s in zip(arg_of, is_static) if not s]
+    del leaves
+
+    def rebuild(vals):
+        it = iter(vals)
+        full = [c if s else next(it) for c, s in zip(consts, is_static)]
+        a, kw = jax.tree.unflatten(in_tree, full)
+        return a, {**kw, **skw}
+
+    def flat_fn(*vals):
+        a, kw = rebuild(vals)
+        return fn(*a, **kw)
+
+    key = (in_tree, tuple(_Hashably(c) for c, s in zip(consts, is_static) if s),
+           tuple(_Hashably(v) for v in skw.values()), tuple(skw), tuple(jax.typeof(x) for x in dyn),
+           _compat.trace_context(), _memory.target_platform())
+    try:
+        hash(key)
+    except TypeError:
+        key = None
+    if use_reentrant:
+        key = None  # the reentrant path re-traces the Python function per call: no cached program
+    traced = _traced(owner, key, flat_fn, dyn)
+    # NOTE: closures. `fn` may close over a traced value (a weight of the outer jax.grad, the
+    # PyTorch habit). Tracing it puts such values among the jaxpr's constants, which is how JAX
+    # finds them too (`jax.closure_convert`); they are hoisted into region inputs, so no
+    # custom_vjp/custom_jvp closes over a tracer.
+    hoisted = [traced.consts[j] for j in traced.hoist]
+    nh = len(hoisted)
+    body = traced.body(nh, region)
+    inputs = hoisted + dyn
+    cse = _cse_flags(prevent_cse, args, dkw, is_static)
+    if not isinstance(cse, bool):
+        cse = (False,) * nh + cse
+
+    shard = {i % n + shift: v for i, v in shard_saved.items()} if shard_saved else None
+    storage = _storage(dyn, dyn_arg, shard, {i % n + shift for i in offload_saved})
+    storage = {i + nh: v for i, v in storage.items()}
     if storage and not use_reentrant and tie_to_cotangent is False:
         raise ValueError("shard_saved and offload_saved move the saved inputs inside the backward, which only the "
                          "tied or reentrant forms have: drop tie_to_cotangent=False (or pass use_reentrant=True)")
-
-    def flat_fn(*dyn_vals):
-        return fn(*rebuild(dyn_vals))
-
-    _policies.warn_untagged(policy, flat_fn, dyn, region)  # as given: a registry name reads as that name
+    _policies.warn_untagged(policy, body, inputs, region)  # as given: a registry name reads as that name
     policy = _policies.resolve(policy)
+    mode = _compat.ad_mode()
     # an offloading policy on an accelerator takes the custom_vjp form too: it fences the region (_fence, _join)
-    fenced = (not use_reentrant and tie_to_cotangent is None and _fences()
-              and _policy_offloads(policy, flat_fn, dyn, prevent_cse))
-    tied = bool(storage) or fenced or (tie_needed() if tie_to_cotangent is None else tie_to_cotangent)
-    if tied and tie_to_cotangent is None and not storage and _compat.forward_mode(dyn):
-        tied = False  # forward mode (jax.jvp, jacfwd) has no backward to order: JAX's checkpoint as it is
+    fenced = (not use_reentrant and tie_to_cotangent is None and mode not in ("eager", "forward") and _fences()
+              and _policy_offloads(policy, body, inputs, cse))
 
-    def go(flat_fn, dyn):
-        if use_reentrant:
-            check = True if determinism_check is None else determinism_check  # the check that applies
-            return _reentrant(flat_fn, dyn, name=region, determinism_check=check, storage=storage)
-        if tied:
-            return _tied(flat_fn, dyn, policy=policy, prevent_cse=prevent_cse, storage=storage)
-        return jax.checkpoint(flat_fn, policy=policy, prevent_cse=prevent_cse)(*dyn)
-
-    # NOTE: closures. `fn` may close over a traced value (a weight of the outer jax.grad, the
-    # PyTorch habit), which a custom_vjp may not capture. Such values are hoisted into region inputs
-    # as JAX's own `closure_convert` does for custom_vjp users: up front when a tracer is found in
-    # the closure, else on the UnexpectedTracerError of an eager call (a tracer reached another way).
-    hoist = lambda: jax.closure_convert(flat_fn, *dyn)  # noqa: E731
-    if (use_reentrant or tied) and _closes_over_tracers(target if kwargs else fn):
-        conv, hoisted = hoist()
-        return go(conv, list(dyn) + list(hoisted))
-    try:
-        return go(flat_fn, dyn)
-    except jax.errors.UnexpectedTracerError:
-        conv, hoisted = hoist()
-        return go(conv, list(dyn) + list(hoisted))
+    if use_reentrant:
+        if mode == "forward":
+            raise TypeError(f"remat.checkpoint(use_reentrant=True) (region {region!r}) is a custom_vjp, which "
+                            f"forward-mode AD (jax.jvp, jax.jacfwd, jax.linearize) cannot differentiate: use "
+                            f"use_reentrant=False (the default) for forward mode")
+        check = True if determinism_check is None else determinism_check  # the check that applies
+        # The reentrant backward re-traces the Python function itself (that is what its check
+        # compares), unless hoisted closure values force the traced program.
+        if nh:
+            out = _reentrant(body, inputs, name=region, determinism_check=check, storage=storage)
+            return jax.tree.unflatten(traced.out_tree, out)
+        first = (_jcore.ClosedJaxpr(traced.jaxpr, traced.consts), traced.out_tree)
+        return _reentrant(flat_fn, dyn, name=region, determinism_check=check, storage=storage, first=first)
+    tie = tie_needed() if tie_to_cotangent is None else bool(tie_to_cotangent)
+    if storage or fenced:
+        flat = _tied(body, inputs, policy=policy, prevent_cse=cse, storage=storage)
+    elif not tie or mode in ("eager", "forward"):
+        flat = _JAX_CHECKPOINT(body, policy=policy, prevent_cse=cse)(*inputs)
+    elif mode == "reverse":
+        flat = _tied(body, inputs, policy=policy, prevent_cse=cse)
+    else:
+        flat = _tied_jvp(body, inputs, policy=policy, prevent_cse=cse)
+    return jax.tree.unflatten(traced.out_tree, flat)

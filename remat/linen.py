@@ -1,15 +1,16 @@
 """Flax Linen helpers: a layer stack grouped per `remat.plan`, and `remat_module`, a drop-in for `nn.remat`."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
-from flax.core import meta
+from flax.core import lift, meta
 import jax
 import jax.numpy as jnp
 
 from remat import policies as _policies
-from remat.config import RecomputeConfig
+from remat.config import RecomputeConfig, check_region
 from remat.checkpoint import checkpoint
 from remat.stack import _select, _signature, apply_layers
 
@@ -27,7 +28,7 @@ class LayerStack(nn.Module):
 
     Attributes:
       layer: a Linen module class or factory (e.g. `functools.partial(Block, cfg)`), called with
-        `parent=None` to build the layer template.
+        `parent=None` to build the layer template, or a Module instance (`Block(cfg)`), cloned.
       n_layers: number of layers.
       recompute: the RecomputeConfig.
       scan: run layers under `lax.scan` with stacked parameters.
@@ -63,7 +64,8 @@ class LayerStack(nn.Module):
     @nn.compact
     def __call__(self, x, *args, **kwargs):
         self.recompute.validate_for(self.n_layers)
-        template = self.layer(parent=None)
+        template = (self.layer.clone(parent=None) if isinstance(self.layer, nn.Module)
+                    else self.layer(parent=None))
         L = self.n_layers
         names = ["h"] if self.scan else [f"h_{i}" for i in range(L)]
         if self.is_initializing():
@@ -72,16 +74,28 @@ class LayerStack(nn.Module):
             # cache) is kept under the same name.
             keys = jax.random.split(self.make_rng("params"), L)
             init_one = lambda k: dict(template.init({"params": k, "dropout": k}, x, *args, **kwargs))  # noqa: E731
+            first = None
             if self.scan:  # boxed (partitioned) leaves get the layer axis, as nn.scan gives them
                 made = [meta.add_axis(jax.vmap(init_one)(keys), 0, {meta.PARTITION_NAME: self.layer_axis_name})]
             else:
-                made = [init_one(k) for k in keys]
+                # NOTE: each layer is initialized on the previous one's output and that output is
+                # the stack's: running the freshly made layers again would meet their own new
+                # collections (a decode cache made for the full length, as lm1b/wmt initialize it,
+                # fails Flax's cache shape check when run on it).
+                made, h = [], x
+                for i, k in enumerate(keys):
+                    y, v = template.init_with_output({"params": k, "dropout": k}, h, *args, **kwargs)
+                    made.append(dict(v))
+                    h = _select(self.out, y, h, i, _signature(template))
+                first = h
             for name, v in zip(names, made):
                 for col, tree in v.items():
                     if col == "params":
                         self.param(name, lambda rng, t=tree: t)
                     else:
                         self.variable(col, name, lambda t=tree: t)
+            if first is not None:
+                return first
         present = {c: t for c, t in self.variables.items()}
         layer_vars = [{c: t[n] for c, t in present.items() if n in t} for n in names]
         mutable = self.scope.mutable if not self.is_initializing() else False
@@ -130,79 +144,125 @@ class LayerStack(nn.Module):
         return result
 
 
-def remat_module(module_cls, recompute: RecomputeConfig | str | None = None, *,
-                 static_argnums: Sequence[int] = (), prevent_cse: bool = True):
-    """`module_cls` whose calls are recompute regions of `remat.checkpoint` (the stacks' machinery).
+def _lifted_checkpoint(fn, variables=True, rngs=True, concrete=False, prevent_cse=True, static_argnums=(),
+                       policy=None, **options):
+    """`flax.core.lift.checkpoint` with `remat.checkpoint` in place of `jax.checkpoint`: Flax's own
+    lifting (variables and RNG streams in and out of the region, mutable collections written back),
+    the library's region underneath."""
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+        static = jax.tree_util.tree_map(lambda i: i + 2, static_argnums)  # the two lifted groups lead
+        if concrete:
+            raise NotImplementedError("The concrete argument is deprecated (as in flax.linen.remat): use "
+                                      "static_argnums instead")
 
-    A drop-in for `nn.remat(module_cls, policy=..., static_argnums=...)`: the same class name, so
-    parameter paths (`Block_0/...`) are unchanged. Each call after init runs the module through
-    `remat.checkpoint` with all its variables, RNG keys and arguments as region inputs, so the
-    backward's recomputation waits for its cotangent and the compiled temp falls (plain `nn.remat`
-    may raise it on XLA:CPU; docs/BENCHMARKS.md). Mutable collections (`batch_stats`, `cache`,
-    `intermediates` from `sow`) are returned by the region and written back.
+        @functools.wraps(fn)
+        def rematted(variable_groups, rng_groups, *args, **kwargs):
+            scope = scope_fn(variable_groups, rng_groups)
+            y = fn(scope, *args, **kwargs)
+            return y, repack_fn(scope)
+
+        region = checkpoint(rematted, static_argnums=static, prevent_cse=prevent_cse, policy=policy, **options)
+        return region(variable_groups, rng_groups, *args, **kwargs)
+
+    return lift.pack(inner, (variables,), (variables,), (rngs,), name="remat", enable_kwargs=True)
+
+
+_lifted_checkpoint.__name__ = "checkpoint"
+
+
+def remat_module(target, variables=True, rngs=True, concrete: bool = False, prevent_cse: bool = True,
+                 static_argnums: int | Sequence[int] = (), policy=None, methods=None, *,
+                 recompute: RecomputeConfig | None = None, use_reentrant: bool = False, determinism_check=None,
+                 tie_to_cotangent: bool | None = None):
+    """`nn.remat` on the library's regions: every form `nn.remat` takes, with `remat.checkpoint` underneath.
+
+    A drop-in for `nn.remat(target, variables, rngs, concrete, prevent_cse, static_argnums, policy,
+    methods)`: a Module class, or a method as a decorator (`@remat_module`,
+    `@functools.partial(remat_module, static_argnums=(2,))` on `__call__`); a Module instance is
+    refused with Flax's `TransformTargetError`. The lifting is Flax's own (`flax.core.lift.pack`),
+    so variables, RNG streams (the same dropout masks as `nn.remat`, and as no remat),
+    `setup`, mutable collections (`batch_stats`, `cache`, `sow`'s intermediates) and
+    `static_argnums` behave as in `nn.remat` (Flax's convention: `self` is argument 0; arguments not
+    listed are traced, a Python bool too). The region is `remat.checkpoint`, so the backward's
+    recomputation waits for its cotangent where the compiler needs it and the compiled temp falls
+    (plain `nn.remat` may raise it on XLA:CPU; docs/BENCHMARKS.md).
+
+    Unlike `nn.remat`, the class keeps its name, so auto-named submodules keep the paths they have
+    without remat (`Block_0`, where `nn.remat` names them `CheckpointBlock_0`).
 
     Args:
-      module_cls: a Linen module class.
-      recompute: a RecomputeConfig (granularity `none` returns `module_cls` unchanged; its policy,
-        use_reentrant and determinism_check apply), a `remat.policies` name or JAX policy callable, or
-        None: no remat, `module_cls` itself.
-      static_argnums: Flax's convention (`nn.remat`): `self` is argument 0, the first call argument 1.
-        (Non-array arguments, e.g. a Python bool, are constants anyway.)
-      prevent_cse: passed to `jax.checkpoint`.
+      target: a Linen Module class, or a Module method (decorator form).
+      variables, rngs, concrete, prevent_cse, static_argnums, methods: as `nn.remat`.
+      policy: a `remat.policies` name or a JAX policy callable (as `nn.remat`'s `policy`).
+      recompute: a RecomputeConfig instead of `policy` (also accepted as the second positional
+        argument, as are a policy name or callable, and None: `target` unchanged): granularity `none` returns `target` unchanged; its policy, use_reentrant and
+        determinism_check apply. A config that groups layers (`uniform`, `block`, `every`,
+        `segments`, `per_layer`) is refused: one module call is one region; group layers with
+        `remat.linen.LayerStack`.
+      use_reentrant, determinism_check, tie_to_cotangent: `remat.checkpoint`'s options.
     Example:
       >>> class MyBlock(nn.Module):
       ...     @nn.compact
       ...     def __call__(self, x, deterministic):
       ...         return x + nn.Dropout(0.1, deterministic=deterministic)(nn.Dense(8)(x))
-      >>> Block = remat_module(MyBlock, "full_remat", static_argnums=(2,))  # self, x, deterministic
+      >>> Block = remat_module(MyBlock, policy="full_remat", static_argnums=(2,))  # self, x, deterministic
       >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 8)), True)
       >>> Block().apply(variables, jnp.ones((2, 8)), True).shape
       (2, 8)
       >>> remat_module(MyBlock, RecomputeConfig()) is MyBlock   # granularity none: unchanged
       True
     """
-    if recompute is None:
-        return module_cls
-    if isinstance(recompute, RecomputeConfig):
+    if isinstance(variables, RecomputeConfig) or variables is None:  # the library's positional form
+        if recompute is not None:
+            raise TypeError("remat_module: a RecomputeConfig given twice (positionally and as recompute=)")
+        recompute, variables = variables, True
+        if recompute is None:
+            return target
+    if (isinstance(variables, str) and (variables in _policies.RENAMED or _is_policy_name(variables))) or callable(variables):
+        # the library's earlier positional form, remat_module(Block, "full_remat"): no collection is
+        # named like a policy, and Flax's collection filters are no callables
+        if policy is not None:
+            raise TypeError("remat_module: a policy given twice (positionally and as policy=)")
+        policy, variables = variables, True
+        _policies.validate(policy)
+    options = dict(use_reentrant=use_reentrant, determinism_check=determinism_check,
+                   tie_to_cotangent=tie_to_cotangent)
+    if recompute is not None:
         if not recompute.enabled:
-            return module_cls
-        opts = dict(policy=recompute.effective_policy(), use_reentrant=recompute.use_reentrant,
-                    determinism_check=recompute.determinism_check)
-    else:
-        _policies.validate(recompute)
-        opts = dict(policy=recompute)
-    bad = [i for i in static_argnums if i < 1]
+            return target
+        if recompute.layers is not None:
+            raise ValueError(
+                f"remat_module: {recompute!r} groups layers into regions ({recompute.layers.spelling()}), but "
+                f"each call of one module is one region: group the layers with remat.linen.LayerStack(block, "
+                f"n_layers, recompute), or pass a config without a layer spec (granularity full or selective)")
+        if policy is not None:
+            raise TypeError("remat_module: give the policy once, as policy= or inside recompute=")
+        policy = None if recompute.use_reentrant else recompute.effective_policy()
+        options.update(use_reentrant=recompute.use_reentrant, determinism_check=recompute.determinism_check)
+    elif policy is not None:
+        _policies.validate(policy)
+    argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    bad = [i for i in argnums if i < 1]
     if bad:
         raise ValueError(f"remat_module: static_argnums {bad}: Flax counts `self` as argument 0, so the first call "
                          f"argument is 1 (as in nn.remat)")
-    static = tuple(i - 1 for i in static_argnums)
-    base_call = module_cls.__call__
+    check_region(options["use_reentrant"], policy, options["determinism_check"])
+    lifted = functools.partial(_lifted_checkpoint, **options)
+    lifted.__name__ = "checkpoint"
+    out = nn.transforms.lift_transform(lifted, target, variables, rngs, concrete, prevent_cse,
+                                       tuple(i - 1 for i in argnums), policy, methods=methods)
+    if isinstance(target, type):  # keep the class name: auto-named submodules keep their paths
+        out.__name__, out.__qualname__ = target.__name__, target.__qualname__
+        out.__module__ = target.__module__
+    return out
 
-    def __call__(self, *args, **kwargs):
-        if self.is_initializing():  # init is not differentiated: build the variables the usual way
-            return base_call(self, *args, **kwargs)
-        scope = self.scope
-        variables = {c: v for c, v in self.variables.items()}
-        keys = {n: self.make_rng(n) for n in sorted(scope.rngs)}
-        mutable = scope.mutable
-        template = self.clone(parent=None)
 
-        def region(variables, keys, *args, **kwargs):
-            out = nn.Module.apply(template, variables, *args, rngs=keys or None, mutable=mutable,
-                                  method=base_call, **kwargs)
-            return out if mutable is not False else (out, {})
-
-        out, updates = checkpoint(region, variables, keys, *args, static_argnums=tuple(i + 2 for i in static),
-                                  prevent_cse=prevent_cse, name="/".join(scope.path) or module_cls.__name__,
-                                  **opts, **kwargs)
-        for col, tree in updates.items():
-            if self.is_mutable_collection(col):
-                for name, value in tree.items():
-                    scope.put_variable(col, name, value)
-        return out
-
-    return type(module_cls.__name__, (module_cls,), {"__call__": __call__, "__qualname__": module_cls.__qualname__,
-                                                     "__module__": module_cls.__module__})
+def _is_policy_name(name: str) -> bool:
+    try:
+        _policies.validate(name)
+    except ValueError:
+        return False
+    return True
 
 
 def stack_layers(layers: Sequence, scan: bool = False) -> dict:

@@ -14,11 +14,25 @@
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import zlib
 from typing import Sequence
 
 import jax
 from flax import nnx
+# NOTE: `remat` below is Flax's own `nnx.remat` with `remat.checkpoint` in place of
+# `jax.checkpoint`, built from the same NNX transform helpers (`extract`, `graphlib`,
+# `transforms.general`), so graph state, shared references, RNG streams and state updates are
+# handled exactly as NNX handles them. They are NNX's module-level helpers, not its documented
+# API: pyproject.toml bounds flax to the minor release tested (0.12).
+from flax.nnx import extract as _extract, graphlib as _graphlib
+from flax.nnx.extract import labeled as _labeled
+from flax.nnx.transforms import general as _general
+from flax.nnx.transforms.transforms import (_raise_bound_method_error, _resolve_bound_callable,
+                                            resolve_kwargs as _resolve_kwargs)
+
+from remat.checkpoint import checkpoint as _checkpoint
 
 from remat.config import RecomputeConfig
 from remat.stack import _select, _signature, apply_layers
@@ -132,16 +146,36 @@ class LayerStack(nnx.Module):
         self.prevent_cse = prevent_cse
         self.rngs = rngs
 
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def __iter__(self):
+        return iter(self.layers)
+
     def __call__(self, x, *args, key=None, **kwargs):
         split = [nnx.split(layer) for layer in self.layers]
         graphdefs = [g for g, _ in split]
-        if key is None and self.rngs is not None:
+        if (key is None and self.rngs is not None and "rngs" not in kwargs
+                and not any(isinstance(a, nnx.Rngs) for a in args) and _takes_rngs(self.layers[0])):
+            kwargs = {**kwargs, "rngs": self.rngs}  # layers drawing from an Rngs passed per call (Gemma's way)
+        elif key is None and self.rngs is not None:
             key = self.rngs.dropout()
         if key is not None and not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)  # a raw uint32 key, as from jax.random.PRNGKey
+        # NOTE: per-call graph nodes. An `nnx.Rngs` (or any NNX object) passed to the stack is
+        # carried from layer to layer with x as its state, the way a plain loop of layers hands
+        # the same object on: each layer draws from it and advances its counters, the state after
+        # the last layer is written back, and a recompute region re-runs from the state it was
+        # given, so the forward and the recomputation draw the same keys.
+        nodes = _Nodes(args, kwargs)
+        args, kwargs = nodes.args, nodes.kwargs
         keys = [(i, None if key is None else jax.random.fold_in(key, i)) for i in range(len(split))]
         if self.scan:
-            return self._scanned(graphdefs, [s for _, s in split], x, key, args, kwargs)
+            return nodes.finish(self._scanned(graphdefs, [s for _, s in split], nodes.carry(x), key, args, kwargs,
+                                              nodes))
 
         # The layer index rides along with its key (a constant) so each layer finds its graphdef;
         # the states and keys are traced. (The regions close over `out`, not `self`: the stack is a
@@ -151,18 +185,19 @@ class LayerStack(nnx.Module):
         def apply_layer(state, h, ik, *a):
             i, k = ik
             *a, kw = a
+            h, (a, kw), done = nodes.enter(h, a, kw)
             module = nnx.merge(graphdefs[i], state)
             if k is not None:
                 _reseed(module, k)
             before = _snapshot(module)
             y = module(h, *a, **kw)
             _check_unchanged(i, before, module, k is not None)
-            return _select(out, y, h, i, _signature(module))
+            return done(_select(out, y, h, i, _signature(module)))
 
-        return apply_layers(apply_layer, [s for _, s in split], x, self.recompute,
-                            keys=keys, args=args + (kwargs,), prevent_cse=self.prevent_cse)
+        return nodes.finish(apply_layers(apply_layer, [s for _, s in split], nodes.carry(x), self.recompute,
+                                         keys=keys, args=tuple(args) + (kwargs,), prevent_cse=self.prevent_cse))
 
-    def _scanned(self, graphdefs, states, x, key, args, kwargs):
+    def _scanned(self, graphdefs, states, x, key, args, kwargs, nodes):
         """The layers under `lax.scan`: one graphdef, the states stacked along a leading axis."""
         for i, g in enumerate(graphdefs[1:], 1):
             if g != graphdefs[0]:
@@ -176,13 +211,182 @@ class LayerStack(nnx.Module):
 
         def apply_layer(state, h, k, *a):
             *a, kw = a
+            h, (a, kw), done = nodes.enter(h, a, kw)
             module = nnx.merge(graphdefs[0], state)
             if k is not None:
                 _reseed(module, k)
             before = _snapshot(module)
             y = module(h, *a, **kw)
             _check_unchanged("(scanned)", before, module, k is not None)
-            return _select(out, y, h, None, _signature(module))
+            return done(_select(out, y, h, None, _signature(module)))
 
-        return apply_layers(apply_layer, stacked, x, self.recompute, keys=keys, args=args + (kwargs,),
+        return apply_layers(apply_layer, stacked, x, self.recompute, keys=keys, args=tuple(args) + (kwargs,),
                             scan=True, prevent_cse=self.prevent_cse)
+
+
+def _takes_rngs(layer) -> bool:
+    try:
+        return "rngs" in inspect.signature(type(layer).__call__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _Slot:
+    """Where a per-call graph node sits among a layer's arguments (a constant of the region)."""
+    __slots__ = ("pos",)
+
+    def __init__(self, pos):
+        self.pos = pos
+
+
+class _Nodes:
+    """The NNX objects among a stack call's arguments, carried beside x as their state."""
+
+    def __init__(self, args, kwargs):
+        self.objs, self.defs = {}, {}
+        args, kwargs = list(args), dict(kwargs)
+        for pos, v in [(i, a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]:
+            if isinstance(v, (nnx.Module, nnx.Rngs, nnx.Variable)):
+                self.objs[pos] = v
+                if isinstance(pos, int):
+                    args[pos] = _Slot(pos)
+                else:
+                    kwargs[pos] = _Slot(pos)
+        self.args, self.kwargs = tuple(args), kwargs
+
+    def carry(self, x):
+        if not self.objs:
+            return x
+        states = {}
+        for pos, obj in self.objs.items():
+            self.defs[pos], states[pos] = nnx.split(obj)
+        return (x, states)
+
+    def enter(self, h, a, kw):
+        """(x, the layer's arguments with the nodes in place, a function packing y back with their states)."""
+        if not self.objs:
+            return h, (a, kw), lambda y: y
+        x, states = h
+        live = {pos: nnx.merge(self.defs[pos], states[pos]) for pos in self.objs}
+        put = lambda v: live[v.pos] if isinstance(v, _Slot) else v  # noqa: E731
+        return x, ([put(v) for v in a], {k: put(v) for k, v in kw.items()}), (
+            lambda y: (y, {pos: nnx.state(obj) for pos, obj in live.items()}))
+
+    def finish(self, result):
+        if not self.objs:
+            return result
+        y, states = result
+        for pos, obj in self.objs.items():
+            nnx.update(obj, states[pos])
+        return y
+
+
+def stack_paths(state, stack: str = "layers"):
+    """A model state with a plain layer list at `stack` (`layers/0/...`, as `nnx.List` keeps it)
+    mapped to the paths of a `LayerStack` stored there (`layers/layers/0/...`); `unstack_paths` is
+    the inverse. So a checkpoint of the model without the stack loads into the model with it:
+    `nnx.update(model, stack_paths(restored))`, and back.
+
+    Example:
+      >>> st = nnx.State({"layers": {0: {"w": 1}, 1: {"w": 2}}, "head": {"w": 3}})
+      >>> sorted(stack_paths(st)["layers"]["layers"])
+      [0, 1]
+      >>> unstack_paths(stack_paths(st)) == st
+      True
+    """
+    out = dict(state.items())
+    if stack in out:
+        out[stack] = {"layers": out[stack]}
+    return nnx.State(out) if isinstance(state, nnx.State) else out
+
+
+def unstack_paths(state, stack: str = "layers"):
+    """The inverse of `stack_paths`: `layers/layers/i/...` back to `layers/i/...` (the stack's own
+    `rngs` state, if any, is dropped: the model without the stack has none)."""
+    out = dict(state.items())
+    if stack in out and "layers" in out[stack]:
+        out[stack] = _nested_dict(out[stack]["layers"])
+    return nnx.State(out) if isinstance(state, nnx.State) else out
+
+
+def _nested_dict(node):
+    """Nested States as the plain nested dicts an `nnx.state` holds below its top level."""
+    if isinstance(node, nnx.State):
+        return {k: _nested_dict(v) for k, v in node.items()}
+    return node
+
+
+class _SimpleRematFn:
+    """NNX's tree-mode region (`graph=False` or `graph_updates=False`): the function's outputs and
+    the updates it made to its inputs' state."""
+
+    def __init__(self, f, graph: bool):
+        self.f, self.graph = f, graph
+        functools.update_wrapper(self, f, updated=())
+
+    @_extract.treemap_copy_args
+    def __call__(self, *args, **kwargs):
+        current, snapshot = _extract.snapshot(_labeled(args=args, kwargs=kwargs))
+        if self.graph:
+            args, kwargs = _extract.from_tree2((args, kwargs))
+        out = self.f(*args, **kwargs)
+        if self.graph:
+            out = _extract.to_tree2(out)
+        _extract.check_no_aliases("remat", **current, out=out, check=["out"])
+        return out, _extract.get_updates(current, snapshot)
+
+
+def remat(f=None, *, prevent_cse: bool = True, static_argnums: int | tuple[int, ...] = (), policy=None,
+          graph: bool | None = None, graph_updates: bool | None = None, use_reentrant: bool = False,
+          determinism_check=None, tie_to_cotangent: bool | None = None):
+    """`nnx.remat` on the library's regions: a drop-in with `remat.checkpoint` underneath.
+
+    Every form `nnx.remat` takes: a decorator (`@remat`, `@remat(policy=...)`) or a call
+    (`remat(f, static_argnums=...)`) on a function whose arguments may be NNX modules, Variables
+    and `Rngs`; `graph` / `graph_updates` as NNX (graph mode by default: shared references, state
+    updates made inside, such as an `Rngs` counter or a BatchStat, are written back to the inputs;
+    tree mode treats modules as pytrees). A bound method of a Module instance is refused as NNX
+    refuses it. `policy` takes a `remat.policies` name or a JAX policy callable; `use_reentrant`,
+    `determinism_check` and `tie_to_cotangent` are `remat.checkpoint`'s options.
+
+    Example:
+      >>> class Block(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.dense, self.drop = nnx.Linear(8, 8, rngs=rngs), nnx.Dropout(0.1)
+      ...     @remat(policy="full_remat")
+      ...     def __call__(self, x, rngs):
+      ...         return x + self.drop(self.dense(x), rngs=rngs)
+      >>> block, rngs = Block(nnx.Rngs(0)), nnx.Rngs(dropout=1)
+      >>> block(jax.numpy.ones((2, 8)), rngs).shape
+      (2, 8)
+      >>> int(rngs.dropout.count[...])   # the stream advanced, as without remat
+      1
+    """
+    if graph is None:
+        graph = _graphlib.set_graph_mode.current_value()
+    if graph_updates is None:
+        graph_updates = _graphlib.set_graph_updates.current_value()
+    opts = dict(prevent_cse=prevent_cse, static_argnums=static_argnums, policy=policy, use_reentrant=use_reentrant,
+                determinism_check=determinism_check, tie_to_cotangent=tie_to_cotangent)
+    if f is None:
+        return functools.partial(remat, graph=graph, graph_updates=graph_updates, **opts)
+    f_unbound, _, was_bound = _resolve_bound_callable(f)
+    if was_bound:
+        _raise_bound_method_error("remat")
+    if not graph or not graph_updates:
+        region = _checkpoint(_SimpleRematFn(f_unbound, graph=graph), **opts)
+
+        @functools.wraps(f_unbound)
+        def simple_remat_wrapper(*args, **kwargs):
+            if graph:
+                args, kwargs = _extract.to_tree2((args, kwargs))
+            variables = _extract.check_no_aliases("remat", args=args, kwargs=kwargs)
+            out, updates = region(*args, **kwargs)
+            if graph:
+                out = _extract.from_tree2(out)
+            _extract.apply_updates(variables, updates)
+            return out
+
+        return simple_remat_wrapper
+    return _resolve_kwargs()(_graphlib.update_context("remat")(_general.split_inputs(
+        _checkpoint(_general.merge_inputs(f_unbound, ctxtag="remat"), **opts), ctxtag="remat")))

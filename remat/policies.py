@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+import weakref
 from typing import Callable
 
 import jax
@@ -356,6 +357,10 @@ def region_tags(fn, *args) -> set:
     return _tags(jax.make_jaxpr(fn)(*args).jaxpr, set())
 
 
+# {trace: {(policy, tags) warned}}: the untagged-region warning is given once per trace.
+_WARNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 class UntaggedRegionWarning(UserWarning):
     """A name-based policy on a region that tags none of its names: it is full remat."""
 
@@ -374,10 +379,21 @@ def warn_untagged(policy, fn, args, region: str) -> None:
     if any(wanted.keeps(n) for n in found):
         return
     have = f"it tags only {sorted(found)}" if found else "it has no tagged activations"
+    # once per trace (a program's regions all warn alike): the first region names the rest
+    trace = jax.extend.core.find_top_trace(())
+    said = (describe(policy), tuple(sorted(found)))
+    try:
+        seen = _WARNED.setdefault(trace, set()) if _compat.ad_mode() != "eager" else set()
+    except TypeError:  # a trace that cannot be weakly referenced: warn every region
+        seen = set()
+    if said in seen:
+        return
+    seen.add(said)
     warnings.warn(
         f"remat: region {region!r}: the policy {describe(policy)} saves or offloads values tagged {wanted}, but "
         f"{have}: it is full remat. Tag activations with jax.ad_checkpoint.checkpoint_name(x, name) "
-        f"(docs/tagging.md) or use policy {NOTHING!r}", UntaggedRegionWarning, stacklevel=3)
+        f"(docs/tagging.md) or use policy {NOTHING!r} (said once per traced program)", UntaggedRegionWarning,
+        stacklevel=3)
 
 
 def names() -> tuple[str, ...]:

@@ -31,14 +31,14 @@ def _ref():
 
 @pytest.mark.parametrize("policy", policies.examples())
 def test_gradients_equal_for_every_policy(policy):
-    g = jax.grad(_loss, argnums=(0, 1))(PS, X, lambda f, *a: remat.checkpoint(f, *a, policy=policy))
+    g = jax.grad(_loss, argnums=(0, 1))(PS, X, lambda f, *a: remat.checkpoint(f, policy=policy)(*a))
     assert rel_err(g, _ref()) <= 1e-5
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradients_equal_jitted(reentrant):
     f = jax.jit(jax.grad(_loss, argnums=(0, 1)), static_argnums=2)
-    g = f(PS, X, lambda fn, *a: remat.checkpoint(fn, *a, use_reentrant=reentrant))
+    g = f(PS, X, lambda fn, *a: remat.checkpoint(fn, use_reentrant=reentrant)(*a))
     assert rel_err(g, _ref()) <= 1e-5
 
 
@@ -57,8 +57,8 @@ def test_pytrees_static_and_non_array_arguments_both_paths():
 
     ref = jax.grad(loss)(p, h, lambda fn, *a: fn(*a))
     for reentrant in (False, True):
-        g = jax.grad(loss)(p, h, lambda fn, *a: remat.checkpoint(fn, *a, use_reentrant=reentrant,
-                                                                static_argnums=(4,)))
+        g = jax.grad(loss)(p, h, lambda fn, *a: remat.checkpoint(fn, use_reentrant=reentrant,
+                                                                static_argnums=(4,))(*a))
         assert rel_err(g, ref) <= 1e-6
 
 
@@ -79,7 +79,7 @@ def test_decorator_forms():
 
 def test_reentrant_rejects_a_policy():
     with pytest.raises(ValueError, match="saves only the inputs"):
-        remat.checkpoint(jnp.sin, X, use_reentrant=True, policy="dots")
+        remat.checkpoint(jnp.sin, use_reentrant=True, policy="dots")(X)
 
 
 # --- the determinism check: plant each kind of mismatch with a Python flag -----------------------
@@ -106,7 +106,7 @@ def _planted(kind):
 def test_determinism_check_names_region_leaf_and_both_avals(kind, needles):
     x = jax.random.normal(KEY, (B, C))
     FLIP[0] = False
-    y, vjp = jax.vjp(lambda x: remat.checkpoint(_planted(kind), x, use_reentrant=True, name="blk"), x)
+    y, vjp = jax.vjp(lambda x: remat.checkpoint(_planted(kind), use_reentrant=True, name="blk")(x), x)
     FLIP[0] = True
     try:
         with pytest.raises(remat.CheckpointError) as e:
@@ -127,7 +127,7 @@ def test_determinism_check_catches_sharding_change():
 
     with jax.set_mesh(mesh):
         x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("x")))
-        y, vjp = jax.vjp(lambda x: remat.checkpoint(h, x, use_reentrant=True), x)
+        y, vjp = jax.vjp(lambda x: remat.checkpoint(h, use_reentrant=True)(x), x)
         FLIP[0] = True
         try:
             with pytest.raises(remat.CheckpointError, match=r"sharded \('x', None\).*sharded \(None, None\)"):
@@ -146,7 +146,7 @@ def test_structure_check_catches_a_change_that_keeps_avals():
         return jnp.tanh(x @ w)
 
     for check, raises in ((True, False), ("structure", True)):
-        y, vjp = jax.vjp(lambda w: remat.checkpoint(h, w, x, use_reentrant=True, determinism_check=check), w)
+        y, vjp = jax.vjp(lambda w: remat.checkpoint(h, use_reentrant=True, determinism_check=check)(w, x), w)
         FLIP[0] = True
         try:
             if raises:
@@ -160,8 +160,8 @@ def test_structure_check_catches_a_change_that_keeps_avals():
 
 def _hlo(check):
     f = jax.jit(jax.grad(_loss, argnums=(0, 1)), static_argnums=2)
-    text = f.lower(PS, X, lambda fn, *a: remat.checkpoint(fn, *a, use_reentrant=True,
-                                                          determinism_check=check)).compile().as_text()
+    text = f.lower(PS, X, lambda fn, *a: remat.checkpoint(fn, use_reentrant=True,
+                                                          determinism_check=check)(*a)).compile().as_text()
     text = re.split(r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)$", text, flags=re.M)[0]
     text = re.sub(r", metadata=\{[^}]*\}", "", text)
     return re.sub(r"^HloModule \S+", "", text)
@@ -178,7 +178,7 @@ def test_reentrant_recompute_stops_early():
     f = lambda a, b, c: jnp.tanh(c @ a) @ b
 
     def dots(reentrant):
-        loss = lambda a, b, c: jnp.sum(remat.checkpoint(f, a, b, c, use_reentrant=reentrant))
+        loss = lambda a, b, c: jnp.sum(remat.checkpoint(f, use_reentrant=reentrant)(a, b, c))
         return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(w1, w2, x)).count("dot_general")
 
     forward, backward = 2, 4  # forward: 2 matmuls; backward: dw2, dh, dw1, dx
@@ -196,7 +196,7 @@ def test_dropout_inside_a_region_uses_the_same_mask(reentrant):
         return jnp.mean(x ** 2)
 
     ref = jax.grad(loss)(PS, X, lambda f, *a: f(*a))
-    g = jax.grad(loss)(PS, X, lambda f, *a: remat.checkpoint(f, *a, use_reentrant=reentrant))
+    g = jax.grad(loss)(PS, X, lambda f, *a: remat.checkpoint(f, use_reentrant=reentrant)(*a))
     # Same masks: the only differences are float32 rounding from XLA's different fusion of the
     # recomputation (measured 2.8e-7 relative, jitted or not); a wrong mask moves gradients by O(1).
     assert rel_err(g, ref) <= 1e-6
@@ -223,7 +223,7 @@ def test_values_check_catches_a_planted_rng_mismatch():
 
     x = jax.random.normal(KEY, (B, C))
     grad = lambda check: jax.grad(lambda x: jnp.sum(remat.checkpoint(
-        layer, x, use_reentrant=True, determinism_check=check, name="drop") ** 2))(x)
+        layer, use_reentrant=True, determinism_check=check, name="drop")(x) ** 2))(x)
     grad(True)  # the shape/dtype check cannot see it
     with pytest.raises(Exception, match=r"region 'drop'.*recomputed values differ"):
         jax.block_until_ready(grad("values"))
@@ -231,9 +231,9 @@ def test_values_check_catches_a_planted_rng_mismatch():
 
 def test_values_check_passes_a_deterministic_region_and_needs_reentrant():
     g = jax.jit(jax.grad(_loss, argnums=(0, 1)), static_argnums=2)(
-        PS, X, lambda fn, *a: remat.checkpoint(fn, *a, use_reentrant=True, determinism_check="values"))
+        PS, X, lambda fn, *a: remat.checkpoint(fn, use_reentrant=True, determinism_check="values")(*a))
     assert rel_err(g, _ref()) <= 1e-5
     with pytest.raises(ValueError, match="needs use_reentrant=True"):
-        remat.checkpoint(jnp.sin, X, determinism_check="values")
+        remat.checkpoint(jnp.sin, determinism_check="values")(X)
     with pytest.raises(ValueError, match="needs use_reentrant=True"):
         remat.RecomputeConfig(granularity="full", determinism_check="values")

@@ -30,8 +30,8 @@ def _changing():
 
 
 def _grad(layer, check, jit=False):
-    loss = lambda w: jnp.sum(remat.checkpoint(layer, w, X, use_reentrant=True, determinism_check=check,
-                                              name="blk") ** 2)
+    loss = lambda w: jnp.sum(remat.checkpoint(layer, use_reentrant=True, determinism_check=check,
+                                              name="blk")(w, X) ** 2)
     g = jax.jit(jax.grad(loss)) if jit else jax.grad(loss)
     return g(W)
 
@@ -64,8 +64,8 @@ def test_structure_check_passes_a_deterministic_function_with_exact_gradients():
 
 
 def _hlo(check):
-    loss = lambda w, x: jnp.sum(remat.checkpoint(lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w), w, x,
-                                                 use_reentrant=True, determinism_check=check) ** 2)
+    loss = lambda w, x: jnp.sum(remat.checkpoint(lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w),
+                                                 use_reentrant=True, determinism_check=check)(w, x) ** 2)
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(W, X).compile().as_text()
     text = re.split(r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)$", text, flags=re.M)[0]
     text = re.sub(r", metadata=\{[^}]*\}", "", text)

@@ -48,7 +48,7 @@ def _layer_policies_bytes(policy):
 
 
 def _checkpoint_bytes(policy):
-    return memory.saved_residuals(lambda p, x: jnp.sum(remat.checkpoint(block, p, x, policy=policy)), PS[0], X).total
+    return memory.saved_residuals(lambda p, x: jnp.sum(remat.checkpoint(block, policy=policy)(p, x)), PS[0], X).total
 
 
 LINEN_VARS = rlinen.LayerStack(LinenBlock, L).init(KEY, X)
@@ -145,7 +145,7 @@ def test_reports_print_a_jax_policy_readably():
     with pytest.raises(RecomputeConfigError, match=r"policy=jax\.checkpoint_policies\.dots_saveable has no effect"):
         RecomputeConfig(policy=cp.dots_saveable)
     with pytest.warns(policies.UntaggedRegionWarning, match=r"policy jax\.checkpoint_policies\.save_only_these_names"):
-        remat.checkpoint(lambda x: jnp.sin(x) * 2, X, policy=pol)
+        remat.checkpoint(lambda x: jnp.sin(x) * 2, policy=pol)(X)
 
 
 def test_name_based_reports_read_jax_policies():
@@ -177,7 +177,7 @@ def test_the_planner_takes_jax_policy_candidates():
 def test_the_old_policy_name_full_is_refused_naming_full_remat():
     assert policies.NOTHING == "full_remat" and policies.get("full_remat") is cp.nothing_saveable
     assert "full" not in policies.names()
-    for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, X, policy="full"),
+    for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, policy="full")(X),
                  lambda: rlinen.remat_module(LinenBlock, "full")):
         with pytest.raises(ValueError, match="policy 'full' is now called 'full_remat'"):
             call()

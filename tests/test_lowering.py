@@ -80,8 +80,8 @@ def _region_copy_backs(platform):
     w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
 
     def loss(c, w, x):
-        h = checkpoint(lambda w, x: jnp.tanh(x @ w), w, x, offload_saved=(1,))
-        h = checkpoint(lambda w, x: jnp.tanh(x @ w), w, h, offload_saved=(1,))
+        h = checkpoint(lambda w, x: jnp.tanh(x @ w), offload_saved=(1,))(w, x)
+        h = checkpoint(lambda w, x: jnp.tanh(x @ w), offload_saved=(1,))(w, h)
         return c * jnp.sin(h).sum()
 
     return L.copy_backs(lowered_for(jax.grad(loss, argnums=1), platform, 1.0, w, x).as_text())
@@ -96,7 +96,7 @@ def test_offloaded_region_input_comes_back_only_after_the_cotangent():
 
 def test_tie_only_where_the_target_compiler_needs_it():
     w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
-    f = lambda **kw: jax.grad(lambda w: checkpoint(lambda w, x: jnp.tanh(x @ w), w, x, **kw).sum())  # noqa: E731
+    f = lambda **kw: jax.grad(lambda w: checkpoint(lambda w, x: jnp.tanh(x @ w), **kw)(w, x).sum())  # noqa: E731
     plain = jax.grad(lambda w: jax.checkpoint(lambda w, x: jnp.tanh(x @ w))(w, x).sum())
     ops = lambda text: (text.count("optimization_barrier"), text.count("stablehlo.reduce"),  # noqa: E731
                         text.count("stablehlo.dot_general"))

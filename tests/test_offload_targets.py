@@ -62,7 +62,7 @@ def _blocks(policy=None, offload=(), n=3, reentrant=False):
     def loss(ws, x):
         h = x
         for w in ws:
-            h = (checkpoint(layer, w, h, policy=policy, offload_saved=offload, use_reentrant=reentrant)
+            h = (checkpoint(layer, policy=policy, offload_saved=offload, use_reentrant=reentrant)(w, h)
                  if policy or offload else layer(w, h))
         return jnp.sum(jnp.sin(h))
     ks = jax.random.split(jax.random.key(0), 2 * n + 1)

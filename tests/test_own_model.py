@@ -103,7 +103,7 @@ def test_name_policy_on_tagged_region_is_quiet():
     f = lambda w, x: jnp.sum(jnp.tanh(checkpoint_name(x @ w, names.QKV)))  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jax.grad(lambda w: remat.checkpoint(f, w, X[0], policy="core_attn"))(jnp.eye(C))
+        jax.grad(lambda w: remat.checkpoint(f, policy="core_attn")(w, X[0]))(jnp.eye(C))
 
 
 # 3. collections through LayerStack ------------------------------------------------------------
@@ -280,7 +280,7 @@ W = jax.random.normal(KEY, (C, C)) / C ** 0.5
 def test_checkpoint_of_a_closure_over_weights(reentrant):
     def loss(w):
         block = lambda x: jnp.tanh(x @ w)  # noqa: E731  (w closed over, the PyTorch habit)
-        return jnp.sum(remat.checkpoint(block, X, use_reentrant=reentrant) ** 2)
+        return jnp.sum(remat.checkpoint(block, use_reentrant=reentrant)(X) ** 2)
     ref = jax.grad(lambda w: jnp.sum(jnp.tanh(X @ w) ** 2))(W)
     assert rel_err(jax.grad(loss)(W), ref) <= 1e-5
     assert rel_err(jax.jit(jax.grad(loss))(W), ref) <= 1e-5
@@ -298,10 +298,10 @@ class Linear:  # an Equinox-style module: a callable pytree carrying its weights
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpoint_of_pytree_callables_with_keywords(reentrant):
     ref = jax.grad(lambda m: jnp.sum(m(X, train=False) ** 2))(Linear(W))
-    g = jax.grad(lambda m: jnp.sum(remat.checkpoint(m, X, train=False, use_reentrant=reentrant) ** 2))(Linear(W))
+    g = jax.grad(lambda m: jnp.sum(remat.checkpoint(m, use_reentrant=reentrant, static_argnames="train")(X, train=False) ** 2))(Linear(W))
     assert rel_err(g.w, ref.w) <= 1e-5
     lin = nnx.Linear(C, C, rngs=nnx.Rngs(0))  # an NNX module is a pytree too
-    g = nnx.grad(lambda m: jnp.sum(remat.checkpoint(m, X, use_reentrant=reentrant) ** 2))(lin)
+    g = nnx.grad(lambda m: jnp.sum(remat.checkpoint(m, use_reentrant=reentrant)(X) ** 2))(lin)
     ref = nnx.grad(lambda m: jnp.sum(m(X) ** 2))(lin)
     assert rel_err(nnx.state(g), nnx.state(ref)) <= 1e-5
 

@@ -136,7 +136,7 @@ def test_determinism_check_is_accepted_exactly_where_it_applies(granularity):
             assert ("use_reentrant=True" in str(err)) == (granularity != "none"), err
         if granularity == "full":  # remat.checkpoint: the same rule for one region
             try:
-                remat.checkpoint(jnp.sin, x, use_reentrant=reentrant, determinism_check=check)
+                remat.checkpoint(jnp.sin, use_reentrant=reentrant, determinism_check=check)(x)
             except RecomputeConfigError as e:
                 assert not applies and e.field == "determinism_check", e
             else:

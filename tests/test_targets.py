@@ -127,7 +127,7 @@ def test_default_checkpoint_is_jax_s_own_on_accelerators(target):
             return x.sum()
         return loss
 
-    ours = stack(lambda f, *a: remat.checkpoint(f, *a))
+    ours = stack(lambda f, *a: remat.checkpoint(f)(*a))
     theirs = stack(lambda f, *a: jax.checkpoint(f)(*a))
     assert (targets.compiled_memory(jax.grad(ours), w, x, target=target).temp
             == targets.compiled_memory(jax.grad(theirs), w, x, target=target).temp)
@@ -138,17 +138,18 @@ def test_default_checkpoint_is_jax_s_own_on_accelerators(target):
 
 
 def test_forward_mode_on_cpu_runs_untied():
-    f = lambda x: remat.checkpoint(lambda x: jnp.sin(x) * x, x).sum()  # noqa: E731
+    f = lambda x: remat.checkpoint(lambda x: jnp.sin(x) * x)(x).sum()  # noqa: E731
     x = jnp.arange(3.0)
     primal, tangent = jax.jvp(f, (x,), (jnp.ones(3),))
     want = jnp.sum(jnp.sin(x) + x * jnp.cos(x))
     assert np.allclose(tangent, want, rtol=1e-6) and np.allclose(jax.jacfwd(f)(x), jax.grad(f)(x), rtol=1e-6)
     assert np.allclose(jax.hessian(f)(x), jax.hessian(lambda x: (jnp.sin(x) * x).sum())(x), rtol=1e-6)
-    # jax.linearize traces like jax.grad: on CPU the tie is there, and JAX refuses forward mode through it;
-    # the documented way out is the option
-    with pytest.raises(TypeError, match="forward-mode autodiff"):
-        jax.linearize(f, x)[1](x)
-    g = lambda x: remat.checkpoint(lambda x: jnp.sin(x) * x, x, tie_to_cotangent=False).sum()  # noqa: E731
+    # jax.linearize, and forward mode through a jitted function (staged before it is differentiated),
+    # go through the default path too
+    assert np.allclose(jax.linearize(f, x)[1](jnp.ones(3)), want, rtol=1e-6)
+    assert np.allclose(jax.jvp(jax.jit(f), (x,), (jnp.ones(3),))[1], want, rtol=1e-6)
+    assert np.allclose(jax.linearize(jax.jit(f), x)[1](jnp.ones(3)), want, rtol=1e-6)
+    g = lambda x: remat.checkpoint(lambda x: jnp.sin(x) * x, tie_to_cotangent=False)(x).sum()  # noqa: E731
     assert np.allclose(jax.linearize(g, x)[1](jnp.ones(3)), want, rtol=1e-6)
 
 

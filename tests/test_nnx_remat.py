@@ -1,0 +1,128 @@
+"""remat.nnx.remat behaves as nnx.remat (decorator and call forms, static_argnums, policy, graph and
+tree mode, state updates, RNG streams, refusals), and the NNX LayerStack in the models' conventions:
+blocks drawing dropout from an `Rngs` passed per call (Gemma's way), a stack stored as the model's
+`self.layers` whose checkpoint without the stack must load."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from remat import RecomputeConfig
+from remat import nnx as rnnx
+
+N, L = 8, 4
+X = jax.random.normal(jax.random.key(1), (2, N))
+FULL = RecomputeConfig(granularity="full")
+
+
+def equal(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+class Block(nnx.Module):
+    """Gemma's convention: dropout draws from the `rngs` given to each call."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(N, N, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return x + self.drop(jnp.tanh(self.lin(x)), rngs=rngs)
+
+
+def test_forms_gradients_state_updates_and_rngs_as_nnx_remat(graph_updates=True):
+    def run(remat):
+        class M(nnx.Module):
+            def __init__(self):
+                self.block = Block(nnx.Rngs(0))
+                self.count = nnx.BatchStat(jnp.array(0))
+
+            @remat(graph=True, graph_updates=graph_updates)
+            def __call__(self, x, rngs):
+                self.count[...] += 1
+                return self.block(x, rngs=rngs)
+
+        m, rngs = M(), nnx.Rngs(dropout=3)
+        loss = lambda m, rngs: jnp.sum(m(X, rngs) ** 2)  # noqa: E731
+        g = nnx.grad(loss, graph=True, graph_updates=graph_updates)(m, rngs)
+        return nnx.state(g, nnx.Param), int(m.count[...]), int(rngs.dropout.count[...])
+
+    ref = run(nnx.remat)
+    got = run(rnnx.remat)
+    equal(got[0], ref[0])
+    assert got[1:] == ref[1:] == (1, 1)  # the BatchStat and the Rngs counter advanced, as nnx.remat's
+
+
+def test_call_form_static_argnums_and_policy():
+    def f(m, x, scale):
+        return jnp.sum(m(x) * (2.0 if scale > 0 else 1.0))
+
+    lin = nnx.Linear(N, N, rngs=nnx.Rngs(0))
+    for remat in (nnx.remat, rnnx.remat):
+        g = nnx.grad(remat(f, static_argnums=(2,), policy=jax.checkpoint_policies.dots_saveable))(lin, X, 1)
+        equal(nnx.state(g), nnx.state(nnx.grad(f)(lin, X, 1)))
+    g = nnx.grad(rnnx.remat(f, static_argnums=(2,), policy="full_remat"))(lin, X, 1)  # a registry name too
+    equal(nnx.state(g), nnx.state(nnx.grad(f)(lin, X, 1)))
+
+
+def test_tree_mode_and_a_bound_method_refused():
+    lin = nnx.Linear(N, N, rngs=nnx.Rngs(0))
+    fwd = rnnx.remat(lambda m, x: m(x), graph=False)
+    g = nnx.grad(lambda m: jnp.sum(fwd(m, X)), graph=False)(lin)
+    assert g.kernel.shape == (N, N)
+    with pytest.raises(ValueError, match="bound method"):
+        rnnx.remat(lin.__call__)
+
+
+# The NNX stack with blocks that take `rngs` per call ------------------------------------------------
+
+class Model(nnx.Module):
+    def __init__(self, cfg, rngs, stack_rngs=None):
+        blocks = [Block(rngs) for _ in range(L)]
+        self.cfg = cfg
+        self.layers = nnx.List(blocks) if cfg is None else rnnx.LayerStack(blocks, cfg, rngs=stack_rngs)
+
+    def __call__(self, x, rngs=None):
+        if self.cfg is None:
+            for block in self.layers:
+                x = block(x, rngs=rngs)
+            return x
+        return self.layers(x) if rngs is None else self.layers(x, rngs=rngs)
+
+
+def _two_steps(cfg, stack_rngs=False):
+    """Parameter gradients of two steps, and the dropout counter after them."""
+    seed = nnx.Rngs(dropout=7)
+    model = Model(cfg, nnx.Rngs(0), stack_rngs=seed if stack_rngs else None)
+    rngs = None if stack_rngs else seed
+    grads = [nnx.state(nnx.grad(lambda m, r: jnp.sum(m(X, r) ** 2))(model, rngs), nnx.Param) for _ in range(2)]
+    return grads, int(seed.dropout.count[...])
+
+
+@pytest.mark.parametrize("cfg", [FULL, RecomputeConfig(granularity="full", method="uniform", num_layers=2)])
+def test_dropout_from_per_call_rngs_equals_the_model_without_remat(cfg):
+    ref, count = _two_steps(None)
+    got, got_count = _two_steps(cfg)
+    assert got_count == count == 2 * L  # every layer drew once per step, as in the plain loop
+    for a, b in zip(got, ref):
+        equal(nnx.state(a), nnx.state(b))  # paths differ (layers/layers/i): compare the leaves
+
+
+def test_the_stacks_own_rngs_reach_blocks_that_take_rngs_per_call():
+    ref, count = _two_steps(None)
+    got, got_count = _two_steps(FULL, stack_rngs=True)
+    assert got_count == count
+    for a, b in zip(got, ref):
+        equal(nnx.state(a), nnx.state(b))
+
+
+def test_stored_stack_len_indexing_and_an_original_checkpoint_loads_both_ways():
+    plain, stacked = Model(None, nnx.Rngs(0)), Model(FULL, nnx.Rngs(1))
+    assert len(stacked.layers) == L and stacked.layers[1] is list(stacked.layers)[1]
+    nnx.update(stacked, rnnx.stack_paths(nnx.state(plain)))  # the checkpoint without the stack loads
+    np.testing.assert_array_equal(stacked(X, nnx.Rngs(dropout=2)), plain(X, nnx.Rngs(dropout=2)))
+    back = rnnx.unstack_paths(nnx.state(stacked))
+    assert jax.tree.structure(back) == jax.tree.structure(nnx.state(plain))
+    equal(back, nnx.state(plain))
