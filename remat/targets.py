@@ -196,7 +196,6 @@ def names() -> tuple[str, ...]:
     return (*SPECS, "cpu")
 
 
-@functools.lru_cache(maxsize=None)
 def get(name: str | Target) -> Target:
     """The target named `name`: `h200`, `h200x8`, `a100-80g`, `v5e`, `v5e:2x4`, `v5p:2x2x1`, `cpu`.
 
@@ -207,7 +206,12 @@ def get(name: str | Target) -> Target:
     """
     if isinstance(name, Target):
         return name
-    text = str(name).strip().lower()
+    return _parse(str(name).strip().lower())
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(name: str) -> Target:
+    text = name
     m = _NAME.match(text)
     kind = m.group("kind") if m else None
     if text == "cpu" or (m and kind == "cpu" and m.group("count")):
