@@ -1,6 +1,6 @@
 """Independent float64 NumPy reference for llm.c's GPT-2 and LLaMA-3 (forward and backward).
 
-Written straight from ``shared/design/FORMATS.md`` with a hand-derived backward pass
+Written straight from docs/llmc-format.md and llm.c's reference scripts, with a hand-derived backward pass
 (no autodiff), to produce debug-state files and to check ports against. Tensor names
 and shapes are those of ``remat_lm.models.llmc_io`` (linear weights (out, in), per-layer tensors
 with a leading L axis).

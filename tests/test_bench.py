@@ -45,7 +45,7 @@ def test_reference_shape_is_the_default():
     cfg, seq = policies.build_config()
     assert cfg == reference_config("gpt2") and seq == cfg.block_size
     assert policies.build_config("llama3")[0] == reference_config("llama3")
-    # the one place the figures' shape is pinned: MEASUREMENTS.md's 8 layers, C=256, 4 heads, T=256, B=8, V=1024
+    # the one place the figures' shape is pinned: the bench reference shape, 8 layers, C=256, 4 heads, T=256, B=8, V=1024
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size, REFERENCE_BATCH) == \
         (8, 256, 4, 1024, 256, 8)
     assert cfg.dtype == "float32" and not cfg.recompute.enabled

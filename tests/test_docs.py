@@ -183,5 +183,66 @@ def test_readme_python_examples_run():
     blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
     assert blocks
     ns: dict = {}
+    shown = []
     for block in blocks:
         exec(compile(block, "README.md", "exec"), ns)
+        # `print(expr)  # what it prints`: the comment is checked against the value, right after its block
+        # (a comment that reads as a value: a tuple, list, number or string; prose comments are prose)
+        shown += [(expr, said, str(eval(expr, ns)))
+                  for expr, said in re.findall(r"^print\((.*)\)\s+#\s+([(\['\"0-9].*)$", block, re.M)]
+    assert shown, "no `print(...)  # output` line found in the README's examples"
+    wrong = [(expr, said, got) for expr, said, got in shown if said != got]
+    assert not wrong, f"README comments that do not say what the line prints: {wrong}"
+
+
+# Names of design notes that live outside this repository; nothing tracked may point at them.
+_OUTSIDE = re.compile(r"MEASUREMENTS\.md|FORMATS\.md|STYLE\.md|shared/design|\.\./shared")
+
+
+def test_no_tracked_file_cites_a_document_outside_the_repository():
+    """Every tracked file stands on its own: what the project relies on is written in docs/."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")  # an sdist: nothing to scan against
+    bad = []
+    for name in tracked.stdout.split():
+        path = ROOT / name
+        if not path.is_file() or path.suffix in (".bin", ".png", ".npz", ".npy"):
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        bad += [f"{name}:{i}" for i, line in enumerate(text.splitlines(), 1)
+                if _OUTSIDE.search(line) and name != "tests/test_docs.py"]
+    assert not bad, f"citations of documents outside the repository: {bad}"
+
+
+def test_readme_states_no_measured_time():
+    """Measured times go stale with every commit: they live in docs/BENCHMARKS.md, dated."""
+    text = (ROOT / "README.md").read_text()
+    times = re.findall(r"\b\d+(?:\.\d+)?\s*(?:min|ms|s)\b(?![\w-])|\b\d+ min \d+ s\b", text)
+    assert not times, f"README states measured times {times}; move them to docs/BENCHMARKS.md"
+
+
+_POINTER = re.compile(r"(?<![\w/.-])((?:remat|remat_lm|examples|notebooks|tests|docs|bench)/[\w/.-]+?\.(?:py|md|ipynb|sh|png|svg))")
+
+
+def test_paths_the_tree_points_at_exist():
+    """A file of this repository named anywhere in it (docs, docstrings, comments) exists; a path
+    in another project's tree is named with its owner first ("JAX's tests/api_test.py")."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    dead = []
+    for name in tracked.stdout.split():
+        path = ROOT / name
+        if path.suffix not in (".py", ".md", ".ipynb", ".sh", ".toml", ".cfg") and name not in ("Makefile",):
+            continue
+        text = path.read_text()
+        for m in _POINTER.finditer(text):
+            if re.search(r"(JAX|Flax|llm\.c|PyTorch|torchtitan|MaxText)'s\s+(\S+\s+){0,2}$", text[max(0, m.start() - 40):m.start()]):
+                continue  # another project's file
+            if not (ROOT / m.group(1)).exists():
+                dead.append(f"{name}: {m.group(1)}")
+    assert not dead, f"pointers to files that do not exist: {sorted(set(dead))}"

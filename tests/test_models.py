@@ -217,7 +217,8 @@ def test_saved_residual_ordering(model):
 
 
 def test_gpt2_no_remat_saves_what_pytorch_does_or_less():
-    # The reference shape of MEASUREMENTS.md: PyTorch eager keeps 333 MiB, a plain JAX model ~800.
+    # The bench reference shape (remat_lm.bench.common.REFERENCE); PyTorch eager's saved bytes there:
+    # docs/BENCHMARKS.md, torch_peer.
     cfg = reference_config("gpt2")
     params = jax.eval_shape(lambda: gpt2.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)

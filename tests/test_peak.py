@@ -1,6 +1,6 @@
 """The compiled peak really falls: XLA's temp bytes for the GPT-2 train step (reference shape).
 
-GPT-2, 8 layers, C=256, 4 heads, T=256, B=8, vocab 1024, float32 (MEASUREMENTS.md's shape). Only
+GPT-2, 8 layers, C=256, 4 heads, T=256, B=8, vocab 1024, float32 (the bench reference shape). Only
 compiled, never run. Without tying recomputation to the output cotangent, XLA:CPU's default
 scheduler runs every recomputation in the forward pass and temp memory does not fall at all
 (measured 602 vs 590 MiB on the plain-JAX block); `test_untied_checkpoint_does_not_fall` keeps that

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 from remat.memory import GiB, MiB, format_bytes  # noqa: F401  (the one byte unit and formatter)
 from remat_lm import argtypes
 
-# NOTE: the reference shape of MEASUREMENTS.md, defined here once so that every figure in docs/
+# NOTE: the bench reference shape (a GPT-2 small enough to compile and run in seconds on 2 CPU cores), defined here once so that every figure in docs/
 # can say which shape it was taken on (remat_lm.bench.policies `--preset ref`, remat_lm.bench.planner,
 # remat_lm.bench.attention, remat_lm.bench.compile_time and the tests import it). LLaMA-3's variant keeps the same
 # width, depth and sequence, with GQA over 2 key/value heads.

@@ -3,7 +3,7 @@
     python -m remat_lm.bench.planner                          # reference shape, 3 budgets, 7 timed rounds
     python -m remat_lm.bench.planner --steps 9 --json out/planner.json --markdown out/planner.md
 
-Reference shape (MEASUREMENTS.md): GPT-2, 8 layers, C=256, 4 heads, T=256, B=8, vocabulary 1024,
+Reference shape (`remat_lm.bench.common.REFERENCE`): GPT-2, 8 layers, C=256, 4 heads, T=256, B=8, vocabulary 1024,
 float32. The step is the jitted `jax.value_and_grad` of the loss on fixed random tokens; "peak" is
 XLA's arguments + outputs + temp − aliased of that compiled step (`CompiledMemory.peak_estimate`,
 the planner's default). Budgets lie between the full-remat and the no-remat peaks (fractions

@@ -4,7 +4,7 @@
     python -m remat_lm.bench.policies --model llama3 --preset ref --steps 7 --json out/policies.json
     python -m remat_lm.bench.policies --preset ref --n_layer 4 --seq 128 --batch 4
 
-The reference shape (`--preset ref`, MEASUREMENTS.md): 8 layers, C=256, 4 heads, T=256, B=8,
+The reference shape (`--preset ref`, `remat_lm.bench.common.REFERENCE`): 8 layers, C=256, 4 heads, T=256, B=8,
 vocabulary 1024, float32. Other presets are the models' own (`d12`, `tiny`, `1b`, ...).
 
 One process, every setting compiled first; then one untimed warm-up step each and `--steps`

@@ -1,4 +1,4 @@
-"""GPT-2 exactly as llm.c computes it (shared/design/FORMATS.md), in Flax Linen.
+"""GPT-2 exactly as llm.c computes it (docs/llmc-format.md), in Flax Linen.
 
 Pre-LN blocks with LayerNorm (eps 1e-5), fused c_attn, causal attention scaled by 1/sqrt(D),
 tanh-GELU MLP of width 4C, learned positions `wpe`, final `ln_f`, LM head tied to `wte`, and a
@@ -264,7 +264,8 @@ class GPT2Header(llmc_io.Header):
         return None
 
     def logit_widths(self) -> list[int]:
-        # FORMATS.md says Vp; llm.c's train_gpt2.py/test_gpt2.c actually use V. Accept both.
+        # llm.c's debug states hold logits of width V (train_gpt2.py, test_gpt2.c), some writers Vp: accept both
+        # (docs/llmc-format.md).
         return sorted({self.vocab_size, self.padded_vocab_size})
 
 

@@ -1,4 +1,4 @@
-"""LLaMA-3 exactly as llm.c's train_llama3.py computes it (shared/design/FORMATS.md), in Flax Linen.
+"""LLaMA-3 exactly as llm.c's train_llama3.py computes it (docs/llmc-format.md), in Flax Linen.
 
 How it differs from GPT-2 (remat_lm/models/gpt2.py):
   - RMSNorm (float32, eps `norm_eps`, weight only) instead of LayerNorm; no biases anywhere.

@@ -3,7 +3,7 @@
 Covers GPT-2 and LLaMA-3 model checkpoints, their debug-state files and token
 shards (GPT-2: uint16 tokens, magic 20240520; LLaMA-3: uint32 tokens, magic 20240801,
 as llm.c's ``dev/data/data_common.py`` writes them), byte for byte as described in
-``shared/design/FORMATS.md``: a 256 x int32 little-endian header (1024 bytes),
+docs/llmc-format.md: a 256 x int32 little-endian header (1024 bytes),
 then the payload back to back.
 Model and debug-state files are read and written from the family's format
 description, its :class:`Header` subclass (``remat_lm.models.gpt2.GPT2Header``,
