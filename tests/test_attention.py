@@ -32,7 +32,7 @@ CASES = {
 }
 # NOTE: test time. Each case compiles the core's forward and backward, one block per tile
 # (~1-3 s on a 2-core machine); the default run keeps a handful, the rest are `slow`.
-SLOW = {"tile1", ("K<H", "float32"), ("T%tile", "bfloat16")}
+SLOW = {"tile1", ("K<H", "float32"), ("T%tile", "bfloat16"), ("K<H", "bfloat16")}
 
 
 def _params(*cases):

@@ -231,6 +231,7 @@ def test_torch_peer_without_torch_exits_2(monkeypatch, capsys):
     assert "pip install -e '.[peer]'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the PyTorch side-by-side (make bench prints it); ~25 s
 def test_torch_peer_tiny():
     pytest.importorskip("torch")  # the optional `peer` extra
     from remat_lm.bench import torch_peer
@@ -339,6 +340,7 @@ def test_attention_bench_tiny():
     assert "| 48 | full | tiled |" in bench_attention.report(res)
 
 
+@pytest.mark.slow  # a traced profile of a step; ~14 s
 def test_step_profile_splits_the_traced_wall_time():
     """A real trace of a tiny step: every part of the wall time lands in exactly one bucket."""
     from remat_lm.bench import step_profile

@@ -216,7 +216,7 @@ def test_static_argnums_out_of_range_and_of_a_wrong_type():
 
 # 5. No leaked tracers ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("reentrant", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_no_tracer_leaks(reentrant):
     with jax.check_tracer_leaks():
         jax.jit(lambda x: jax.vjp(ck(lambda x: jax.nn.relu(1.0 * x), use_reentrant=reentrant), x)[0])(1.0)

@@ -19,7 +19,9 @@ CASES = {  # example: (original, plain framework remat, the library's setting)
 }
 
 
-@pytest.mark.parametrize("name", CASES)
+# nnx_gemma fast; the Linen and plain-JAX examples (~30 s each) with the slow set: tests/test_linen_remat.py and
+# tests/test_checkpoint_conformance.py keep remat_module and remat.checkpoint against the originals fast.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "nnx_gemma" else pytest.mark.slow) for n in CASES])
 def test_example_adopts_remat(name):
     mod, orig, plain, lib = CASES[name]
     res = mod.measure(labels=(orig, plain, lib))
@@ -32,6 +34,7 @@ def test_example_adopts_remat(name):
     assert temp < 0.8 * min(temp0, temp_p), (temp, temp0, temp_p)
 
 
+@pytest.mark.slow  # ~40 s; the stacks' decode caches stay fast in tests/test_linen_remat.py
 def test_linen_decode_with_remat_matches_the_original():
     cfg = linen_lm.Config()
     params = linen_lm.init(cfg, jax.random.key(0))

@@ -42,10 +42,10 @@ RECOMPUTE_FLAGS = [
 ]
 
 
-# Fast: none, full, selective and the scanned uniform stack per family; the rest (uniform and block on
-# the loop, reentrant, the chunked loss) with the slow set: tests/test_models.py compares each of
+# Fast: none, full and the scanned uniform stack per family; the rest (uniform and block on
+# the loop, reentrant, selective, the chunked loss) with the slow set: tests/test_models.py compares each of
 # those with no remat, and test_flag_to_program shows each flag reaches the compiled program.
-FAST_FLAGS = (0, 1, 5, 6)
+FAST_FLAGS = (0, 1, 6)
 
 
 @pytest.mark.parametrize("flags", [pytest.param(f, marks=() if i in FAST_FLAGS else pytest.mark.slow)

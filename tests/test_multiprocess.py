@@ -162,6 +162,7 @@ def runs(tmp_path_factory, data_file):
     return d, wall
 
 
+@pytest.mark.slow  # two training processes and one, ~70 s; test_put_rows_reads_each_held_row_range_once stays fast
 def test_two_processes_equal_one(runs, data_file):
     """2 processes x 4 devices: only process 0 prints and logs; the losses and the final train state
     (written by both processes into one orbax checkpoint) equal those of 1 process x 8 devices."""

@@ -34,6 +34,7 @@ def _moved(setting: str) -> int:
     return B.moved_bytes(setting, **SMALL)
 
 
+@pytest.mark.slow  # GPT-2 d12 on XLA:GPU, ~30 s; test_offload_inputs_frees_device_memory_on_gpu stays fast
 def test_offload_names_frees_device_memory_on_gpu():
     # Before the fence: 31.0 MiB device temp (more than saving on the device, 23.4) with 5 of 10.5 MiB
     # on the host: each copy to host started only just before its copy back, in the backward.

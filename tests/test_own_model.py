@@ -60,6 +60,7 @@ def test_remat_module_no_remat_is_the_class_itself():
     assert rlinen.remat_module(Block, RecomputeConfig()) is Block
 
 
+@pytest.mark.slow  # ~20 s; tests/test_linen_remat.py keeps remat_module's gradients fast
 def test_remat_module_keeps_parameter_paths_and_gradients():
     v, plain = Net(FULL).init(KEY, X), Net().init(KEY, X)
     assert jax.tree.structure(v) == jax.tree.structure(plain)  # Block_0 ... Block_3, as without remat

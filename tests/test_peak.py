@@ -34,7 +34,8 @@ def temp(scan: bool, rc: RecomputeConfig) -> int:
     return memory.compiled_memory(jax.grad(lambda p: gpt2.loss_fn(p, cfg, IDX, IDX)), params).temp
 
 
-@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True], ids=["loop", "scan"])
+@pytest.mark.slow  # ~25 s; tests/test_flag_to_program.py keeps the train step's full/none temp fast
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
 def test_full_remat_cuts_compiled_temp(scan):  # the loop layout (21 s) runs in make test-all
     t = {k: temp(scan, rc) for k, rc in SETTINGS.items()}
     ratio = t["full"] / t["none"]

@@ -18,6 +18,7 @@ def _files(root):
     return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
 
 
+@pytest.mark.slow  # a traced train.py run, ~15 s
 def test_trace_of_the_chosen_steps_is_written_beside_the_log(tmp_path):
     log = tmp_path / "run.jsonl"
     out = io.StringIO()

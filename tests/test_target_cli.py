@@ -118,6 +118,7 @@ def compiled_jaxpr(setup):
     return compile_lib._compiled(setup)[1]
 
 
+@pytest.mark.slow  # ~20 s; test_target_changes_the_compiled_program stays fast
 def test_memory_report_gives_a_verdict_per_method(capsys, monkeypatch):
     """--memory_report --target h200 over two methods: the saved table is traced for cuda (the cuDNN
     core's tagged residuals), the compiled table is XLA:GPU's, and each method gets its verdict. The
@@ -195,6 +196,7 @@ def test_a_host_device_is_the_target_by_platform_and_kind(name, kind, platform, 
     assert run_target._kind_matches(targets.get(name), device) is expected
 
 
+@pytest.mark.slow  # ~12 s
 def test_refused_by_the_tpu_compiler_is_a_verdict_in_one_line(tmp_path):
     """A real train.py process: XLA:TPU refuses a step too large for a v5e; the run says it does not
     fit, with the compiler's figure, in one line on stderr (libtpu's start-up banner dropped), exit 2,

@@ -114,6 +114,7 @@ def test_gradients_match_one_device_gpt2_tensor2():
     _check("gpt2", "t2", "none")
 
 
+@pytest.mark.slow  # ~15 s; GPT-2 over tensor=2 stays fast
 def test_gradients_match_one_device_llama3_data_fsdp_tensor_full_remat():
     _check("llama3", "d2f2t2", "full")
 
@@ -171,6 +172,7 @@ def _distributed_temp(mesh_shape, n_layer=8, batch=8, seq=64):
     return temps, saved_inputs, per_device
 
 
+@pytest.mark.slow  # ~25 s; test_distribute_saved_activations_flag_changes_compiled_step stays fast
 def test_distributed_saved_activations_cut_compiled_temp():
     """Per device, the compiled temp falls by at least (tensor-1)/tensor of the saved region inputs.
 
@@ -224,6 +226,7 @@ def test_distributed_saved_activations_cut_compiled_temp_batch_axes(mesh_name):
     assert temps[None] - temps["tensor"] >= (t - 1) / t * saved_inputs - piece, (temps, saved_inputs, piece)
 
 
+@pytest.mark.slow  # ~12 s
 def test_distributed_saved_activations_on_data_fsdp_tensor_mesh():
     """Distributed saved activations on data x fsdp x tensor: float32 gradients equal one device's, and
     the only all-gathers of a whole (B_local, T, C) activation are the region inputs gathered back

@@ -132,6 +132,7 @@ def test_token_shards_load_no_jax(tmp_path):
 # train.py
 
 
+@pytest.mark.slow  # a train.py run, ~25 s; the shard reading stays fast above
 def test_llmc_llama3_shard_trains(tmp_path):
     """A real train.py run: LLaMA-3 tiny with LLaMA-3's vocabulary on shards llm.c's writer made."""
     llmc_write_datafile(str(tmp_path / "train_000.bin"), _llama3_tokens(4000, seed=1), "llama-3")

@@ -143,6 +143,7 @@ def test_meta_digest_covers_every_field():
 # item 8: the learning-rate schedule on resume
 
 
+@pytest.mark.slow  # ~17 s
 def test_resume_with_more_iterations_keeps_the_saved_schedule(tmp_path, text_file):
     """A finished 6-step run resumed with --num_iterations 12 (as the "already at step" error advises)
     in a real train.py process: steps 7..12 follow the saved schedule (--lr_decay_iters 6: its
@@ -172,6 +173,7 @@ def test_resume_with_more_iterations_keeps_the_saved_schedule(tmp_path, text_fil
                     f"--num_iterations 12; pass --lr_decay_iters to change it)"), line
 
 
+@pytest.mark.slow  # ~12 s
 def test_lr_decay_iters_on_resume_is_compared_as_the_effective_value(tmp_path, text_file):
     """Passing the saved schedule length explicitly is no change (it used to be refused: checkpoint None);
     another length is a deliberate change, allowed and listed."""
