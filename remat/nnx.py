@@ -20,6 +20,7 @@ import zlib
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 # NOTE: `remat` below is Flax's own `nnx.remat` with `remat.checkpoint` in place of
 # `jax.checkpoint`, built from the same NNX transform helpers (`extract`, `graphlib`,
@@ -136,30 +137,69 @@ class LayerStack(nnx.Module):
       (2, 8)
     """
 
-    def __init__(self, layers: Sequence[nnx.Module], recompute: RecomputeConfig = RecomputeConfig(),
-                 prevent_cse: bool = True, rngs: nnx.Rngs | None = None, out=None, scan: bool = False):
-        recompute.validate_for(len(layers))
+    def __init__(self, layers: Sequence[nnx.Module] | nnx.Module, recompute: RecomputeConfig = RecomputeConfig(),
+                 prevent_cse: bool = True, rngs: nnx.Rngs | None = None, out=None, scan: bool = False,
+                 layer_axis_name: str | None = "layers"):
+        if isinstance(layers, nnx.Module):  # the layers stacked in one module (made under nnx.vmap)
+            if not scan:
+                raise ValueError(f"remat.nnx.LayerStack: got one {type(layers).__name__} holding the layers stacked "
+                                 f"along a leading axis (as made under nnx.vmap); that layout runs under lax.scan: "
+                                 f"pass scan=True, or a list of layers")
+            self.n_layers = _stacked_len(layers)
+            self.layers = layers
+        elif scan:
+            layers = list(layers)
+            split = [nnx.split(layer) for layer in layers]
+            for i, (g, _) in enumerate(split[1:], 1):
+                if g != split[0][0]:
+                    raise ValueError(f"remat.nnx.LayerStack(scan=True): layer {i} differs in structure from layer 0 "
+                                     f"({type(layers[i]).__name__} vs {type(layers[0]).__name__}, or different "
+                                     f"submodules/shapes); scan needs identical layers: use scan=False")
+            # NOTE: stacked once, here: the stack holds one module whose every Variable has a
+            # leading layer axis (NNX's own scan-over-layers layout, as `nnx.vmap` makes it), and
+            # each call scans over that state in place, with no per-call copy of the weights.
+            stacked = jax.tree.map(lambda *t: jnp.stack(t), *[s for _, s in split])
+            if layer_axis_name is not None:
+                stacked = nnx.spmd.add_axis(stacked, 0, {nnx.PARTITION_NAME: layer_axis_name})
+            self.n_layers = len(layers)
+            self.layers = nnx.merge(split[0][0], stacked)
+        else:
+            self.n_layers = len(layers)
+            self.layers = nnx.List(list(layers))
+        recompute.validate_for(self.n_layers)
         self.out = out
         self.scan = scan
-        self.layers = nnx.List(list(layers))
+        self.layer_axis_name = layer_axis_name
         self.recompute = recompute
         self.prevent_cse = prevent_cse
         self.rngs = rngs
 
     def __len__(self) -> int:
-        return len(self.layers)
+        return self.n_layers
 
     def __getitem__(self, i):
-        return self.layers[i]
+        """Layer `i`; under scan a new module merged from a slice of the stacked state (a copy:
+        updating it leaves the stack unchanged)."""
+        if not self.scan:
+            return self.layers[i]
+        if not -self.n_layers <= i < self.n_layers:
+            raise IndexError(f"remat.nnx.LayerStack: layer {i} out of range for {self.n_layers} layers")
+        graphdef, state = nnx.split(self.layers)
+        one = jax.tree.map(lambda a: a[i], state)
+        if self.layer_axis_name is not None:
+            try:
+                one = nnx.spmd.remove_axis(one, 0, {nnx.PARTITION_NAME: self.layer_axis_name})
+            except ValueError:  # made under nnx.vmap with another (or no) axis name
+                pass
+        return nnx.merge(graphdef, one)
 
     def __iter__(self):
-        return iter(self.layers)
+        return (self[i] for i in range(self.n_layers)) if self.scan else iter(self.layers)
 
     def __call__(self, x, *args, key=None, **kwargs):
-        split = [nnx.split(layer) for layer in self.layers]
-        graphdefs = [g for g, _ in split]
+        first = self.layers if self.scan else self.layers[0]  # (its type: the stacked module is one layer's)
         if (key is None and self.rngs is not None and "rngs" not in kwargs
-                and not any(isinstance(a, nnx.Rngs) for a in args) and _takes_rngs(self.layers[0])):
+                and not any(isinstance(a, nnx.Rngs) for a in args) and _takes_rngs(first)):
             kwargs = {**kwargs, "rngs": self.rngs}  # layers drawing from an Rngs passed per call (Gemma's way)
         elif key is None and self.rngs is not None:
             key = self.rngs.dropout()
@@ -172,10 +212,11 @@ class LayerStack(nnx.Module):
         # given, so the forward and the recomputation draw the same keys.
         nodes = _Nodes(args, kwargs)
         args, kwargs = nodes.args, nodes.kwargs
-        keys = [(i, None if key is None else jax.random.fold_in(key, i)) for i in range(len(split))]
         if self.scan:
-            return nodes.finish(self._scanned(graphdefs, [s for _, s in split], nodes.carry(x), key, args, kwargs,
-                                              nodes))
+            return nodes.finish(self._scanned(nodes.carry(x), key, args, kwargs, nodes))
+        split = [nnx.split(layer) for layer in self.layers]
+        graphdefs = [g for g, _ in split]
+        keys = [(i, None if key is None else jax.random.fold_in(key, i)) for i in range(len(split))]
 
         # The layer index rides along with its key (a constant) so each layer finds its graphdef;
         # the states and keys are traced. (The regions close over `out`, not `self`: the stack is a
@@ -197,15 +238,10 @@ class LayerStack(nnx.Module):
         return nodes.finish(apply_layers(apply_layer, [s for _, s in split], nodes.carry(x), self.recompute,
                                          keys=keys, args=tuple(args) + (kwargs,), prevent_cse=self.prevent_cse))
 
-    def _scanned(self, graphdefs, states, x, key, args, kwargs, nodes):
-        """The layers under `lax.scan`: one graphdef, the states stacked along a leading axis."""
-        for i, g in enumerate(graphdefs[1:], 1):
-            if g != graphdefs[0]:
-                raise ValueError(f"remat.nnx.LayerStack(scan=True): layer {i} differs in structure from layer 0 "
-                                 f"({type(self.layers[i]).__name__} vs {type(self.layers[0]).__name__}, or different "
-                                 f"submodules/shapes); scan needs identical layers: use scan=False")
-        stacked = jax.tree.map(lambda *t: jax.numpy.stack(t), *states)
-        n = len(states)
+    def _scanned(self, x, key, args, kwargs, nodes):
+        """The layers under `lax.scan` over the stored stacked state (one graphdef)."""
+        graphdef, stacked = nnx.split(self.layers)
+        graphdefs, n = [graphdef], self.n_layers
         keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(jax.numpy.arange(n))
         out = self.out
 
@@ -222,6 +258,17 @@ class LayerStack(nnx.Module):
 
         return apply_layers(apply_layer, stacked, x, self.recompute, keys=keys, args=tuple(args) + (kwargs,),
                             scan=True, prevent_cse=self.prevent_cse)
+
+
+def _stacked_len(module) -> int:
+    """The leading axis every array of `module`'s state shares (its number of stacked layers)."""
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(module))[0]
+    sizes = {jax.tree_util.keystr(p): (getattr(a, "shape", ()) or (None,))[0] for p, a in leaves}
+    if not sizes or len(set(sizes.values())) != 1 or None in sizes.values():
+        raise ValueError(f"remat.nnx.LayerStack(scan=True): the module's state has no common leading layer axis "
+                         f"({', '.join(f'{k}: {v}' for k, v in list(sizes.items())[:4])}); make the layers under "
+                         f"nnx.vmap (with nnx.split_rngs), or pass a list of layers")
+    return int(next(iter(sizes.values())))
 
 
 def _takes_rngs(layer) -> bool:
@@ -281,11 +328,14 @@ class _Nodes:
         return y
 
 
-def stack_paths(state, stack: str = "layers"):
+def stack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
     """A model state with a plain layer list at `stack` (`layers/0/...`, as `nnx.List` keeps it)
-    mapped to the paths of a `LayerStack` stored there (`layers/layers/0/...`); `unstack_paths` is
+    mapped to the paths of a `LayerStack` stored there (`layers/layers/0/...`; with `scan=True`
+    the layers' Variables stacked along a new leading axis, `layers/layers/...` of shape (L, ...),
+    the partitioning metadata getting `layer_axis_name` as the stack gives it); `unstack_paths` is
     the inverse. So a checkpoint of the model without the stack loads into the model with it:
-    `nnx.update(model, stack_paths(restored))`, and back.
+    `nnx.update(model, stack_paths(restored))`, and back. (A model holding its layers stacked
+    already, made under `nnx.vmap`, maps with `scan=False`: only the `layers/` level is added.)
 
     Example:
       >>> st = nnx.State({"layers": {0: {"w": 1}, 1: {"w": 2}}, "head": {"w": 3}})
@@ -293,20 +343,62 @@ def stack_paths(state, stack: str = "layers"):
       [0, 1]
       >>> unstack_paths(stack_paths(st)) == st
       True
+      >>> stack_paths(st, scan=True)["layers"]["layers"]["w"].tolist()
+      [1, 2]
     """
-    out = dict(state.items())
+    out = {k: _nested_dict(v) for k, v in state.items()}
     if stack in out:
-        out[stack] = {"layers": out[stack]}
+        layers = out[stack]
+        if scan:
+            per_layer = [_nested_dict(layers[i]) for i in sorted(layers)]
+            layers = jax.tree.map(_stack, *per_layer, is_leaf=_is_var)
+            if layer_axis_name is not None:
+                layers = nnx.spmd.add_axis(layers, 0, {nnx.PARTITION_NAME: layer_axis_name})
+        out[stack] = {"layers": layers}
     return nnx.State(out) if isinstance(state, nnx.State) else out
 
 
-def unstack_paths(state, stack: str = "layers"):
-    """The inverse of `stack_paths`: `layers/layers/i/...` back to `layers/i/...` (the stack's own
-    `rngs` state, if any, is dropped: the model without the stack has none)."""
-    out = dict(state.items())
+def unstack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
+    """The inverse of `stack_paths`: `layers/layers/i/...` back to `layers/i/...` (with `scan=True`,
+    the stacked `layers/layers/...` sliced into `layers/i/...`; the stack's own `rngs` state, if
+    any, is dropped: the model without the stack has none)."""
+    out = {k: _nested_dict(v) for k, v in state.items()}
     if stack in out and "layers" in out[stack]:
-        out[stack] = _nested_dict(out[stack]["layers"])
+        layers = _nested_dict(out[stack]["layers"])
+        if scan:
+            n = {_leading(v) for v in jax.tree.leaves(layers, is_leaf=_is_var)}
+            if len(n) != 1:
+                raise ValueError(f"remat.nnx.unstack_paths(scan=True): the leaves at {stack}/layers have no common "
+                                 f"leading layer axis (sizes {sorted(n, key=str)}); use scan=False for a loop layout")
+            layers = {i: jax.tree.map(lambda v, i=i: _slice(v, i, layer_axis_name), layers, is_leaf=_is_var)
+                      for i in range(n.pop())}
+        out[stack] = layers
     return nnx.State(out) if isinstance(state, nnx.State) else out
+
+
+def _is_var(v) -> bool:
+    return isinstance(v, nnx.Variable)
+
+
+def _stack(*vs):
+    return vs[0].replace(jnp.stack([v[...] for v in vs])) if _is_var(vs[0]) else jnp.stack(vs)
+
+
+def _leading(v):
+    shape = getattr(v[...] if _is_var(v) else v, "shape", ())
+    return shape[0] if shape else None
+
+
+def _slice(v, i, layer_axis_name):
+    if not _is_var(v):
+        return v[i]
+    one = v.replace(v[...][i])
+    if layer_axis_name is not None:
+        try:
+            one = nnx.spmd.remove_axis(one, 0, {nnx.PARTITION_NAME: layer_axis_name})
+        except ValueError:
+            pass
+    return one
 
 
 def _nested_dict(node):
