@@ -1,0 +1,114 @@
+"""remat.nnx.LayerStack(scan=True) holds its layers stacked (one graphdef, each Variable with a
+leading layer axis, built once) and scans that state in place: no per-call copy of the weights in
+the program (no `concatenate`), compiled temp within a layer's slice and its gradient of the loop
+layout's (XLA:CPU, XLA:GPU for an H200), gradients equal the loop layout's and no remat, layers
+made under `nnx.vmap` accepted, parameter paths mapped both ways, len and indexing."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from remat import RecomputeConfig, targets
+from remat import nnx as rnnx
+from targethelp import GPU, need
+from tinyblocks import rel_err
+
+C, L = 32, 4
+X = jax.random.normal(jax.random.key(1), (8, C))
+FULL = RecomputeConfig(granularity="full")
+
+
+class Blk(nnx.Module):
+    def __init__(self, rngs):
+        self.a, self.b = nnx.Linear(C, 4 * C, rngs=rngs), nnx.Linear(4 * C, C, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.b(jax.nn.gelu(self.a(x)))
+
+
+class Model(nnx.Module):
+    def __init__(self, cfg=None, scan=False):
+        blocks = [Blk(nnx.Rngs(i)) for i in range(L)]
+        self.layers = nnx.List(blocks) if cfg is None else rnnx.LayerStack(blocks, cfg, scan=scan)
+        self.cfg = cfg
+
+    def __call__(self, x):
+        if self.cfg is None:
+            for b in self.layers:
+                x = b(x)
+            return x
+        return self.layers(x)
+
+
+def _grad_fn(model):
+    graphdef, state = nnx.split(model)
+    return (lambda s, x: jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x) ** 2))(s)), state
+
+
+def _layer_bytes(state) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(state)) // L
+
+
+@pytest.mark.parametrize("target", ["cpu", pytest.param(GPU, id="h200")])
+def test_scan_reads_the_stored_stack_in_place(target):
+    if target == GPU:
+        need("cuda")
+    temps, texts = {}, {}
+    for scan in (False, True):
+        f, state = _grad_fn(Model(FULL, scan=scan))
+        cm = targets.compiled_memory(f, state, X, target=target)
+        temps[scan], texts[scan] = cm.temp, targets.lower(f, state, X, target=target).as_text()
+        if scan:
+            # the stack's state is one (L, ...) array per Variable, stored so, not per call
+            assert all(a.shape[0] == L for a in jax.tree.leaves(state))
+            # slack: the scan reads one layer's weights and writes one layer's gradient per step,
+            # each a buffer of one layer's bytes (the compiled arguments, less x, over L)
+            slack = 2 * (cm.argument - X.nbytes) // L
+    assert "concatenate" not in texts[True] and "concatenate" not in str(jax.make_jaxpr(f)(state, X))
+    assert temps[True] <= temps[False] + slack, (temps, slack)
+
+
+# (FULL is slow: its sibling uniform 2 stays fast, and test_own_model.py's scan test covers FULL)
+@pytest.mark.parametrize("cfg", [pytest.param(FULL, marks=pytest.mark.slow),
+                                 RecomputeConfig(granularity="full", method="uniform", num_layers=2)])
+def test_scan_gradients_equal_the_loop_and_no_remat_and_paths_map_both_ways(cfg):
+    plain, loop, scanned = Model(), Model(cfg), Model(cfg, scan=True)
+    nnx.update(loop, rnnx.stack_paths(nnx.state(plain)))
+    nnx.update(scanned, rnnx.stack_paths(nnx.state(plain), scan=True))  # a checkpoint without the stack loads
+    loss = lambda m: jnp.sum(m(X) ** 2)  # noqa: E731
+    ref = nnx.state(nnx.grad(loss)(plain), nnx.Param)
+    g_loop = rnnx.unstack_paths(nnx.state(nnx.grad(loss)(loop), nnx.Param))
+    g_scan = rnnx.unstack_paths(nnx.state(nnx.grad(loss)(scanned), nnx.Param), scan=True)
+    assert jax.tree.structure(g_scan) == jax.tree.structure(ref)
+    assert rel_err(g_scan, ref) <= 1e-5 and rel_err(g_scan, g_loop) <= 1e-5
+    back = rnnx.unstack_paths(nnx.state(scanned), scan=True)  # and back: the round trip is exact
+    assert jax.tree.structure(back) == jax.tree.structure(nnx.state(plain))
+    assert rel_err(back, nnx.state(plain)) == 0.0
+
+
+def test_layers_made_under_nnx_vmap_len_and_indexing():
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Blk(rngs)
+
+    made = make(nnx.Rngs(0))  # NNX's own scan-over-layers layout
+    stack = rnnx.LayerStack(made, FULL, scan=True)
+    assert len(stack) == L and stack.layers is made
+    layer = stack[2]  # a module merged from a slice of the stacked state: a copy
+    np.testing.assert_array_equal(layer.a.kernel[...], made.a.kernel[...][2])
+    assert len(list(stack)) == L and isinstance(layer, Blk)
+    loop = rnnx.LayerStack([stack[i] for i in range(L)], FULL)
+    h = X
+    for i in range(L):
+        h = stack[i](h)
+    np.testing.assert_allclose(stack(X), h, rtol=1e-5, atol=1e-6)
+    g_scan = nnx.state(nnx.grad(lambda m: jnp.sum(m(X) ** 2))(stack), nnx.Param)
+    g_loop = nnx.state(nnx.grad(lambda m: jnp.sum(m(X) ** 2))(loop), nnx.Param)
+    g_scan = rnnx.unstack_paths({"s": g_scan}, stack="s", scan=True)["s"]
+    assert rel_err(jax.tree.leaves(g_scan), jax.tree.leaves(g_loop["layers"])) <= 1e-5
+    with pytest.raises(ValueError, match="scan=True"):
+        rnnx.LayerStack(made, FULL)
+    with pytest.raises(IndexError):
+        stack[L]
