@@ -69,11 +69,14 @@ def _where(path) -> str:
     return "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path[:-1])
 
 
-def _check_unchanged(i: int, before, module, reseeded: bool) -> None:
+def _check_unchanged(i: int, before, module, reseeded: bool, allowed=None) -> None:
     """Raise ValueError when layer `i` changed its state during the call (RNG counters excepted
-    when the stack reseeded them)."""
+    when the stack reseeded them, Variables of type `allowed` always)."""
     (old, counters), (new, _) = before, _snapshot(module)
     old, new = dict(old), dict(new)
+    if allowed is not None:
+        skip = {p for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(module, allowed))[0]}
+        old, new = ({p: v for p, v in d.items() if p not in skip} for d in (old, new))
     added = [p for p in new if p not in old]
     if added:
         kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(nnx.state(module))
@@ -212,7 +215,12 @@ class LayerStack(nnx.Module):
         # given, so the forward and the recomputation draw the same keys.
         nodes = _Nodes(args, kwargs)
         args, kwargs = nodes.args, nodes.kwargs
+        caching = _has_cache(self.layers)
         if self.scan:
+            if caching:
+                raise ValueError("remat.nnx.LayerStack(scan=True) cannot write a decode cache back per layer (its "
+                                 "layers hold nnx.Cache state, e.g. MultiHeadAttention(decode=True) after init_cache); "
+                                 "use scan=False, whose layers carry their caches out of the regions")
             return nodes.finish(self._scanned(nodes.carry(x), key, args, kwargs, nodes))
         split = [nnx.split(layer) for layer in self.layers]
         graphdefs = [g for g, _ in split]
@@ -221,22 +229,34 @@ class LayerStack(nnx.Module):
         # The layer index rides along with its key (a constant) so each layer finds its graphdef;
         # the states and keys are traced. (The regions close over `out`, not `self`: the stack is a
         # pytree of the very states passed in, and a closure over traced values costs a hoisting.)
+        # NOTE: decode caches. A layer's nnx.Cache state (a KV cache and its index) is the one
+        # state a layer may change: its new value rides out of the layer (and of its region) beside
+        # x, keyed by the layer index, and is written into the layer after the call, as a plain
+        # loop of layers would leave it. A recompute region re-runs from the cache it was given.
         out = self.out
 
         def apply_layer(state, h, ik, *a):
             i, k = ik
             *a, kw = a
+            h, upd = h if caching else (h, None)
             h, (a, kw), done = nodes.enter(h, a, kw)
             module = nnx.merge(graphdefs[i], state)
             if k is not None:
                 _reseed(module, k)
             before = _snapshot(module)
             y = module(h, *a, **kw)
-            _check_unchanged(i, before, module, k is not None)
-            return done(_select(out, y, h, i, _signature(module)))
+            _check_unchanged(i, before, module, k is not None, allowed=nnx.Cache if caching else None)
+            y = done(_select(out, y, h, i, _signature(module)))
+            return (y, {**upd, i: nnx.state(module, nnx.Cache)}) if caching else y
 
-        return nodes.finish(apply_layers(apply_layer, [s for _, s in split], nodes.carry(x), self.recompute,
-                                         keys=keys, args=tuple(args) + (kwargs,), prevent_cse=self.prevent_cse))
+        h = (nodes.carry(x), {}) if caching else nodes.carry(x)
+        result = apply_layers(apply_layer, [s for _, s in split], h, self.recompute, keys=keys,
+                              args=tuple(args) + (kwargs,), prevent_cse=self.prevent_cse)
+        if caching:
+            result, upd = result
+            for i, cache in upd.items():
+                nnx.update(self.layers[i], cache)
+        return nodes.finish(result)
 
     def _scanned(self, x, key, args, kwargs, nodes):
         """The layers under `lax.scan` over the stored stacked state (one graphdef)."""
@@ -258,6 +278,10 @@ class LayerStack(nnx.Module):
 
         return apply_layers(apply_layer, stacked, x, self.recompute, keys=keys, args=tuple(args) + (kwargs,),
                             scan=True, prevent_cse=self.prevent_cse)
+
+
+def _has_cache(layers) -> bool:
+    return bool(jax.tree.leaves(nnx.state(layers, nnx.Cache)))
 
 
 def _stacked_len(module) -> int:

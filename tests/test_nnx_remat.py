@@ -126,3 +126,51 @@ def test_stored_stack_len_indexing_and_an_original_checkpoint_loads_both_ways():
     back = rnnx.unstack_paths(nnx.state(stacked))
     assert jax.tree.structure(back) == jax.tree.structure(nnx.state(plain))
     equal(back, nnx.state(plain))
+
+
+# Decode caches through the stack -------------------------------------------------------------------
+
+F, TD = 16, 4
+
+
+class AttnBlock(nnx.Module):
+    """NNX's own MultiHeadAttention in decode mode: its nnx.Cache changes on every call."""
+
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=F, decode=True, rngs=rngs)
+        self.lin = nnx.Linear(F, F, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(x)
+        return x + jnp.tanh(self.lin(x))
+
+
+def _attn_blocks():
+    blocks = [AttnBlock(nnx.Rngs(i)) for i in range(L)]
+    for b in blocks:
+        b.attn.init_cache((2, TD, F))
+    return blocks
+
+
+XD = jax.random.normal(jax.random.key(4), (2, TD, F))
+
+
+@pytest.mark.parametrize("cfg", [RecomputeConfig(), RecomputeConfig(granularity="full", method="uniform", num_layers=2)])
+def test_decode_through_the_stack_is_token_identical_to_the_layers_without_it(cfg):
+    plain, stack = _attn_blocks(), rnnx.LayerStack(_attn_blocks(), cfg)
+    step = nnx.jit(lambda m, x: m(x))
+    ref, got = [], []
+    for t in range(TD):
+        h = XD[:, t:t + 1]
+        for b in plain:
+            h = b(h)
+        ref.append(h)
+        got.append(step(stack, XD[:, t:t + 1]))
+    np.testing.assert_array_equal(jnp.concatenate(got, 1), jnp.concatenate(ref, 1))
+    assert int(stack[L - 1].attn.cache_index[...]) == TD  # every layer's cache was written back
+    equal(nnx.state(stack.layers, nnx.Cache), nnx.state(nnx.List(plain), nnx.Cache))
+
+
+def test_decode_under_scan_is_refused_naming_scan_false():
+    with pytest.raises(ValueError, match="scan=False"):
+        rnnx.LayerStack(_attn_blocks(), FULL, scan=True)(XD[:, :1])
