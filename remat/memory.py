@@ -138,7 +138,48 @@ def saved_residuals(fn, *args) -> SavedResiduals:
         dtype = str(aval.dtype) if hasattr(aval, "dtype") else "?"
         host = "host" in str(getattr(aval, "memory_space", "")).lower()
         rows.append(Residual(name, tuple(getattr(aval, "shape", ())), dtype, _nbytes(aval), src, kind, host))
+    if any(r.kind == "intermediate" and r.name in _VIEW_PRIMITIVES for r in rows):
+        views = _argument_views(fn, args, rows)
+        if views is not None:
+            rows = [dataclasses.replace(r, kind="argument", name=f"{r.name} of an argument") if v else r
+                    for r, v in zip(rows, views)]
     return SavedResiduals(tuple(rows))
+
+
+# NOTE: argument views. Under `lax.scan` a stack's parameters enter the loop reshaped or sliced
+# per group of layers (`remat.stack.apply_layers`), so JAX lists those reshapes among the saved
+# values ("output of reshape"), though they are the arguments' own bytes seen through a new shape,
+# not activations. A saved value computed from an argument by these shape-only primitives alone
+# (offsets aside) is counted as an argument, so `intermediates` counts the same activations in
+# every layout. A cast is a new buffer and stays an intermediate.
+_VIEW_PRIMITIVES = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "slice",
+                              "dynamic_slice", "copy", "copy_p", "reduce_precision"})
+
+
+def _argument_views(fn, args, rows):
+    """Per row of `rows` (JAX's saved-residual order): whether it is a shape-only view of an
+    argument; None when the program traced here does not line up with the rows."""
+    from jax.extend.core import Literal
+    leaves, tree = jax.tree.flatten(args)
+    closed, out_shape = jax.make_jaxpr(lambda *a: jax.vjp(lambda *b: fn(*jax.tree.unflatten(tree, b)), *a),
+                                       return_shape=True)(*leaves)
+    jaxpr = closed.jaxpr
+    outs = jaxpr.outvars[len(jaxpr.outvars) - len(jax.tree.leaves(out_shape[1])):]
+    subst = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive.name == "reduce_precision"}
+    res = {subst.get(v, v) for v in outs if not isinstance(v, Literal)}
+    views = set(jaxpr.invars)
+    for e in jaxpr.eqns:
+        first, *rest = e.invars or [None]
+        if (e.primitive.name in _VIEW_PRIMITIVES and not isinstance(first, Literal) and first in views
+                and all(isinstance(v, Literal) or v.aval.shape == () for v in rest)):
+            views.update(e.outvars)
+    flags = [False] * sum(isinstance(v, Literal) for v in outs)
+    flags += [False for v in list(jaxpr.constvars) + list(jaxpr.invars) if v in res]
+    flags += [v in views for e in jaxpr.eqns for v in e.outvars if v in res]
+    shapes = [tuple(v.aval.shape) for e in jaxpr.eqns for v in e.outvars if v in res]
+    if len(flags) != len(rows) or shapes != [r.shape for r in rows[len(rows) - len(shapes):]]:
+        return None
+    return flags
 
 
 @dataclasses.dataclass(frozen=True)

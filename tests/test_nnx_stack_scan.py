@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from remat import RecomputeConfig, targets
+from remat.memory import saved_residuals
 from remat import nnx as rnnx
 from targethelp import GPU, need
 from tinyblocks import rel_err
@@ -112,3 +113,19 @@ def test_layers_made_under_nnx_vmap_len_and_indexing():
         rnnx.LayerStack(made, FULL)
     with pytest.raises(IndexError):
         stack[L]
+
+
+@pytest.mark.parametrize("cfg", [FULL, RecomputeConfig(granularity="full", method="uniform", num_layers=2)])
+def test_saved_report_under_scan_counts_activations_only(cfg):
+    saved = {}
+    for scan in (False, True):
+        graphdef, state = nnx.split(Model(cfg, scan=scan))
+        saved[scan] = saved_residuals(lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x) ** 2), state, X)
+    # the weights enter the scan reshaped per group of layers (uniform 2: (L/2, 2, ...)); those views
+    # of the arguments are arguments, not saved activations
+    kernels = {a.shape[1:] for a in jax.tree.leaves(state) if a.ndim == 3}
+    assert any(r.name.startswith("reshape") for r in saved[True].rows) == (cfg.method == "uniform")
+    assert not [r for r in saved[True].rows if r.kind != "argument" and tuple(r.shape[-2:]) in kernels]
+    # the same activations as the loop layout; the scan's stacked layer inputs hold a copy of its
+    # first input too, an argument (x) in the loop layout
+    assert saved[True].intermediates == saved[False].intermediates + X.nbytes
