@@ -115,16 +115,23 @@ class LayerStack(nnx.Module):
     between layers and calls and are the same with and without remat.
 
     Args:
-      layers: the layers, each `layer(x, *args, **kwargs) -> x` (or `out(layer(...))`).
+      layers: the layers, each `layer(x, *args, **kwargs) -> x` (or `out(layer(...))`); with
+        `scan=True` also one module holding them stacked. A layer's `nnx.Cache` (a decode KV
+        cache) may change during the call: it is written back per layer (loop layout).
       recompute: the RecomputeConfig.
       prevent_cse: passed to `jax.checkpoint`.
       rngs: the stack's RNG streams (its `dropout` stream, else `default`), or None.
       out: picks x out of what a layer returns, for layers returning more than x (e.g.
         `lambda y: y[1]` for `(cache, x)`); a layer returning anything but x without it raises,
         naming the layer and its signature.
-      scan: run the layers under `lax.scan` (constant compile time in depth): their states are
-        stacked along a new leading axis at each call, so every layer must have the same structure
-        (graphdef). Gradients reach each layer's own parameters.
+      scan: run the layers under `lax.scan` (constant compile time in depth). The stack then holds
+        them as one module whose Variables have a leading layer axis, stacked once here (every layer
+        must have the same structure, graphdef), or takes such a module as `layers` (made under
+        `nnx.vmap`, NNX's scan-over-layers layout); each call scans that state in place, with no
+        copy of the weights. `stack[i]` is then a copy merged from a slice. Decode caches are
+        refused under scan (use scan=False).
+      layer_axis_name: under `scan`, the name of the leading layer axis added to partitioning
+        metadata when the stack stacks the layers itself.
     Call: `stack(x, *args, key=None, **kwargs)`; `key` (a typed or raw PRNG key) replaces the draw
     from `rngs`; `args` and `kwargs` go to every layer.
     Example:
