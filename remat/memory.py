@@ -138,7 +138,8 @@ def saved_residuals(fn, *args) -> SavedResiduals:
         dtype = str(aval.dtype) if hasattr(aval, "dtype") else "?"
         host = "host" in str(getattr(aval, "memory_space", "")).lower()
         rows.append(Residual(name, tuple(getattr(aval, "shape", ())), dtype, _nbytes(aval), src, kind, host))
-    if any(r.kind == "intermediate" and r.name in _VIEW_PRIMITIVES for r in rows):
+    inter = {r.name for r in rows if r.kind == "intermediate"}
+    if "scan" in inter and inter & _VIEW_PRIMITIVES:
         views = _argument_views(fn, args, rows)
         if views is not None:
             rows = [dataclasses.replace(r, kind="argument", name=f"{r.name} of an argument") if v else r
@@ -151,7 +152,9 @@ def saved_residuals(fn, *args) -> SavedResiduals:
 # values ("output of reshape"), though they are the arguments' own bytes seen through a new shape,
 # not activations. A saved value computed from an argument by these shape-only primitives alone
 # (offsets aside) is counted as an argument, so `intermediates` counts the same activations in
-# every layout. A cast is a new buffer and stays an intermediate.
+# every layout. A cast is a new buffer and stays an intermediate. The check traces the program a
+# second time, so it runs only where a scan's outputs are saved beside such a view (the scan
+# layout), and other programs are traced once.
 _VIEW_PRIMITIVES = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "slice",
                               "dynamic_slice", "copy", "copy_p", "reduce_precision"})
 
