@@ -47,10 +47,6 @@ def _grad_fn(model):
     return (lambda s, x: jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x) ** 2))(s)), state
 
 
-def _layer_bytes(state) -> int:
-    return sum(a.nbytes for a in jax.tree.leaves(state)) // L
-
-
 @pytest.mark.parametrize("target", ["cpu", pytest.param(GPU, id="h200")])
 def test_scan_reads_the_stored_stack_in_place(target):
     if target == GPU:
