@@ -13,8 +13,8 @@ remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here ta
 xla cores never keep their probabilities.
 
 # NOTE: lean residuals. A plain JAX formulation keeps what autodiff finds convenient: GELU's and
-# LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs; ~800 MiB for the
-# reference GPT-2 (MEASUREMENTS.md) against PyTorch eager's 333 MiB. Each piece below is a
+# LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs: more than PyTorch
+# eager keeps for the same model (docs/BENCHMARKS.md compares them). Each piece below is a
 # `jax.custom_vjp` that keeps what PyTorch's kernels keep and recomputes the rest:
 #   layer_norm / rms_norm: the input and per-row statistics (the weights are arguments);
 #   gelu_tanh: its input; swiglu: its two inputs;
