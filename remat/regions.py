@@ -55,42 +55,44 @@ class Layers(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Uniform(Layers):
-    """Each run of `n` consecutive layers is one region (Megatron's method `uniform`)."""
+class _Megatron(Layers):
+    """Megatron's methods: `n` (its `num_layers`) layers per region or checkpointed, at most n_layer."""
     n: int
     field = "num_layers"
+    method = ""  # the Megatron method the spec is
 
     def __post_init__(self):
-        _check_n(self.n, "uniform", "layers per region")
+        if not is_int(self.n):
+            raise refuse("{recompute num_layers} must be an int", num_layers=self.n, valid="an int >= 1")
+        if self.n < 1:
+            raise refuse(f"{{recompute num_layers}} must be >= 1 with {{method={self.method}}} (the number of layers "
+                         "per region for uniform, of checkpointed layers for block)", num_layers=self.n,
+                         method=self.method, valid="an int >= 1")
 
     def __repr__(self):
-        return f"uniform({self.n})"
+        return f"{self.method}({self.n})"
+
+    def check(self, n_layers):
+        if self.n > n_layers:
+            raise refuse(f"{{recompute_num_layers}} exceeds n_layer={n_layers}; use 1..{n_layers}", num_layers=self.n,
+                         valid=f"1..{n_layers}")
+
+
+class Uniform(_Megatron):
+    """Each run of `n` consecutive layers is one region (Megatron's method `uniform`)."""
+    method = "uniform"
 
     def split(self, n_layers):
         return tuple(Segment(i, min(i + self.n, n_layers), True) for i in range(0, n_layers, self.n))
 
-    def check(self, n_layers):
-        _check_num_layers(self.n, n_layers)
 
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class Block(Layers):
+class Block(_Megatron):
     """The first `n` layers are each a region; the rest run without remat (Megatron's method `block`)."""
-    n: int
-    field = "num_layers"
-
-    def __post_init__(self):
-        _check_n(self.n, "block", "checkpointed layers")
-
-    def __repr__(self):
-        return f"block({self.n})"
+    method = "block"
 
     def split(self, n_layers):
         segs = [Segment(i, i + 1, True) for i in range(self.n)]
         return tuple(segs + ([Segment(self.n, n_layers, False)] if self.n < n_layers else []))
-
-    def check(self, n_layers):
-        _check_num_layers(self.n, n_layers)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -282,21 +284,6 @@ def per_layer(policies) -> PerLayer:
       [(0, 1, False), (1, 2, True), (2, 3, True)]
     """
     return PerLayer(policies)
-
-
-def _check_n(n, method: str, what: str) -> None:
-    if not is_int(n):
-        raise refuse("{recompute num_layers} must be an int", num_layers=n, valid="an int >= 1")
-    if n < 1:
-        raise refuse(f"{{recompute num_layers}} must be >= 1 with {{method={method}}} (the number of layers per "
-                     "region for uniform, of checkpointed layers for block)", num_layers=n, method=method,
-                     valid="an int >= 1")
-
-
-def _check_num_layers(n: int, n_layers: int) -> None:
-    if n > n_layers:
-        raise refuse(f"{{recompute_num_layers}} exceeds n_layer={n_layers}; use 1..{n_layers}", num_layers=n,
-                     valid=f"1..{n_layers}")
 
 
 def parse_segments(spec: str) -> tuple:
