@@ -100,7 +100,8 @@ def test_cpu_programs_are_not_fenced():
 def test_offloading_policies_are_recognized():
     assert policies.offloads("offload_names:qkv") and policies.offloads("custom:qkv=offload")
     assert policies.offloads("bf16:offload_names:qkv")
-    assert policies.offloads(jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"))
+    # a JAX policy a factory built is opaque (nothing reads its closure): only tracing the region tells
+    assert policies.offloads(jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")) is None
     assert not policies.offloads("save_names:qkv") and not policies.offloads("custom:qkv=device")
     assert policies.offloads(lambda *a, **k: True) is None  # unknown make: checkpoint traces the region
     mine = policies.get("offload_names:mlp_up")

@@ -200,8 +200,7 @@ def analytic(a, recompute_kwargs) -> dict:
     rc, L, T, C = cfg.recompute, cfg.n_layer, a.seq, cfg.n_embd
     rule = policies.by_name(rc.effective_policy()) if rc.enabled and not isinstance(rc.layers, regions.PerLayer) else None
     if rule is not None and rule.offload:  # the device keeps what the policy saves
-        save = jax.checkpoint_policies.save_only_these_names(*sorted(rule.save))
-        rc = RecomputeConfig(**{**recompute_kwargs, "policy": save})
+        rc = RecomputeConfig(**{**recompute_kwargs, "policy": policies.Policy(save=rule.save)})
     saved = []
     for b in (1, 2):
         layer, head = memory_model.activation_bytes(cfg, b, T)
