@@ -1,5 +1,18 @@
 """The forward-vs-recompute check: CheckpointError and trace-time aval comparison.
 
+The rules of `determinism_check` (`remat.checkpoint` and `RecomputeConfig`; the one statement of
+them, which `remat.config.check_region` enforces): only the reentrant path (`use_reentrant=True`)
+traces the region again, so only it can recompute something else than the forward ran;
+`jax.checkpoint` traces once and recomputes that program.
+- None (default): the check that applies: on the reentrant path the recomputation's output shapes,
+  dtypes and shardings against the forward's, at trace time; nothing on `jax.checkpoint`.
+- False: no check.
+- With `use_reentrant=True` only (refused elsewhere, never silently ignored): True (that same
+  check), `"structure"` (also the traced programs, `fingerprint`; the backward differentiates the
+  forward's own program) or `"values"` (debugging, costs memory: the forward's outputs are kept and
+  compared with the recomputed values at run time, CheckpointError above
+  `remat.checkpoint.VALUES_RTOL`).
+
 # NOTE: why this costs nothing at run time. The forward emits, for every output leaf, a zero-size
 # array `zeros((0,) + shape, dtype)` as an extra residual. Its aval carries the forward's shape and
 # dtype into the backward, where the recomputation's avals are compared at trace time; the arrays
@@ -45,7 +58,7 @@ def _sharding_spec(x):
     return tuple(spec)
 
 
-def describe(shape, dtype, spec=None) -> str:
+def aval_text(shape, dtype, spec=None) -> str:
     s = f"{jnp.dtype(dtype).name}{list(shape)}"
     return s if spec is None else f"{s} sharded {spec}"
 
@@ -73,7 +86,7 @@ def compare_outputs(region: str, out_tree, marks, specs, recomputed) -> None:
             where = jax.tree_util.keystr(path) or "<output>"
             raise CheckpointError(
                 f"checkpoint region {region!r}, output {where}: forward produced "
-                f"{describe(*fwd, spec)} but the recomputation produced {describe(*rec, rspec)}. "
+                f"{aval_text(*fwd, spec)} but the recomputation produced {aval_text(*rec, rspec)}. "
                 f"The function must trace identically every time it is called (no Python-side state "
                 f"or flags that change between the forward and the backward).")
 

@@ -80,30 +80,6 @@ def _is_inexact(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _flatten(args: tuple, static_argnums: Sequence[int]):
-    """Split `args` into traced leaves and a function rebuilding the args from them (reentrant path).
-
-    The rebuild function keeps only the constants (never a traced leaf), so a custom_vjp holding
-    it leaks no tracer."""
-    n = len(args)
-    static = {i % n for i in static_argnums}
-    marked = tuple(_Static(a) if i in static else a for i, a in enumerate(args))
-    leaves, tree = jax.tree.flatten(marked, is_leaf=lambda x: isinstance(x, _Static) or x is None)
-    traced = [_is_traced(l) for l in leaves]
-    dyn = [l for l, t in zip(leaves, traced) if t]
-    consts = [None if t else (l.value if isinstance(l, _Static) else l) for l, t in zip(leaves, traced)]
-    owner = [i for i, a in enumerate(marked)
-             for _ in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, _Static) or x is None)]
-    dyn_arg = [o for o, t in zip(owner, traced) if t]
-    del leaves
-
-    def rebuild(dyn_vals):
-        it = iter(dyn_vals)
-        return jax.tree.unflatten(tree, [next(it) if t else c for c, t in zip(consts, traced)])
-
-    return dyn, rebuild, dyn_arg
-
-
 def _on_device(x) -> bool:
     space = getattr(jax.typeof(x), "memory_space", None)
     return space is None or "host" not in str(space).lower()
@@ -133,8 +109,8 @@ def _fence(out, res):
     # asynchronous copy-start/copy-done pair, and its latency-hiding scheduler starts the copy as
     # late as the copy's latency allows before its one use, the copy back in the backward. So in a
     # loop of layers the device buffer lives from the forward to the backward next to its host copy
-    # (GPT-2 d12: 1.9 GiB device temp for `offload_names:qkv,mlp_up`, more than saving the values on
-    # the device). The barrier gives the copy a consumer in the forward. The residuals stay the
+    # (more device temp than saving the values on the device; docs/offload.md has the measurement).
+    # The barrier gives the copy a consumer in the forward. The residuals stay the
     # barrier's inputs, not its outputs: inside `lax.scan` XLA's host offloader fails on a
     # host-memory barrier output that is stacked by the loop.
     """
@@ -536,16 +512,9 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
       use_reentrant: False (default) is `jax.checkpoint` with `policy`; True is a `jax.custom_vjp`
         that saves only the inputs and re-traces `fn` in the backward (reverse mode only: forward
         mode raises, naming `use_reentrant=False`).
-      determinism_check: what to compare between the forward and the recomputation. None
-        (default): the check that applies: with `use_reentrant=True` the recomputation's output
-        shapes, dtypes and shardings against the forward's at trace time; on `jax.checkpoint` none
-        (it traces once and recomputes that program: nothing can differ). False: no check. With
-        `use_reentrant=True` only (elsewhere refused): True (the shape/dtype/sharding check),
-        `"structure"` (also the traced programs: operations and their parameters, wiring, shapes,
-        dtypes, literal values and closed-over constant values, `remat.check.fingerprint`; the
-        backward differentiates the forward's own program) or `"values"` (debugging, costs memory:
-        also keeps the forward's outputs and compares the recomputed values at run time, raising
-        CheckpointError above VALUES_RTOL).
+      determinism_check: what to compare between the forward and the recomputation: None (default,
+        the check that applies), False, or with `use_reentrant=True` True, `"structure"`, `"values"`
+        (the rules: `remat.check`).
       name: region name used in error messages (default `fn.__name__`).
       tie_to_cotangent: (non-reentrant) make the recomputation wait for the region's output
         cotangent, so XLA cannot schedule it early and the compiled peak really falls (see the

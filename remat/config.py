@@ -2,20 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Literal, Union
+from typing import Callable, Union
 
 from remat import names as _names
 from remat import policies as _policies
 from remat import regions as _regions
 from remat import errors as _errors
-from remat.errors import RecomputeConfigError, lit, refuse
+from remat.errors import RecomputeConfigError, is_int, lit, refuse
 from remat.regions import parse_segments  # noqa: F401  (its home was here)
 
 GRANULARITIES = ("none", "full", "selective")
 METHODS = ("none", "uniform", "block")
 DETERMINISM_CHECKS = (None, True, False, "structure", "values")
-# The keywords that spell which layers are regions, besides `layers` and Megatron's method/num_layers.
-LAYER_KEYWORDS = ("segments", "every", "regions", "layer_policies")
 
 
 def check_region(use_reentrant: bool, policy, determinism_check, enabled: bool = True) -> None:
@@ -30,12 +28,7 @@ def check_region(use_reentrant: bool, policy, determinism_check, enabled: bool =
             or determinism_check in ("structure", "values")):
         raise refuse("{determinism_check} is not valid; use None (the check that applies), True, False, "
                      "'structure' or 'values'", determinism_check=determinism_check, valid=DETERMINISM_CHECKS)
-    # NOTE: jax.checkpoint (the non-reentrant path) traces the function once and recomputes that very
-    # program, so there is no second trace whose shapes, program or values could differ: no check
-    # applies there. The default, None, means "the check that applies" (shapes, dtypes and shardings
-    # on the reentrant path, nothing on jax.checkpoint); False means none; any other value asks for a
-    # check that only the reentrant path can make, so without use_reentrant=True it is refused
-    # rather than silently ignored.
+    # determinism_check's rules: remat/check.py's docstring.
     if determinism_check not in (None, False) and enabled and not use_reentrant:
         raise refuse("{determinism_check} needs {use_reentrant=True} (jax.checkpoint traces once and recomputes "
                      "that same program, so only the reentrant path, which traces again, can differ); add "
@@ -64,13 +57,9 @@ class RecomputeConfig:
         `"core_attn,mlp"`); granularity `selective` only, default `("core_attn",)`.
       use_reentrant: (a bool) recompute through a `jax.custom_vjp` that saves only region inputs,
         instead of `jax.checkpoint`. Granularity `full` only.
-      determinism_check: what to compare between the forward and the recomputation, which only the
-        reentrant path can differ in (it traces the layer again). None (default): the check that
-        applies: output shapes, dtypes and shardings at trace time with `use_reentrant=True`, none
-        on `jax.checkpoint` (one trace, nothing can differ). With `use_reentrant=True` only: True
-        (that same check), `"structure"` (also the traced program: operations, shapes, dtypes,
-        literal and constant values; see `remat.check.fingerprint`) or `"values"` (also the values
-        at run time, for debugging). False: no check.
+      determinism_check: what to compare between the forward and the recomputation: None (default,
+        the check that applies), False, or with `use_reentrant=True` True, `"structure"`, `"values"`
+        (the rules: `remat.check`).
       shard_saved_axis: a mesh axis name: each region keeps its input (B, T, C) sharded along T over
         that axis between forward and backward and all-gathers it before recomputing (Megatron's
         distribute_saved_activations). Granularity `full` (as in Megatron), not with
@@ -80,10 +69,8 @@ class RecomputeConfig:
       layers: which layers are regions, one `remat.regions` value: `remat.uniform(n)`,
         `remat.block(n)`, `remat.every(k)`, `remat.segments((0, 3), (3, 5))`, `remat.count(n)`,
         `remat.per_layer(policies)`; None (default): each layer is a region. Granularity `full`.
-      segments, every, regions, layer_policies: other spellings of `layers` (`segments((0, 3), (3, 5))`
-        or `"0-3,3-5"`, `every(k)`, `count(n)`, `per_layer(policies)`), accepted and turned into it;
-        read back, each gives the part of `layers` it spells (else None), as `method` and
-        `num_layers` do for `uniform`/`block`.
+        `method`/`num_layers` are Megatron's spelling of `uniform(n)`/`block(n)`: either may be
+        given (or both, when they agree), and both are filled in from the other.
     Every setting that would be ignored is refused (RecomputeConfigError naming both fields): a
     policy, modules, use_reentrant or a determinism check with granularity `none`, modules outside
     `selective` or beside a policy, num_layers without `uniform`/`block`, two choices of the regions.
@@ -93,18 +80,14 @@ class RecomputeConfig:
       >>> RecomputeConfig(granularity="full", layers=_regions.uniform(2)).method
       'uniform'
     """
-    granularity: Literal["none", "full", "selective"] = "none"
-    method: Literal["none", "uniform", "block"] = "none"
+    granularity: str = "none"  # one of GRANULARITIES
+    method: str = "none"  # one of METHODS
     num_layers: int = 1
     policy: str | Callable | None = None
     modules: tuple[str, ...] | None = None
     use_reentrant: bool = False
     determinism_check: Union[bool, str, None] = None
-    layer_policies: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
     shard_saved_axis: str | None = None
-    segments: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
-    every: int | None = dataclasses.field(default=None, repr=False, compare=False)
-    regions: int | None = dataclasses.field(default=None, repr=False, compare=False)
     offload_inputs: bool = False
     layers: _regions.Layers | None = None
 
@@ -120,7 +103,7 @@ class RecomputeConfig:
         if m not in METHODS:
             raise refuse(f"{{recompute method}} is not valid; use one of {', '.join(METHODS)}", method=m,
                          valid=METHODS)
-        if not _is_int(n):
+        if not is_int(n):
             raise refuse("{recompute num_layers} must be an int", num_layers=n, valid="an int >= 1")
         method_layers = {"uniform": _regions.uniform, "block": _regions.block}[m](n) if m != "none" else None
         if g == "none" and m != "none":
@@ -156,14 +139,6 @@ class RecomputeConfig:
                          "with {use_reentrant!n}, or drop {use_reentrant!n}", use_reentrant=True, granularity=g)
         check_region(self.use_reentrant, self.policy, self.determinism_check, self.enabled)
         self._resolve_layers(method_layers)
-        if self.layer_policies is not None:
-            for i, p in enumerate(self.layer_policies):
-                if p is not None:
-                    try:
-                        _policies.validate(p)
-                    except ValueError as e:
-                        raise refuse(f"{{layer_policies!n}}[{i}]: {lit(e)}",
-                                     layer_policies=self.layer_policies) from None
         axis = self.shard_saved_axis
         if axis is not None:
             if not isinstance(axis, str):
@@ -209,56 +184,39 @@ class RecomputeConfig:
                          modules=shown_modules, policy=self.policy)
 
     def _resolve_layers(self, method_layers) -> None:
-        """Turn the spellings of which layers are regions into the one value `layers`, refusing two
-        different ones and one the granularity cannot use, then fill in the other spellings."""
-        g, m = self.granularity, self.method
-        spelled = {}  # keyword -> the spec it spells (a keyword that fails to build raises here)
-        for field, build in zip(LAYER_KEYWORDS, (_regions.Segments, _regions.Every, _regions.Count,
-                                                 _regions.PerLayer)):
-            if getattr(self, field) is not None:
-                spelled[field] = build(getattr(self, field))
-        layers = self.layers
-        if layers is not None:
-            if not isinstance(layers, _regions.Layers):
-                raise refuse("{layers} is not a region spec; use remat.uniform(n), remat.block(n), remat.every(k), "
-                             "remat.segments(...), remat.count(n) or remat.per_layer(...)", layers=layers,
-                             valid="a remat.regions spec")
-            # the other spellings may only repeat it (dataclasses.replace passes them all)
-            for field, spec in list(spelled.items()) + ([("method", method_layers)] if method_layers else []):
-                if spec != layers:
-                    raise refuse(f"{{recompute layers}} and {{{field}}} each say which layers are regions; pass only "
-                                 "one", layers=layers, **{field: getattr(self, field)})
-            if g != "full":
-                raise refuse("{recompute layers} applies to {granularity=full} only; with {granularity} "
-                             + ("recompute is off" if g == "none" else "each layer is a region"),
-                             layers=layers, granularity=g, valid="granularity 'full'")
-            if isinstance(layers, _regions.PerLayer) and (self.use_reentrant or self.policy is not None):
+        """Check `layers` (Megatron's method/num_layers may spell the same value) and fill in the other
+        spelling: `method`/`num_layers` for `uniform`/`block`, `layers` for a method."""
+        layers, g = self.layers, self.granularity
+        if layers is None:
+            layers = method_layers
+        elif not isinstance(layers, _regions.Layers):
+            raise refuse("{layers} is not a region spec; use remat.uniform(n), remat.block(n), remat.every(k), "
+                         "remat.segments(...), remat.count(n) or remat.per_layer(...)", layers=layers,
+                         valid="a remat.regions spec")
+        elif method_layers is not None and method_layers != layers:
+            raise refuse("{recompute layers} and {method} each say which layers are regions; pass only one",
+                         layers=layers, method=self.method)
+        if layers is None:
+            return
+        if g != "full":
+            raise refuse("{recompute layers} applies to {granularity=full} only; with {granularity} "
+                         + ("recompute is off" if g == "none" else "each layer is a region"),
+                         layers=layers, granularity=g, valid="granularity 'full'")
+        if isinstance(layers, _regions.PerLayer):
+            if self.use_reentrant or self.policy is not None:
                 raise refuse("{recompute layers} (one policy per layer) needs no {policy!n} and no "
                              "{use_reentrant!n}: it already says what every layer does", layers=layers,
                              policy=self.policy, use_reentrant=self.use_reentrant)
-        else:
-            manual = [f for f in ("segments", "every", "regions") if f in spelled]
-            if len(manual) > 1:
-                raise refuse(" and ".join(["{recompute %s!n}" % manual[0]] + ["{%s!n}" % f for f in manual[1:]])
-                             + " each say which layers are regions; pass only one",
-                             **{f: spelled[f].spelling()[f] for f in manual})
-            if manual and (g != "full" or m != "none" or "layer_policies" in spelled):
-                field = manual[0]
-                other = ("method", "granularity") if m != "none" else ("granularity", "method")
-                raise refuse(f"{{recompute {field}}} needs {{granularity=full}} and {{method=none}} (it replaces "
-                             "the method) and no {layer_policies!n}; got {granularity}, {method}",
-                             **{field: spelled[field].spelling()[field]}, **{o: getattr(self, o) for o in other},
-                             valid="granularity 'full' and method 'none'")
-            if "layer_policies" in spelled and (g != "full" or m != "none" or self.use_reentrant
-                                                or self.policy is not None):
-                raise refuse("{layer_policies!n} (one policy per layer) needs {granularity=full}, {method=none}, no "
-                             "{policy!n} and no {use_reentrant!n}: it already says what every layer does",
-                             layer_policies=self.layer_policies, granularity=g, method=m)
-            layers = next(iter(spelled.values()), method_layers)
-        spelling = dict(method="none", num_layers=1, **dict.fromkeys(LAYER_KEYWORDS))
-        spelling.update(layers.spelling() if layers is not None else {})
-        for field, value in dict(spelling, layers=layers).items():
-            object.__setattr__(self, field, value)
+            for i, p in enumerate(layers.policies):
+                if p is not None:
+                    try:
+                        _policies.validate(p)
+                    except ValueError as e:
+                        raise refuse(f"{{layers!n}} per_layer policy [{i}]: {lit(e)}", layers=layers) from None
+        object.__setattr__(self, "layers", layers)
+        if isinstance(layers, (_regions.Uniform, _regions.Block)):
+            object.__setattr__(self, "method", "uniform" if isinstance(layers, _regions.Uniform) else "block")
+            object.__setattr__(self, "num_layers", layers.n)
 
     def __repr__(self):  # a policy callable shown as the JAX expression that builds it (policies.describe)
         shown = (f"{f.name}={_show(getattr(self, f.name))}" for f in dataclasses.fields(self) if f.repr)
@@ -273,8 +231,8 @@ class RecomputeConfig:
         recompute is off or reentrant); `remat.policies.describe` prints it."""
         if self.granularity == "none" or self.use_reentrant:
             return None
-        if self.layer_policies is not None:
-            return None if layer is None else self.layer_policies[layer]
+        if isinstance(self.layers, _regions.PerLayer):
+            return None if layer is None else self.layers.policies[layer]
         if self.policy is not None:
             return self.policy
         return _policies.NOTHING if self.granularity == "full" else "+".join(self.modules)
@@ -294,26 +252,6 @@ class RecomputeConfig:
         return self
 
 
-@dataclasses.dataclass(frozen=True)
-class AutoRecompute:
-    """A request to plan the recompute setting per layer (`--recompute_method auto`): what
-    `remat.plan_for_budget` is asked for. It is not a RecomputeConfig and never reaches a model;
-    the planner's answer (`BudgetPlan.recompute_config()`) does.
-
-    Args:
-      budget: the compiled peak per device to fit, in bytes.
-    Example:
-      >>> AutoRecompute(budget=12 * 2**30).budget
-      12884901888
-    """
-    budget: int
-
-    def __post_init__(self):
-        if not _is_int(self.budget) or self.budget < 1:
-            raise refuse("{recompute budget} must be a number of bytes >= 1", budget=self.budget,
-                         valid="a number of bytes >= 1")
-
-
 class _Shown:
     """A value whose repr shows a policy callable as `remat.policies.describe` does (in a tuple too)."""
 
@@ -327,7 +265,3 @@ class _Shown:
 def _show(value) -> str:
     """repr(value), with policy callables (also inside a tuple) as the JAX expression that builds them."""
     return _errors.show_policy(value)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)

@@ -17,6 +17,11 @@ from typing import Callable
 _LIBRARY_PREFIXES = ("recompute ", "recompute_")
 
 
+def is_int(v) -> bool:
+    """An int that is not a bool (the one integer check of remat/ and remat_lm/)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def lit(text) -> str:
     """`text` as literal template text (braces escaped)."""
     return str(text).replace("{", "{{").replace("}", "}}")

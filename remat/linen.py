@@ -232,7 +232,7 @@ def remat_module(target, variables=True, rngs=True, concrete: bool = False, prev
             return target
         if recompute.layers is not None:
             raise ValueError(
-                f"remat_module: {recompute!r} groups layers into regions ({recompute.layers.spelling()}), but "
+                f"remat_module: {recompute!r} groups layers into regions ({recompute.layers!r}), but "
                 f"each call of one module is one region: group the layers with remat.linen.LayerStack(block, "
                 f"n_layers, recompute), or pass a config without a layer spec (granularity full or selective)")
         if policy is not None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from remat.config import RecomputeConfig
-from remat.regions import Segment
+from remat.regions import Segment, every, segments  # noqa: F401  (the doctests use them)
 
 __all__ = ["Segment", "plan"]
 
@@ -18,9 +18,9 @@ def plan(n_layers: int, cfg: RecomputeConfig) -> tuple[Segment, ...]:
     Example:
       >>> plan(8, RecomputeConfig(granularity="full", method="uniform", num_layers=3))[0]
       Segment(start=0, stop=3, checkpointed=True)
-      >>> [tuple(s) for s in plan(6, RecomputeConfig(granularity="full", segments="0-3,3-5"))]
+      >>> [tuple(s) for s in plan(6, RecomputeConfig(granularity="full", layers=segments("0-3,3-5")))]
       [(0, 3, True), (3, 5, True), (5, 6, False)]
-      >>> [tuple(s) for s in plan(5, RecomputeConfig(granularity="full", every=2))]
+      >>> [tuple(s) for s in plan(5, RecomputeConfig(granularity="full", layers=every(2)))]
       [(0, 1, True), (1, 2, False), (2, 3, True), (3, 4, False), (4, 5, True)]
     """
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:

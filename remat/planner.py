@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from typing import Callable, Sequence
 
 import numpy as np
@@ -42,35 +41,13 @@ import numpy as np
 from remat import memory as _memory
 from remat import policies as _policies
 from remat.config import RecomputeConfig
+from remat.regions import per_layer
 from remat.memory import compiled_stats, format_bytes  # noqa: F401  (re-exported: remat.planner.compiled_stats)
 
 # Candidate settings: None (not rematerialized), selective presets, and full_remat (nothing saved).
 DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", _policies.NOTHING)
 PEAKS = ("estimate", "temp")
 MAX_PLANS = 2_000_000  # compositions enumerated at most; beyond, layers are planned in equal groups
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """'12GiB' / '512MiB' / '1.5GB' / '1000000' → bytes (KiB/MiB/GiB binary, KB/MB/GB decimal).
-
-    Example:
-      >>> parse_size("512MiB")
-      536870912
-    """
-    m = _SIZE.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(f"memory size {text!r} is not valid; write a number of bytes or a number with a unit, "
-                         f"e.g. 12GiB, 512MiB, 1.5GB (KiB/MiB/GiB are powers of 2, KB/MB/GB of 10)")
-    n = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(n) or n <= 0:
-        raise ValueError(f"memory size {text!r} must be positive")
-    return int(n)
-
 
 def _name(c) -> str:
     return "none" if c is None else _policies.describe(c)
@@ -81,11 +58,16 @@ def _policy(c):
 
 
 def recompute_config(layer_policies: Sequence) -> RecomputeConfig:
-    """The RecomputeConfig of a per-layer plan (`RecomputeConfig()` when no layer is rematerialized)."""
+    """The RecomputeConfig of a per-layer plan (`RecomputeConfig()` when no layer is rematerialized).
+
+    Example:
+      >>> recompute_config([None, "mlp"]).layers
+      per_layer((None, 'mlp'))
+    """
     lp = tuple(_policy(c) for c in layer_policies)
     if all(p is None for p in lp):
         return RecomputeConfig()
-    return RecomputeConfig(granularity="full", layer_policies=lp)
+    return RecomputeConfig(granularity="full", layers=per_layer(lp))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +180,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         and returns a `remat.memory.CompiledMemory` (or a `jax.stages.Compiled`). Called once per
         distinct plan (about 2 per candidate to calibrate, then 1 per verification).
       n_layers: layers in the stack (all identical).
-      budget_bytes: the bound on the peak (an int, or a size string such as "12GiB").
+      budget_bytes: the bound on the peak, in bytes.
       candidates: settings to choose from per layer: "none" (or None), `remat.policies` names and JAX
         policy callables (shown by `remat.policies.describe`).
       peak: "estimate" (arguments + outputs + temp − aliased, the default) or "temp".
@@ -212,11 +194,9 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
       ValueError when the budget is below the least peak any candidate reaches (the message states
       that minimum and how to lower it), or for invalid arguments.
     Usage (compiles the step several times; tests/test_planner.py runs it on a tiny model):
-        plan = plan_for_budget(lambda rc: compiled_memory(step_for(rc), *args), 8, "600MiB")
+        plan = plan_for_budget(lambda rc: compiled_memory(step_for(rc), *args), 8, 600 * 2**20)
         print(plan.table()); cfg = plan.recompute_config()
     """
-    if isinstance(budget_bytes, str):
-        budget_bytes = parse_size(budget_bytes)
     if not isinstance(n_layers, int) or n_layers < 1:
         raise ValueError(f"n_layers={n_layers!r} must be a positive int")
     if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:

@@ -2,12 +2,15 @@
 
 A policy decides, for each primitive inside a checkpointed region, whether its output is saved for
 the backward pass, offloaded to host memory, or recomputed. `get(name)` turns a registry name into
-a JAX policy callable built from `jax.checkpoint_policies` (`save_only_these_names`,
-`save_any_names_but_these`, `save_and_offload_only_these_names`, `nothing_saveable`, ...); the one
-local combinator is `DtypePreserving` (`bf16:<policy>`). Everywhere a policy is accepted, a JAX policy
-callable works as well as a name; `describe(policy)` prints either readably. `names()` lists what
-`get` accepts; the CLI's choices, the README's table and the tests' parametrization all derive
-from `REGISTRY`.
+a `Policy`: a small frozen, hashable object with JAX's policy protocol (`policy(prim, *avals,
+**params)`) whose fields say what it saves, offloads and in which dtype, so `describe`, `by_name`,
+`offloads` and `device_twin` read them. It decides as the `jax.checkpoint_policies` composition
+its fields name (`save_only_these_names`, `save_any_names_but_these`,
+`save_and_offload_only_these_names`, `nothing_saveable`, ...); the one local combinator is the
+dtype-preserving `bf16:<policy>` (`DtypePreserving`). Everywhere a policy is accepted, a JAX policy
+callable works as well as a name (reports call it "a JAX policy": what it saves is known only by
+tracing). `names()` lists what `get` accepts; the CLI's choices, the README's table and the tests'
+parametrization all derive from `REGISTRY`.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -68,9 +71,9 @@ def _wide_float(prim, avals, params) -> bool:
 # NOTE: slices and pads. Inside a loop, saving a slice saves it once per iteration: the tiled
 # attention core's loops slice a key/value tile out of k and v at every step, and with two or more
 # tiles (T=256, tile 128) `bf16:everything` kept those stacked slices (a copy of k and v, plus the
-# padded q, k, v when T is not a multiple of the tile) once the float32 log-sum-exp was recomputed:
-# 48 KiB more than `everything` on the tiny GPT-2 at T=256 (tests/test_bf16_policy.py). Recomputed,
-# the slices come back from q, k and v, which are kept (tagged `qkv`) or recomputed anyway.
+# padded q, k, v when T is not a multiple of the tile) once the float32 log-sum-exp was recomputed,
+# more than `everything` keeps (tests/test_bf16_policy.py checks `bf16:p` <= `p`). Recomputed, the
+# slices come back from q, k and v, which are kept (tagged `qkv`) or recomputed anyway.
 _MOVES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p",
                     "slice", "dynamic_slice", "pad"})
 
@@ -124,6 +127,79 @@ class DtypePreserving:
         return decision if keep else Recompute
 
 
+# The policies by operation, by the `jax.checkpoint_policies` attribute each is.
+_OPS = {"nothing": "nothing_saveable", "everything": "everything_saveable", "dots": "dots_saveable",
+        "dots_no_batch": "dots_with_no_batch_dims_saveable"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A registry policy: JAX's policy protocol plus what it does, as fields.
+
+    Args:
+      kind: `names` (it saves and offloads by `checkpoint_name` tag) or a policy by operation:
+        `nothing`, `everything`, `dots`, `dots_no_batch`.
+      save: the tags saved on the device; None: every tag but `exclude` (the selective presets).
+      exclude: with `save=None`, the tags it does not save.
+      offload: the tags offloaded to pinned host memory.
+      dtype: None, or `bf16`: of what the rest saves, keep only low-precision floats (`DtypePreserving`).
+    Example:
+      >>> get("save_names:qkv")
+      Policy(kind='names', save=frozenset({'qkv'}), exclude=frozenset(), offload=frozenset(), dtype=None)
+      >>> get("save_names:qkv") == Policy("names", save=frozenset({"qkv"}))
+      True
+    """
+    kind: str = "names"
+    save: frozenset | None = frozenset()
+    exclude: frozenset = frozenset()
+    offload: frozenset = frozenset()
+    dtype: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("names", *_OPS) or self.dtype not in (None, "bf16"):
+            raise ValueError(f"Policy(kind={self.kind!r}, dtype={self.dtype!r}): kind is names or one of "
+                             f"{', '.join(_OPS)}, dtype None or 'bf16'")
+        for f in ("save", "exclude", "offload"):
+            v = getattr(self, f)
+            if v is not None:
+                object.__setattr__(self, f, frozenset(v))
+
+    def __call__(self, prim, *avals, **params):
+        return _jax_policy(self)(prim, *avals, **params)
+
+    def jax_expression(self) -> str:
+        """The `jax.checkpoint_policies` expression this policy decides as (the bf16 wrapper around it)."""
+        if self.dtype == "bf16":
+            return f"remat.policies.DtypePreserving({dataclasses.replace(self, dtype=None).jax_expression()})"
+        if self.kind != "names":
+            return f"jax.checkpoint_policies.{_OPS[self.kind]}"
+        q = lambda names: ", ".join(map(repr, sorted(names)))  # noqa: E731
+        if self.save is None:
+            return f"jax.checkpoint_policies.save_any_names_but_these({q(self.exclude)})"
+        if self.offload:
+            return (f"jax.checkpoint_policies.save_and_offload_only_these_names(names_which_can_be_saved=("
+                    f"{q(self.save)}{',' if len(self.save) == 1 else ''}), names_which_can_be_offloaded=("
+                    f"{q(self.offload)}{',' if len(self.offload) == 1 else ''}), offload_src={OFFLOAD_SRC!r}, "
+                    f"offload_dst={OFFLOAD_DST!r})")
+        return f"jax.checkpoint_policies.save_only_these_names({q(self.save)})"
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_policy(p: Policy) -> Callable:
+    """The JAX policy callable a `Policy` decides as (built once per policy)."""
+    if p.dtype == "bf16":
+        return DtypePreserving(_jax_policy(dataclasses.replace(p, dtype=None)))
+    if p.kind != "names":
+        return getattr(cp, _OPS[p.kind])
+    if p.save is None:
+        return cp.save_any_names_but_these(*sorted(p.exclude))
+    if p.offload:
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=tuple(sorted(p.save)), names_which_can_be_offloaded=tuple(sorted(p.offload)),
+            offload_src=OFFLOAD_SRC, offload_dst=OFFLOAD_DST)
+    return cp.save_only_these_names(*sorted(p.save))
+
+
 def _names_arg(arg: str, name: str) -> tuple:
     got = tuple(a.strip() for a in arg.split(",") if a.strip())
     bad = [a for a in got if a not in N.known()]
@@ -134,19 +210,18 @@ def _names_arg(arg: str, name: str) -> tuple:
     return tuple(sorted(set(got)))
 
 
-def selective(modules) -> Callable:
+def selective(modules) -> Policy:
     """Save every tagged activation except the internals of `modules` (Megatron's
     `recompute_modules`): `jax.checkpoint_policies.save_any_names_but_these`; untagged values are
     recomputed."""
     unknown = [m for m in modules if m not in N.MODULES]
     if unknown:
         raise ValueError(f"unknown recompute module(s) {unknown}; valid: {', '.join(N.MODULES)}")
-    return cp.save_any_names_but_these(*sorted({n for m in modules for n in N.MODULES[m]}))
+    return Policy(save=None, exclude=frozenset(n for m in modules for n in N.MODULES[m]))
 
 
-def _offload(save: tuple = (), offload: tuple = ()) -> Callable:
-    return cp.save_and_offload_only_these_names(names_which_can_be_saved=save, names_which_can_be_offloaded=offload,
-                                                offload_src=OFFLOAD_SRC, offload_dst=OFFLOAD_DST)
+def _offload(save: tuple = (), offload: tuple = ()) -> Policy:
+    return Policy(save=frozenset(save), offload=frozenset(offload))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,22 +234,22 @@ class Entry:
 
 
 REGISTRY: dict[str, Entry] = {
-    NOTHING: Entry(lambda: cp.nothing_saveable, "save nothing inside a region; only its inputs are kept"),
-    "everything": Entry(lambda: cp.everything_saveable, "save everything: remat becomes a no-op (baseline)"),
-    "dots": Entry(lambda: cp.dots_saveable, "save matmul outputs, recompute the rest"),
-    "dots_no_batch": Entry(lambda: cp.dots_with_no_batch_dims_saveable,
+    NOTHING: Entry(lambda: Policy("nothing"), "save nothing inside a region; only its inputs are kept"),
+    "everything": Entry(lambda: Policy("everything"), "save everything: remat becomes a no-op (baseline)"),
+    "dots": Entry(lambda: Policy("dots"), "save matmul outputs, recompute the rest"),
+    "dots_no_batch": Entry(lambda: Policy("dots_no_batch"),
                            "save matmuls without batch dims (projections, not attention scores)"),
     **{m: Entry(functools.partial(selective, (m,)),
                 f"selective: save every tagged activation except {'/'.join(N.MODULES[m])}; "
                 f"combine with '+', e.g. core_attn+mlp")
        for m in N.MODULES},
-    "bf16": Entry(lambda: DtypePreserving(selective(("core_attn",))),
+    "bf16": Entry(lambda: dataclasses.replace(selective(("core_attn",)), dtype="bf16"),
                   "dtype-preserving selective (core_attn): of what its policy saves, keeps tagged activations "
                   "and low-precision floats only (no float32 copy of a bf16 value, no mask, no reshaped or sliced "
                   "copy), "
                   "so never more bytes than the policy; `bf16:<policy>` wraps any policy",
                   template="bf16:<policy>", example="bf16:everything"),
-    "save_names": Entry(lambda arg: cp.save_only_these_names(*_names_arg(arg, "save_names")),
+    "save_names": Entry(lambda arg: Policy(save=frozenset(_names_arg(arg, "save_names"))),
                         "save only the listed tagged names",
                         template="save_names:<name,...>", example=f"save_names:{N.QKV},{N.ATTN_CONTEXT}"),
     "offload_names": Entry(lambda arg: _offload(offload=_names_arg(arg, "offload_names")),
@@ -189,7 +264,7 @@ REGISTRY: dict[str, Entry] = {
 _NEEDS_ARG = ("save_names", "offload_names", "custom")
 
 
-def _custom(arg: str) -> Callable:
+def _custom(arg: str) -> Policy:
     choice = {"device": set(), "offload": set(), "remat": set()}
     for item in (a.strip() for a in arg.split(",") if a.strip()):
         name, eq, where = item.partition("=")
@@ -208,33 +283,39 @@ def _custom(arg: str) -> Callable:
 # ------------------------------------------------------------------------------------------------
 # What a policy is, for people (describe) and for the name-based reports (by_name).
 
+def _jax_name(policy) -> str | None:
+    """The `jax.checkpoint_policies` attribute that `policy` is (`nothing_saveable`, ...), or None."""
+    return next((name for name, obj in vars(cp).items() if obj is policy), None)
+
+
 def describe(policy) -> str:
-    """A readable name for a policy: a registry name as is, a JAX policy as the expression that
-    builds it, any other callable by its qualified name (None: "None").
+    """A readable name for a policy: a registry name as is, a registry `Policy` as the JAX expression
+    it decides as, one of `jax.checkpoint_policies`' policies by its name, another JAX policy as "a
+    JAX policy", any other callable by its qualified name (None: "None").
 
     Example:
       >>> describe("core_attn"), describe(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
       ('core_attn', 'jax.checkpoint_policies.dots_with_no_batch_dims_saveable')
-      >>> describe(jax.checkpoint_policies.save_only_these_names("qkv", "mlp_up"))
+      >>> describe(get("save_names:qkv,mlp_up"))
       "jax.checkpoint_policies.save_only_these_names('mlp_up', 'qkv')"
+      >>> describe(jax.checkpoint_policies.save_only_these_names("qkv"))
+      'a JAX policy (SaveOnlyTheseNames)'
     """
     if policy is None or isinstance(policy, str):
         return str(policy)
+    if isinstance(policy, Policy):
+        return policy.jax_expression()
     if isinstance(policy, DtypePreserving):
         return f"remat.policies.{policy!r}"
-    name = _compat.policy_name(policy)
+    name = _jax_name(policy)
     if name is not None:
         return f"jax.checkpoint_policies.{name}"
-    parts = _compat.policy_parts(policy)
-    if parts is not None:
-        factory, args, kwargs = parts
-        shown = [describe(a) if callable(a) else repr(a) for a in args]
-        shown += [f"{k}={describe(v) if callable(v) else repr(v)}" for k, v in kwargs.items()]
-        return f"jax.checkpoint_policies.{factory}({', '.join(shown)})"
     if isinstance(policy, functools.partial):
         return repr(policy)
     module = getattr(policy, "__module__", None) or type(policy).__module__
     qual = getattr(policy, "__qualname__", None) or type(policy).__qualname__
+    if module.split(".")[0] == "jax":
+        return f"a JAX policy ({qual})"
     return f"{module}.{qual}"
 
 
@@ -265,61 +346,55 @@ class ByName:
 
 
 def by_name(policy) -> ByName | None:
-    """What a name-based policy (`save_names:`, the selective presets, `offload_names:`, `custom:`,
-    or the JAX policies they are made of, also inside `bf16:`) saves and offloads by tag; None for
-    any other policy (by operation: `dots`, `full_remat`, a callable of your own).
+    """What a name-based registry policy (`save_names:`, the selective presets, `offload_names:`,
+    `custom:`, also inside `bf16:`) saves and offloads by tag; None for any other policy (by
+    operation: `dots`, `full_remat`; a JAX policy or a callable of your own).
 
     Example:
       >>> by_name("core_attn").saves("attn_probs"), by_name("core_attn").saves("qkv")
       (False, True)
     """
     policy = resolve(policy)
-    while isinstance(policy, DtypePreserving):
-        policy = policy.base
-    parts = _compat.policy_parts(policy)
-    if parts is None:
+    if not isinstance(policy, Policy) or policy.kind != "names":
         return None
-    factory, args, kwargs = parts
-    if factory == "save_only_these_names":
-        return ByName(save=frozenset(args))
-    if factory == "save_any_names_but_these":
-        return ByName(save=None, exclude=frozenset(args))
-    if factory == "save_and_offload_only_these_names":
-        return ByName(save=frozenset(kwargs["names_which_can_be_saved"]),
-                      offload=frozenset(kwargs["names_which_can_be_offloaded"]))
-    return None
+    return ByName(save=policy.save, exclude=policy.exclude, offload=policy.offload)
+
+
+def by_op(policy) -> str | None:
+    """The operation a policy saves by, when it is exactly one of JAX's policies by operation (a
+    registry name or `jax.checkpoint_policies`' own, no `bf16:`): `nothing`, `everything`, `dots`,
+    `dots_no_batch`; None otherwise.
+
+    Example:
+      >>> by_op("full_remat"), by_op(jax.checkpoint_policies.everything_saveable), by_op("core_attn")
+      ('nothing', 'everything', None)
+    """
+    policy = resolve(policy)
+    if isinstance(policy, Policy):
+        return policy.kind if policy.kind != "names" and policy.dtype is None else None
+    name = _jax_name(policy)
+    return next((k for k, v in _OPS.items() if v == name), None)
 
 
 def offloads(policy) -> bool | None:
     """Whether `policy` moves saved values to host memory: True (`offload_names:`, `custom:` with an
-    `offload` name, JAX's offloading factories, also inside `bf16:` or `save_from_both_policies`),
-    False (a policy known to keep everything on the device, or None), None (a callable of
-    unknown make: only tracing the region tells).
+    `offload` name, also inside `bf16:`), False (a registry policy that keeps everything on the
+    device, one of `jax.checkpoint_policies`' policies by operation, or None), None (another JAX
+    policy or a callable of your own: only tracing the region tells).
 
     Example:
       >>> offloads("offload_names:qkv"), offloads("save_names:qkv"), offloads(lambda *a, **k: True)
       (True, False, None)
     """
     policy = resolve(policy)
-    while isinstance(policy, DtypePreserving):
-        policy = policy.base
-    if policy is None or _compat.policy_name(policy) is not None:
+    if isinstance(policy, Policy):
+        return bool(policy.offload)
+    if policy is None or _jax_name(policy) is not None:
         return False
-    parts = _compat.policy_parts(policy)
-    if parts is None:
-        return None
-    factory, args, kwargs = parts
-    if factory == "save_and_offload_only_these_names":
-        return bool(kwargs["names_which_can_be_offloaded"])
-    if factory == "offload_dot_with_no_batch_dims":
-        return True
-    if factory == "save_from_both_policies":
-        each = [offloads(p) for p in args]
-        return True if True in each else None if None in each else False
-    return False
+    return None
 
 
-def device_twin(policy) -> Callable | None:
+def device_twin(policy) -> Policy | None:
     """The policy that saves on the device what `policy` offloads (and saves what it saves): what
     offloading is measured against. None for a policy that does not offload, or of unknown make.
 
@@ -328,19 +403,9 @@ def device_twin(policy) -> Callable | None:
       "jax.checkpoint_policies.save_only_these_names('mlp_up', 'qkv')"
     """
     policy = resolve(policy)
-    if isinstance(policy, DtypePreserving):
-        twin = device_twin(policy.base)
-        return None if twin is None else DtypePreserving(twin)
-    if not offloads(policy):
+    if not isinstance(policy, Policy) or not policy.offload:
         return None
-    parts = _compat.policy_parts(policy)
-    factory, args, kwargs = parts
-    if factory == "save_and_offload_only_these_names":
-        return cp.save_only_these_names(*sorted(set(kwargs["names_which_can_be_saved"]) |
-                                                set(kwargs["names_which_can_be_offloaded"])))
-    if factory == "offload_dot_with_no_batch_dims":
-        return cp.dots_with_no_batch_dims_saveable
-    return None
+    return dataclasses.replace(policy, save=policy.save | policy.offload, offload=frozenset())
 
 
 def _tags(jaxpr, out: set) -> set:
@@ -416,8 +481,8 @@ def examples() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def get(name: str) -> Callable:
-    """Return the JAX policy for a registry name.
+def get(name: str) -> Policy:
+    """Return the `Policy` for a registry name.
 
     Args:
       name: a plain name (`full_remat`, `core_attn`, ...), a '+'-combination of selective modules
@@ -426,7 +491,7 @@ def get(name: str) -> Callable:
     Example:
       >>> get("core_attn+mlp") is get("core_attn+mlp")   # cached: jit sees one policy
       True
-      >>> get("full_remat") is jax.checkpoint_policies.nothing_saveable
+      >>> get("full_remat")(jax.lax.sin_p) is jax.checkpoint_policies.nothing_saveable(jax.lax.sin_p)
       True
     """
     if not isinstance(name, str) or not name:
@@ -437,7 +502,7 @@ def get(name: str) -> Callable:
         raise ValueError(f"policy {head!r} is now called {RENAMED[head]!r} (save nothing inside a region, "
                          f"jax.checkpoint_policies.nothing_saveable); 'full' names only the granularity")
     if head == "bf16" and sep:
-        return DtypePreserving(get(arg))
+        return dataclasses.replace(get(arg), dtype="bf16")
     if head in _NEEDS_ARG:
         if not sep or not arg:
             raise ValueError(f"policy {name!r} needs an argument: {REGISTRY[head].template}")
@@ -453,11 +518,11 @@ def get(name: str) -> Callable:
 
 
 def resolve(policy) -> Callable | None:
-    """The JAX policy callable for `policy`: a registry name (`get`), a callable as it is, or None.
+    """The policy callable for `policy`: a registry name's `Policy` (`get`), a callable as it is, or None.
 
     Example:
-      >>> resolve("dots") is resolve(jax.checkpoint_policies.dots_saveable)
-      True
+      >>> resolve("dots") is get("dots"), resolve(jax.checkpoint_policies.dots_saveable) is jax.checkpoint_policies.dots_saveable
+      (True, True)
     """
     if policy is None or callable(policy):
         return policy

@@ -1,25 +1,25 @@
 """Which layers are recompute regions: one value, `RecomputeConfig(layers=...)`.
 
 Each spec knows how to split n layers into `Segment`s (`split`) and what it needs of n (`check`).
-`RecomputeConfig` keeps exactly one (Megatron's `method`/`num_layers` and the keywords `segments`,
-`every`, `regions`, `layer_policies` are other spellings of the same value), so two choices of the
-regions cannot be combined; without one, each layer is a region (Megatron's method `none`).
+`RecomputeConfig` keeps exactly one (Megatron's `method`/`num_layers` spell `uniform`/`block`), so
+two choices of the regions cannot be combined; without one, each layer is a region (Megatron's
+method `none`).
 
 | spec | regions | also spelled |
 |---|---|---|
 | `uniform(n)` | each run of n consecutive layers (the last may be shorter) | `method="uniform", num_layers=n` |
 | `block(n)` | the first n layers, one region each; the rest are not rematerialized | `method="block", num_layers=n` |
-| `every(k)` | layers 0, k, 2k, ..., one region each; the layers between are not | `every=k` |
-| `segments((0, 3), (3, 5))` | those half-open layer ranges; layers in none are not | `segments=...` or `"0-3,3-5"` |
-| `count(n)` | n contiguous regions of near-equal size (DeepSpeed's number_checkpoints) | `regions=n` |
-| `per_layer((None, "mlp", ...))` | a policy per layer, None: not rematerialized | `layer_policies=...` |
+| `every(k)` | layers 0, k, 2k, ..., one region each; the layers between are not | |
+| `segments((0, 3), (3, 5))` | those half-open layer ranges; layers in none are not | `segments("0-3,3-5")` |
+| `count(n)` | n contiguous regions of near-equal size (DeepSpeed's number_checkpoints) | |
+| `per_layer((None, "mlp", ...))` | a policy per layer, None: not rematerialized | |
 
 Example:
     >>> import remat
     >>> cfg = remat.RecomputeConfig(granularity="full", layers=remat.segments((0, 2)))
     >>> [tuple(s) for s in remat.plan(4, cfg)]
     [(0, 2, True), (2, 4, False)]
-    >>> cfg == remat.RecomputeConfig(granularity="full", segments="0-2")
+    >>> cfg == remat.RecomputeConfig(granularity="full", layers=remat.segments("0-2"))
     True
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import abc
 import dataclasses
 from typing import NamedTuple
 
-from remat.errors import lit, refuse, show, show_policy
+from remat.errors import is_int, lit, refuse, show, show_policy
 
 
 class Segment(NamedTuple):
@@ -38,13 +38,9 @@ class Segment(NamedTuple):
     checkpointed: bool
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 class Layers(abc.ABC):
-    """Base of the specs. `field` is the RecomputeConfig keyword that also spells the spec and
-    names it in errors; `spelling()` gives those keywords."""
+    """Base of the specs. `field` names the spec's value in its errors (`every=0`), which a command
+    line words as the flag that sets it (`--recompute_every 0`); `value()` is that value."""
     field: str
 
     @abc.abstractmethod
@@ -54,53 +50,49 @@ class Layers(abc.ABC):
     def check(self, n_layers: int) -> None:
         """RecomputeConfigError unless the spec fits a stack of `n_layers` layers."""
 
-    def spelling(self) -> dict:
-        return {self.field: getattr(self, dataclasses.fields(self)[0].name)}
+    def value(self):
+        return getattr(self, dataclasses.fields(self)[0].name)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Uniform(Layers):
-    """Each run of `n` consecutive layers is one region (Megatron's method `uniform`)."""
+class _Megatron(Layers):
+    """Megatron's methods: `n` (its `num_layers`) layers per region or checkpointed, at most n_layer."""
     n: int
     field = "num_layers"
+    method = ""  # the Megatron method the spec is
 
     def __post_init__(self):
-        _check_n(self.n, "uniform", "layers per region")
+        if not is_int(self.n):
+            raise refuse("{recompute num_layers} must be an int", num_layers=self.n, valid="an int >= 1")
+        if self.n < 1:
+            raise refuse(f"{{recompute num_layers}} must be >= 1 with {{method={self.method}}} (the number of layers "
+                         "per region for uniform, of checkpointed layers for block)", num_layers=self.n,
+                         method=self.method, valid="an int >= 1")
 
     def __repr__(self):
-        return f"uniform({self.n})"
+        return f"{self.method}({self.n})"
+
+    def check(self, n_layers):
+        if self.n > n_layers:
+            raise refuse(f"{{recompute_num_layers}} exceeds n_layer={n_layers}; use 1..{n_layers}", num_layers=self.n,
+                         valid=f"1..{n_layers}")
+
+
+class Uniform(_Megatron):
+    """Each run of `n` consecutive layers is one region (Megatron's method `uniform`)."""
+    method = "uniform"
 
     def split(self, n_layers):
         return tuple(Segment(i, min(i + self.n, n_layers), True) for i in range(0, n_layers, self.n))
 
-    def check(self, n_layers):
-        _check_num_layers(self.n, n_layers)
 
-    def spelling(self):
-        return {"method": "uniform", "num_layers": self.n}
-
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class Block(Layers):
+class Block(_Megatron):
     """The first `n` layers are each a region; the rest run without remat (Megatron's method `block`)."""
-    n: int
-    field = "num_layers"
-
-    def __post_init__(self):
-        _check_n(self.n, "block", "checkpointed layers")
-
-    def __repr__(self):
-        return f"block({self.n})"
+    method = "block"
 
     def split(self, n_layers):
         segs = [Segment(i, i + 1, True) for i in range(self.n)]
         return tuple(segs + ([Segment(self.n, n_layers, False)] if self.n < n_layers else []))
-
-    def check(self, n_layers):
-        _check_num_layers(self.n, n_layers)
-
-    def spelling(self):
-        return {"method": "block", "num_layers": self.n}
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -111,7 +103,7 @@ class Every(Layers):
     field = "every"
 
     def __post_init__(self):
-        if not _is_int(self.k) or self.k < 1:
+        if not is_int(self.k) or self.k < 1:
             raise refuse("{recompute every} must be an integer >= 1 (every k-th layer is a region)",
                          every=self.k, valid="an integer >= 1")
 
@@ -154,7 +146,7 @@ class Segments(Layers):
                          segments=self.ranges, valid="at least one (start, stop) range")
         prev = 0
         for a, b in self.ranges:
-            if not (_is_int(a) and _is_int(b)) or a < prev or b <= a:
+            if not (is_int(a) and is_int(b)) or a < prev or b <= a:
                 raise refuse(f"{{recompute segments}}: ({a!r}, {b!r}) is not valid; segments are half-open layer "
                              "ranges start-stop with start < stop, in increasing order and not overlapping, e.g. "
                              "0-3,3-5", segments=self.ranges, valid="increasing, non-overlapping start-stop ranges")
@@ -187,7 +179,7 @@ class Count(Layers):
     field = "regions"
 
     def __post_init__(self):
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise refuse("{recompute regions} must be an integer >= 1 (the number of recompute regions)",
                          regions=self.n, valid="an integer >= 1")
 
@@ -292,21 +284,6 @@ def per_layer(policies) -> PerLayer:
       [(0, 1, False), (1, 2, True), (2, 3, True)]
     """
     return PerLayer(policies)
-
-
-def _check_n(n, method: str, what: str) -> None:
-    if not _is_int(n):
-        raise refuse("{recompute num_layers} must be an int", num_layers=n, valid="an int >= 1")
-    if n < 1:
-        raise refuse(f"{{recompute num_layers}} must be >= 1 with {{method={method}}} (the number of layers per "
-                     "region for uniform, of checkpointed layers for block)", num_layers=n, method=method,
-                     valid="an int >= 1")
-
-
-def _check_num_layers(n: int, n_layers: int) -> None:
-    if n > n_layers:
-        raise refuse(f"{{recompute_num_layers}} exceeds n_layer={n_layers}; use 1..{n_layers}", num_layers=n,
-                     valid=f"1..{n_layers}")
 
 
 def parse_segments(spec: str) -> tuple:

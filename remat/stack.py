@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from remat.checkpoint import _Static, checkpoint
 from remat.config import RecomputeConfig
 from remat.plan import plan
+from remat.regions import Every
 
 
 def _runs(n_layers: int, cfg: RecomputeConfig):
@@ -41,7 +42,7 @@ def _runs(n_layers: int, cfg: RecomputeConfig):
         s = segs[i]
         part = (s.stop - s.start, s.checkpointed, cfg.effective_policy(s.start) if s.checkpointed else None)
         nxt = segs[i + 1] if i + 1 < len(segs) else None
-        if cfg.every is not None and s.checkpointed and nxt is not None and not nxt.checkpointed:
+        if isinstance(cfg.layers, Every) and s.checkpointed and nxt is not None and not nxt.checkpointed:
             units.append((s.start, (part, (nxt.stop - nxt.start, False, None))))
             i += 2
             continue
@@ -118,8 +119,8 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
     # NOTE: each scan step hands its xs slice (the group's stacked params) to the region as is, so
     # the residual is the scan's own input, which JAX forwards instead of saving a stacked copy of
     # every layer's parameters. Segments of one layer are scanned without a unit axis: XLA:CPU
-    # copies (L, 1, ...)-shaped loop inputs into temp memory (24 MiB, 7% of the no-remat peak, for
-    # GPT-2 8L C=256), while (L, ...) and (L/N, N, ...) are read in place. A group of several
+    # copies (L, 1, ...)-shaped loop inputs into temp memory, while (L, ...) and (L/N, N, ...) are
+    # read in place. A group of several
     # segments (`every=k`) gets one xs entry per segment, split outside the scan, for the same reason.
     for start, count, parts in _runs(n_layers, cfg):
         gsize = sum(size for size, _, _ in parts)

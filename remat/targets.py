@@ -138,7 +138,7 @@ class Target:
         """"XLA:GPU", "XLA:TPU" or "XLA:CPU": the compiler whose figures this target gives."""
         return {"cuda": "XLA:GPU", "tpu": "XLA:TPU", "cpu": "XLA:CPU"}[self.platform]
 
-    def describe(self) -> str:
+    def hardware(self) -> str:
         """`8 x NVIDIA H200 141GB HBM3e` (or one device's title)."""
         return f"{self.count} x {self.spec.title}" if self.count > 1 else self.spec.title
 
@@ -393,10 +393,10 @@ def compile(fn, *args, target: str | Target, mesh=None, specs=None, static_argnu
     try:
         return lowered.compile()
     except Exception as e:  # noqa: BLE001
-        if _memory.is_oom(e):
+        if "RESOURCE_EXHAUSTED" in str(e):  # XLA's status for a program that does not fit
             t = get(target)
             first = str(e).strip().splitlines()[0]
-            raise MemoryError(f"{t.compiler} cannot fit the program on {t.describe()}: {first}") from e
+            raise MemoryError(f"{t.compiler} cannot fit the program on {t.hardware()}: {first}") from e
         raise
 
 

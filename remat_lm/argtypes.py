@@ -144,7 +144,7 @@ def config_label(rc) -> str:
 
     Examples: `none`; `selective core_attn+mlp`; `full/none` (every layer a region);
     `full/uniform/2`; `full/segments/0-3,3-5`; `full/every/2`; `full/regions/4`; `full/per-layer`
-    (`layer_policies`); then `+offload` (offload_inputs), `+distributed` (shard_saved_axis) and
+    (`per_layer`), read from `rc.layers`; then `+offload` (offload_inputs), `+distributed` (shard_saved_axis) and
     ` policy=dots`.
 
     Example:
@@ -158,19 +158,47 @@ def config_label(rc) -> str:
         return "none"
     if rc.granularity == "selective":  # a policy replaces the modules' preset
         label = "selective" + ("" if rc.policy else " " + "+".join(rc.modules))
-    elif rc.segments is not None:
-        label = "full/segments/" + ",".join(f"{a}-{b}" for a, b in rc.segments)
-    elif rc.every is not None:
-        label = f"full/every/{rc.every}"
-    elif rc.regions is not None:
-        label = f"full/regions/{rc.regions}"
-    elif rc.layer_policies is not None:
-        label = "full/per-layer"
     else:
-        label = f"full/{rc.method}" + (f"/{rc.num_layers}" if rc.method != "none" else "")
+        label = "full/" + _layers_label(rc.layers)
     label += "+offload" if rc.offload_inputs else ""
     label += "+distributed" if rc.shard_saved_axis is not None else ""
-    return label + (f" policy={rc.policy}" if rc.policy and rc.layer_policies is None else "")
+    return label + (f" policy={rc.policy}" if rc.policy else "")
+
+
+def _layers_label(layers) -> str:
+    """`none` (each layer a region), `uniform/2`, `segments/0-3,3-5`, `every/2`, `regions/4`,
+    `per-layer`, from the `remat.regions` spec's field and value (the kit imports no project code)."""
+    if layers is None:
+        return "none"
+    kind, value = type(layers).__name__.lower(), layers.value()
+    if layers.field == "layer_policies":
+        return "per-layer"
+    if layers.field == "segments":
+        return "segments/" + ",".join(f"{a}-{b}" for a, b in value)
+    return f"{ {'count': 'regions'}.get(kind, kind)}/{value}"
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """A memory size (`--memory_budget`): '12GiB' / '512MiB' / '1.5GB' / '1000000' → bytes (KiB/MiB/GiB binary, KB/MB/GB decimal).
+
+    Example:
+      >>> parse_size("512MiB")
+      536870912
+    """
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"memory size {text!r} is not valid; write a number of bytes or a number with a unit, "
+                         f"e.g. 12GiB, 512MiB, 1.5GB (KiB/MiB/GiB are powers of 2, KB/MB/GB of 10)")
+    n = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(n) or n <= 0:
+        raise ValueError(f"memory size {text!r} must be positive")
+    return int(n)
 
 
 def foreign_digit(text: str) -> str | None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from remat_lm.argtypes import Parser, integer, parse_int, real
 from remat_lm.models import family, llmc
-from remat_lm.models.sample import SEED_MAX, decoder_for, generate, render
+from remat_lm.models.sample import INT32_MAX, SEED_MAX, decoder_for, generate, render
 from remat_lm.training import saving
 
 PROG = "python -m remat_lm.sample"
@@ -109,8 +109,8 @@ def _args(argv):
     p.add_argument("--prompt", default=None, metavar="TEXT",
                    help="prompt text (encoded as bytes, or with --tokenizer by greedy longest match)")
     p.add_argument("--prompt_tokens", default=None, metavar="IDS", help="prompt as comma-separated token ids")
-    p.add_argument("--sample_length", type=integer(1), default=200, metavar="N",
-                   help="tokens to generate (default: %(default)s)")
+    p.add_argument("--sample_length", type=integer(1, INT32_MAX - 1), default=200, metavar="N",
+                   help=f"tokens to generate, 1..{INT32_MAX - 1} (positions are int32 indices; default: %(default)s)")
     p.add_argument("--temperature", type=real(0), default=0.0, metavar="X",
                    help="0: greedy; > 0: sample (default: %(default)s)")
     p.add_argument("--top_k", type=integer(1), default=None, metavar="K", help="sample among the k most likely tokens")

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             raise
         distributed.exit_on_peer_failure(reason, PROG)
     if signals.pending():  # a signal during the last save: it completed, the run is whole
-        sys.stderr.write(f"{PROG}: {signals.describe(signals.pending())} after the last step; the run and its "
+        sys.stderr.write(f"{PROG}: {signals.stop_words(signals.pending())} after the last step; the run and its "
                          f"checkpoint are complete\n")
         return signals.exit_code(signals.pending())
     return 0

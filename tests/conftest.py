@@ -40,7 +40,7 @@ def pytest_sessionfinish(session, exitstatus):
 # first; every other file keeps its place after them, and the order inside a file is unchanged.
 LONG_FIRST = ("test_train_run.py", "test_models.py", "test_stacks.py", "test_train_faults.py", "test_planner.py",
               "test_examples.py", "test_tensor_parallel.py", "test_lowering.py", "test_flag_to_program.py",
-              "test_multiprocess.py", "test_bench.py", "test_trust_resume.py", "test_llmc.py", "test_notebook.py")
+              "test_multiprocess.py", "test_bench.py", "test_resume_integrity.py", "test_llmc.py", "test_notebook.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import train
+import remat
 from remat import RecomputeConfig, memory
 from remat_lm.training import deepspeed
 from remat_lm.training.flags import recompute_configs
@@ -75,7 +76,7 @@ def test_deepspeed_block_maps_and_reports_every_key(tmp_path):
                           "profile": True}, train_batch_size=8, zero_optimization={"stage": 1})
     cfg = config_from_args(["--deepspeed_config", path])
     rc = cfg.recompute
-    assert (rc.granularity, rc.regions, rc.offload_inputs, rc.shard_saved_axis) == ("full", 3, True, None)
+    assert (rc.granularity, rc.layers, rc.offload_inputs, rc.shard_saved_axis) == ("full", remat.count(3), True, None)
     notes = "\n".join(cfg.deepspeed_notes())
     for key in deepspeed.KEYS:
         assert key in notes
@@ -141,8 +142,9 @@ def test_bad_deepspeed_files_exit_2(text, needle, capsys, tmp_path):
     (["--activation_recompute", "--recompute_every", "3"], "--recompute_every 3 exceeds n_layer=2; use 1..2"),
     (["--activation_recompute", "--recompute_every", "2", "--recompute_segments", "0-1"], "pass only one"),
     (["--activation_recompute", "--recompute_every", "2", "--recompute_method", "uniform"],
-     "--recompute_every 2 needs --recompute_granularity full and --recompute_method none (it replaces the method)"),
-    (["--recompute_granularity", "selective", "--recompute_every", "2"], "needs --recompute_granularity full"),
+     "--recompute_every 2 and --recompute_method uniform each say which layers are regions; pass only one"),
+    (["--recompute_granularity", "selective", "--recompute_every", "2"],
+     "--recompute_every 2 applies to --recompute_granularity full only"),
     (["--recompute_method", "auto", "--memory_budget", "1GiB", "--cpu_checkpointing"],
      "auto cannot be combined with --cpu_checkpointing"),
 ])

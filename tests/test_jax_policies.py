@@ -1,6 +1,7 @@
 """JAX's own policies everywhere: a `jax.checkpoint_policies` callable is accepted wherever a
 registry name is and keeps exactly the same bytes; reports print it readably; the old policy name
-`full` is refused naming `full_remat`; JAX internals are imported by remat/_compat.py only."""
+`full` is refused naming `full_remat`; JAX internals are imported by remat/_compat.py (and JAX's cuDNN
+module by remat_lm/models/attention.py) only."""
 import os
 import pathlib
 
@@ -42,7 +43,7 @@ def _stack_bytes(policy):
 
 
 def _layer_policies_bytes(policy):
-    cfg = RecomputeConfig(granularity="full", layer_policies=(policy, None))
+    cfg = RecomputeConfig(granularity="full", layers=remat.per_layer((policy, None)))
     return memory.saved_residuals(lambda ps, x: jnp.sum(remat.apply_layers(lambda p, h, k: block(p, h), ps, x, cfg)),
                                   PS, X).total
 
@@ -113,16 +114,16 @@ def test_describe_names_registry_names_and_jax_policies():
     assert policies.describe("core_attn") == "core_attn"
     assert policies.describe(cp.dots_with_no_batch_dims_saveable) == \
         "jax.checkpoint_policies.dots_with_no_batch_dims_saveable"
-    assert policies.describe(cp.save_only_these_names("qkv", "mlp_up")) == \
+    # a registry policy knows what it saves (its fields): shown as the JAX expression it decides as
+    assert policies.describe(policies.get("save_names:qkv,mlp_up")) == \
         "jax.checkpoint_policies.save_only_these_names('mlp_up', 'qkv')"
-    offload = cp.save_and_offload_only_these_names(names_which_can_be_saved=["qkv"], names_which_can_be_offloaded=[
-        "mlp_up"], offload_src="device", offload_dst="pinned_host")
-    assert policies.describe(offload) == (
+    assert policies.describe(policies.get("custom:qkv=device,mlp_up=offload")) == (
         "jax.checkpoint_policies.save_and_offload_only_these_names(names_which_can_be_saved=('qkv',), "
         "names_which_can_be_offloaded=('mlp_up',), offload_src='device', offload_dst='pinned_host')")
-    assert policies.describe(cp.save_from_both_policies(cp.dots_saveable, cp.nothing_saveable)) == (
-        "jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, "
-        "jax.checkpoint_policies.nothing_saveable)")
+    # a JAX policy a factory built is opaque (nothing reads its closure): named as a JAX policy
+    assert policies.describe(cp.save_only_these_names("qkv", "mlp_up")) == "a JAX policy (SaveOnlyTheseNames)"
+    assert policies.describe(cp.save_from_both_policies(cp.dots_saveable, cp.nothing_saveable)) == \
+        "a JAX policy (save_from_both_policies.<locals>.policy)"
     assert policies.describe(policies.get("bf16")) == \
         "remat.policies.DtypePreserving(jax.checkpoint_policies.save_any_names_but_these('attn_probs'))"
 
@@ -138,26 +139,29 @@ def test_describe_names_registry_names_and_jax_policies():
 
 def test_reports_print_a_jax_policy_readably():
     pol = cp.save_only_these_names(N.QKV, N.MLP_UP)
-    shown = "jax.checkpoint_policies.save_only_these_names('mlp_up', 'qkv')"
+    shown = "a JAX policy (SaveOnlyTheseNames)"
     assert f"policy={shown}," in repr(RecomputeConfig(granularity="full", policy=pol))
     assert f"layers=per_layer((None, {shown}, 'mlp'))" in repr(
-        RecomputeConfig(granularity="full", layer_policies=(None, pol, "mlp")))
+        RecomputeConfig(granularity="full", layers=remat.per_layer((None, pol, "mlp"))))
     with pytest.raises(RecomputeConfigError, match=r"policy=jax\.checkpoint_policies\.dots_saveable has no effect"):
         RecomputeConfig(policy=cp.dots_saveable)
     with pytest.warns(policies.UntaggedRegionWarning, match=r"policy jax\.checkpoint_policies\.save_only_these_names"):
-        remat.checkpoint(lambda x: jnp.sin(x) * 2, policy=pol)(X)
+        remat.checkpoint(lambda x: jnp.sin(x) * 2, policy=policies.get("save_names:qkv,mlp_up"))(X)
 
 
-def test_name_based_reports_read_jax_policies():
-    # by_name reads what JAX's policy objects save; predict_saved gives a callable the name's bytes
-    assert policies.by_name(cp.save_only_these_names(N.QKV)) == policies.by_name("save_names:qkv")
+def test_name_based_reports_read_the_registry_policy_and_know_jax_policies_by_operation():
+    # by_name reads a registry Policy's fields; a JAX policy a factory built is opaque (None), and
+    # JAX's policies by operation are known by identity, so predict_saved models them as their names
+    assert policies.by_name("save_names:qkv") == policies.ByName(save=frozenset({N.QKV}))
+    assert policies.by_name(cp.save_only_these_names(N.QKV)) is None
     assert policies.by_name("core_attn").saves(N.QKV) and not policies.by_name("core_attn").saves(N.ATTN_PROBS)
     assert policies.by_name(cp.dots_saveable) is None and policies.by_name(policies.NOTHING) is None
     layer = memory.LayerBytes({N.BLOCK_INPUT: 100, N.QKV: 300, N.MLP_UP: 400}, untagged=50)
-    for fn, name in PAIRS:
-        got = memory.predict_saved(layer, 4, RecomputeConfig(granularity="full", policy=fn))
-        assert got == memory.predict_saved(layer, 4, RecomputeConfig(granularity="full", policy=name)), name
-    assert memory.predict_saved(layer, 4, RecomputeConfig(granularity="full", policy=lambda *a, **k: True)) is None
+    predict = lambda p: memory.predict_saved(layer, 4, RecomputeConfig(granularity="full", policy=p))  # noqa: E731
+    for fn, name in ((cp.nothing_saveable, policies.NOTHING), (cp.everything_saveable, "everything")):
+        assert predict(fn) == predict(name) is not None, name
+    assert predict(cp.save_only_these_names(N.QKV)) is None and predict(lambda *a, **k: True) is None
+    assert policies.offloads(cp.nothing_saveable) is False and policies.offloads(cp.save_only_these_names(N.QKV)) is None
 
 
 def test_the_planner_takes_jax_policy_candidates():
@@ -166,7 +170,7 @@ def test_the_planner_takes_jax_policy_candidates():
     flops = {None: 0.0, "mlp": 1.0, cp.nothing_saveable: 9.0}
 
     def step(rc):
-        lp = rc.layer_policies or (None,) * 4
+        lp = rc.layers.policies if isinstance(rc.layers, remat.regions.PerLayer) else (None,) * 4
         return memory.CompiledMemory(temp=1000 - sum(freed[c] for c in lp), argument=0, output=0, alias=0,
                                      generated_code=0, host_temp=0, flops=100.0 + sum(flops[c] for c in lp))
     plan = plan_for_budget(step, 4, 800, candidates=("none", "mlp", cp.nothing_saveable), peak="temp")
@@ -175,7 +179,8 @@ def test_the_planner_takes_jax_policy_candidates():
 
 
 def test_the_old_policy_name_full_is_refused_naming_full_remat():
-    assert policies.NOTHING == "full_remat" and policies.get("full_remat") is cp.nothing_saveable
+    assert policies.NOTHING == "full_remat" and policies.get("full_remat") == policies.Policy("nothing")
+    assert policies.describe(policies.get("full_remat")) == "jax.checkpoint_policies.nothing_saveable"
     assert "full" not in policies.names()
     for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, policy="full")(X),
                  lambda: rlinen.remat_module(LinenBlock, "full")):
@@ -184,20 +189,21 @@ def test_the_old_policy_name_full_is_refused_naming_full_remat():
     with pytest.raises(RecomputeConfigError, match="now called 'full_remat'") as e:
         RecomputeConfig(granularity="full", policy="full")
     assert e.value.fields == ("policy",)
-    with pytest.raises(RecomputeConfigError, match=r"layer_policies\[1\]: .*now called 'full_remat'"):
-        RecomputeConfig(granularity="full", layer_policies=(None, "full"))
+    with pytest.raises(RecomputeConfigError, match=r"per_layer policy \[1\]: .*now called 'full_remat'"):
+        RecomputeConfig(granularity="full", layers=remat.per_layer((None, "full")))
     # the granularity keeps its name
     assert RecomputeConfig(granularity="full").effective_policy() == "full_remat"
 
 
-def test_jax_internals_are_imported_by_the_compat_module_only():
+def test_jax_internals_are_imported_in_two_known_places_only():
     found = []
     for pkg in ("remat", "remat_lm"):
         for dirpath, _, files in os.walk(ROOT / pkg):
             for f in files:
                 if f.endswith(".py") and "jax._src" in (pathlib.Path(dirpath) / f).read_text():
                     found.append(str((pathlib.Path(dirpath) / f).relative_to(ROOT)))
-    assert found == ["remat/_compat.py"], found
+    # the library's in one module; remat_lm's one (JAX's cuDNN attention module) beside its only user
+    assert sorted(found) == ["remat/_compat.py", "remat_lm/models/attention.py"], found
 
 
 def test_pyproject_bounds_jax_to_the_tested_minor():

@@ -66,7 +66,7 @@ def test_compiled_stats_reads_the_compiled_programs_analysis():
 
 
 def test_format_bytes_units_and_rounding():
-    from remat.planner import parse_size
+    from remat_lm.argtypes import parse_size
     f = memory.format_bytes
     assert (f(None), f(0), f(1023), f(1024), f(1536 * 2**20), f(3 * 2**30)) == \
         ("n/a", "0 B", "1023 B", "1.0 KiB", "1.50 GiB", "3.00 GiB")

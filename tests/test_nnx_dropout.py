@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+import remat
 from remat import RecomputeConfig
 from remat import nnx as rnnx
 
@@ -66,7 +67,7 @@ def _grads(cfg, x):
 @pytest.mark.parametrize("cfg", [
     RecomputeConfig(granularity="full"),
     RecomputeConfig(granularity="full", method="uniform", num_layers=2, use_reentrant=True),
-    RecomputeConfig(granularity="full", segments=((0, 3),)),
+    RecomputeConfig(granularity="full", layers=remat.segments((0, 3))),
 ], ids=["full", "uniform2-reentrant", "segments0-3"])
 def test_gradients_bit_equal_with_and_without_remat(cfg):
     x = jax.random.randint(jax.random.PRNGKey(3), (4, N), -1, 2).astype(jnp.float32)

@@ -24,7 +24,8 @@ from remat_lm.models import gpt2
 from remat_lm.models.memory_model import activation_bytes
 from remat import RecomputeConfig
 from remat.memory import CompiledMemory
-from remat.planner import compiled_stats, format_bytes, parse_size, plan_for_budget
+from remat.planner import compiled_stats, format_bytes, plan_for_budget
+from remat_lm.argtypes import parse_size
 from remat_lm.training.config import UsageError, config_from_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +48,7 @@ def _canonical(rc: RecomputeConfig) -> RecomputeConfig:
     full on the first N layers, uniform 1 = full. Uniform N > 1 (multi-layer regions) stays as is."""
     if rc.granularity == "selective":
         return remat.planner.recompute_config(("+".join(rc.modules),) * L)
-    if rc.granularity == "full" and rc.layer_policies is None and rc.policy is None and not rc.use_reentrant:
+    if rc.granularity == "full" and not isinstance(rc.layers, remat.regions.PerLayer) and rc.policy is None and not rc.use_reentrant:
         if rc.method == "block":
             return remat.planner.recompute_config(("full_remat",) * rc.num_layers + (None,) * (L - rc.num_layers))
         if rc.method == "none" or rc.num_layers == 1:
@@ -172,7 +173,7 @@ SYN = {None: (0, 0, 0.0), "norm": (30, 10, 1.0), "mlp": (55, 12, 4.0), "core_att
 
 def _syn_step(penalty=0):
     def step(rc: RecomputeConfig) -> CompiledMemory:
-        lp = rc.layer_policies or (None,) * 6
+        lp = rc.layers.policies if isinstance(rc.layers, remat.regions.PerLayer) else (None,) * 6
         peak = 1000 - sum(SYN[c][0] for c in lp[:-1]) - SYN[lp[-1]][1]
         if len(set(lp)) > 2:  # a mixed plan the additive model underestimates
             peak += penalty
@@ -198,7 +199,7 @@ def test_deep_stacks_are_planned_in_groups():
 
 def _syn_step_n(n):
     def step(rc: RecomputeConfig) -> CompiledMemory:
-        lp = rc.layer_policies or (None,) * n
+        lp = rc.layers.policies if isinstance(rc.layers, remat.regions.PerLayer) else (None,) * n
         peak = 1000 * n - sum(SYN[c][0] for c in lp[:-1]) - SYN[lp[-1]][1]
         return CompiledMemory(temp=peak, argument=0, output=0, alias=0, generated_code=0, host_temp=0,
                               flops=100.0 + sum(SYN[c][2] for c in lp))

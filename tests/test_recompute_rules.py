@@ -1,7 +1,7 @@
 """One set of recompute rules: the library (`RecomputeConfig`) and train.py's flags accept and refuse
 exactly the same combinations of recompute settings, because the CLI only maps flags to the library.
 
-The grid (720 settings) is every combination of a granularity, which layers are regions (method and
+The grid (648 settings) is every combination of a granularity, which layers are regions (method and
 num_layers, segments, every, DeepSpeed's number_checkpoints, and two of them at once), what a region
 saves (policy, modules, use_reentrant) and where region inputs wait (offload_inputs,
 shard_saved_axis), each built through the Python API and through train.py's parser in-process, with
@@ -26,8 +26,8 @@ from remat_lm.training.flags import FIELD_FLAGS, flag_error
 GRANULARITIES = ("none", "full", "selective")
 # which layers are regions: Megatron's method/num_layers or one other spelling (and two at once)
 LAYERS = (dict(), dict(num_layers=2), dict(method="uniform", num_layers=2), dict(method="block", num_layers=1),
-          dict(method="uniform", num_layers=0), dict(segments="0-2"), dict(every=2), dict(regions=2),
-          dict(every=2, method="uniform", num_layers=2), dict(segments="0-2", every=2))
+          dict(method="uniform", num_layers=0), dict(layers=remat.segments("0-2")), dict(layers=remat.every(2)),
+          dict(layers=remat.count(2)), dict(layers=remat.every(2), method="uniform", num_layers=2))
 # what a region saves
 SAVES = (dict(), dict(policy="dots"), dict(modules="mlp"), dict(modules="mlp", policy="dots"),
          dict(use_reentrant=True), dict(use_reentrant=True, policy="dots"))
@@ -37,7 +37,7 @@ WAITS = (dict(), dict(offload_inputs=True), dict(shard_saved_axis="tensor"),
 
 
 def grid():
-    """RecomputeConfig keyword dicts: granularity x LAYERS x SAVES x WAITS (720)."""
+    """RecomputeConfig keyword dicts: granularity x LAYERS x SAVES x WAITS (648)."""
     for g, layers, saves, waits in itertools.product(GRANULARITIES, LAYERS, SAVES, WAITS):
         yield dict(granularity=g, **layers, **saves, **waits)
 
@@ -51,12 +51,15 @@ def argv(kw: dict, ds_path: str, spelled: bool) -> list:
         out += ["--recompute_granularity", "selective"]
     flags = dict(method="--recompute_method", num_layers="--recompute_num_layers", policy="--remat_policy",
                  modules="--recompute_modules", segments="--recompute_segments", every="--recompute_every")
-    out += [a for k, f in flags.items() if k in kw for a in (f, str(kw[k]))]
+    layers = kw.get("layers")
+    values = {**kw, **({layers.field: layers.value()} if layers is not None else {})}
+    out += [a for k, f in flags.items() if k in values
+            for a in (f, ",".join(f"{a}-{b}" for a, b in values[k]) if k == "segments" else str(values[k]))]
     if kw.get("use_reentrant"):
         out.append("--use_reentrant")
     if kw.get("offload_inputs"):
         out.append("--cpu_checkpointing")
-    if "regions" in kw:
+    if "regions" in values:
         out += ["--deepspeed_config", ds_path]
     if "shard_saved_axis" in kw:
         out += ["--distribute_saved_activations", "--mesh", "tensor=2", "--no-sequence_parallel"]
@@ -105,7 +108,8 @@ def test_library_and_train_py_accept_and_refuse_the_same_settings(tmp_path):
                               f"{'accepts' if msg is None else f'refuses ({msg})'}")
             elif err is not None:
                 assert "\n" not in msg and "='" not in msg, msg  # one line, in flag words (no granularity='none')
-                flags = [FLAG_OF[f] for f in err.fields if f in FLAG_OF]
+                fields = [err.settings[f].field if f == "layers" else f for f in err.fields]
+                flags = [FLAG_OF[f] for f in fields if f in FLAG_OF]
                 # it names a flag of the setting the library refused (or train.py's own rule fired
                 # first: a DeepSpeed block means granularity full)
                 if not any(f in msg for f in flags) and not msg.startswith("--deepspeed_config checkpoints"):
@@ -146,33 +150,35 @@ def test_determinism_check_is_accepted_exactly_where_it_applies(granularity):
 # ------------------------------------------------------------------------------------------------
 # Which layers are regions: one value, however it is spelled.
 
-SPELLINGS = [  # (layers=..., the same as keywords, a depth, the plan's regions)
+SPECS = [  # (layers=..., Megatron's spelling of it if any, a depth, the plan's regions)
     (remat.uniform(2), dict(method="uniform", num_layers=2), 5, [(0, 2), (2, 4), (4, 5)]),
     (remat.block(2), dict(method="block", num_layers=2), 5, [(0, 1), (1, 2)]),
-    (remat.every(2), dict(every=2), 5, [(0, 1), (2, 3), (4, 5)]),
-    (remat.segments((0, 3), (3, 5)), dict(segments="0-3,3-5"), 6, [(0, 3), (3, 5)]),
-    (remat.count(2), dict(regions=2), 5, [(0, 3), (3, 5)]),
-    (remat.per_layer((None, "core_attn", "mlp")), dict(layer_policies=[None, "core_attn", "mlp"]), 3, [(1, 2), (2, 3)]),
+    (remat.every(2), None, 5, [(0, 1), (2, 3), (4, 5)]),
+    (remat.segments((0, 3), (3, 5)), None, 6, [(0, 3), (3, 5)]),
+    (remat.count(2), None, 5, [(0, 3), (3, 5)]),
+    (remat.per_layer((None, "core_attn", "mlp")), None, 3, [(1, 2), (2, 3)]),
 ]
 
 
-@pytest.mark.parametrize("spec,keywords,n,regions", SPELLINGS, ids=[repr(s[0]) for s in SPELLINGS])
-def test_each_spelling_of_the_regions_is_one_value(spec, keywords, n, regions):
+@pytest.mark.parametrize("spec,megatron,n,regions", SPECS, ids=[repr(s[0]) for s in SPECS])
+def test_the_regions_are_one_value(spec, megatron, n, regions):
     by_spec = RecomputeConfig(granularity="full", layers=spec)
-    by_keywords = RecomputeConfig(granularity="full", **keywords)
-    assert by_spec == by_keywords and by_keywords.layers == spec
-    for field, value in spec.spelling().items():  # read back, each keyword gives its part of the spec
-        assert getattr(by_spec, field) == value
+    assert by_spec.layers == spec
+    if megatron is not None:  # Megatron's method/num_layers is the same value, read back from either
+        by_method = RecomputeConfig(granularity="full", **megatron)
+        assert by_spec == by_method and by_method.layers == spec
+        assert (by_spec.method, by_spec.num_layers) == (megatron["method"], megatron["num_layers"])
+    else:
+        assert (by_spec.method, by_spec.num_layers) == ("none", 1)
     assert [(s.start, s.stop) for s in remat.plan(n, by_spec) if s.checkpointed] == regions
     # dataclasses.replace passes every field back: the repeated spellings agree, so it works...
-    assert dataclasses.replace(by_keywords, offload_inputs=True).layers == spec
+    assert dataclasses.replace(by_spec, offload_inputs=True).layers == spec
     # ...and a change of granularity that the spec cannot follow is refused, not dropped
     with pytest.raises(RecomputeConfigError, match="granularity='full'"):
         dataclasses.replace(by_spec, granularity="selective")
-    # two choices of the regions are refused, whichever spellings say them
-    other = remat.count(2) if spec == remat.every(2) else remat.every(2)
+    # two choices of the regions are refused
     with pytest.raises(RecomputeConfigError, match="pass only one") as e:
-        RecomputeConfig(granularity="full", layers=other, **keywords)
+        RecomputeConfig(granularity="full", layers=spec, method="uniform", num_layers=3)
     assert e.value.fields[0] == "layers"
 
 
@@ -191,12 +197,11 @@ def test_a_region_spec_validates_itself_with_structured_fields():
 
 def test_the_cli_words_an_error_from_its_fields_not_its_text():
     with pytest.raises(RecomputeConfigError) as e:
-        RecomputeConfig(granularity="full", method="uniform", num_layers=2, every=2)
+        RecomputeConfig(granularity="full", method="uniform", num_layers=2, layers=remat.every(2))
     err = e.value
-    assert err.fields[:2] == ("every", "method") and err.settings["method"] == "uniform"
-    assert str(err).startswith("recompute every=2 needs granularity='full' and method='none'")
-    assert flag_error(err).startswith("--recompute_every 2 needs --recompute_granularity full and "
-                                      "--recompute_method none")
+    assert err.fields[:2] == ("layers", "method") and err.settings["method"] == "uniform"
+    assert str(err).startswith("recompute layers=every(2) and method='uniform' each say which layers are regions")
+    assert flag_error(err).startswith("--recompute_every 2 and --recompute_method uniform each say")
     # another vocabulary, from the same fields
     shout = err.render(lambda name, value, with_value: name.upper() + (f":{value}" if with_value else ""))
-    assert shout.startswith("EVERY:2 needs GRANULARITY:full and METHOD:none") and "METHOD:uniform" in shout
+    assert shout.startswith("LAYERS:every(2) and METHOD:uniform each say")

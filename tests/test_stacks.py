@@ -54,6 +54,22 @@ def plain_loss(ps, x, cfg, scan=False):
 PLAIN_REF = jax.grad(plain_loss)(PS, X, RecomputeConfig())
 
 
+_NO_REMAT_SAVED = {}  # stack -> bytes saved without remat (traced once per stack)
+
+
+def _falls(stack: str, saved, cfg):
+    """What JAX saves for the backward (`remat.memory.saved_residuals`) under `cfg` is less than
+    without remat: a stack that ignored its config would keep as much."""
+    if cfg.enabled:
+        if stack not in _NO_REMAT_SAVED:
+            _NO_REMAT_SAVED[stack] = saved(RecomputeConfig())
+        assert saved(cfg) < _NO_REMAT_SAVED[stack], cfg
+
+
+def _plain_saved(cfg, scan=False):
+    return remat.memory.saved_residuals(lambda ps, x: plain_loss(ps, x, cfg, scan), PS, X).total
+
+
 def _plain_params():
     # fast: every method with the default policy, every policy with method none; the rest slow
     fast = lambda c: c.policy is None or c.method == "none"
@@ -63,6 +79,7 @@ def _plain_params():
 @pytest.mark.parametrize("cfg", _plain_params())
 def test_plain_functions(cfg):
     assert rel_err(jax.grad(plain_loss)(PS, X, cfg), PLAIN_REF) <= 1e-5
+    _falls("plain", _plain_saved, cfg)
 
 
 def _linen(cfg, scan=False):
@@ -90,9 +107,15 @@ def _params(cfgs):
         [pytest.param(c, id=IDS[SETTINGS.index(c)], marks=pytest.mark.slow) for c in REST]
 
 
+def _linen_saved(cfg, scan=False):
+    v = LINEN_SCAN_VARS if scan else LINEN_VARS
+    return remat.memory.saved_residuals(lambda v: jnp.mean(_linen(cfg, scan).apply(v, X) ** 2), v).total
+
+
 @pytest.mark.parametrize("cfg", _params(SETTINGS))
 def test_linen_stack(cfg):
     assert rel_err(_linen_grad(cfg), LINEN_REF) <= 1e-5
+    _falls("linen", _linen_saved, cfg)
 
 
 SCAN_SETTINGS = [c for c in SETTINGS if c.policy in (None, "core_attn")]
@@ -113,6 +136,7 @@ def test_linen_stack_scan(cfg):
     g = _linen_grad(cfg, scan=True)["params"]["h"]
     ref = jax.tree.map(lambda *a: jnp.stack(a), *[LINEN_REF["params"][f"h_{i}"] for i in range(L)])
     assert rel_err(g, ref) <= 1e-5
+    _falls("linen-scan", lambda c: _linen_saved(c, scan=True), cfg)
 
 
 def test_linen_param_tree_does_not_depend_on_the_recompute_setting():
@@ -133,6 +157,11 @@ NNX_REF = nnx.grad(lambda m: jnp.mean(m(X) ** 2))(_nnx_model(RecomputeConfig()))
 def test_nnx_stack(cfg):
     g = nnx.grad(lambda m: jnp.mean(m(X) ** 2))(_nnx_model(cfg))
     assert rel_err(nnx.state(g), nnx.state(NNX_REF)) <= 1e-5
+
+    def saved(c):
+        graphdef, state = nnx.split(_nnx_model(c))
+        return remat.memory.saved_residuals(lambda s: jnp.mean(nnx.merge(graphdef, s)(X) ** 2), state).total
+    _falls("nnx", saved, cfg)
 
 
 JIT_SETTINGS = [RecomputeConfig(granularity="full", method=m, num_layers=n, use_reentrant=r)
@@ -194,7 +223,7 @@ def test_loop_and_scan_layouts_initialize_the_same_weights():
         assert rel_err(jax.tree.map(lambda a: a[i], scan), loop[f"h_{i}"]) == 0.0
 
 
-MIXED = RecomputeConfig(granularity="full", layer_policies=(None, "full_remat", "mlp", "core_attn+mlp"))
+MIXED = RecomputeConfig(granularity="full", layers=remat.per_layer((None, "full_remat", "mlp", "core_attn+mlp")))
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -203,5 +232,5 @@ def test_per_layer_policies(scan):
     assert rel_err(jax.grad(plain_loss)(PS, X, MIXED, scan), PLAIN_REF) <= 1e-5
     with pytest.raises(ValueError, match="one per layer"):
         MIXED.validate_for(L + 1)
-    with pytest.raises(ValueError, match="layer_policies"):
-        RecomputeConfig(granularity="full", method="uniform", num_layers=2, layer_policies=(None,) * 4)
+    with pytest.raises(ValueError, match="pass only one"):
+        RecomputeConfig(granularity="full", method="uniform", num_layers=2, layers=remat.per_layer((None,) * 4))

@@ -26,8 +26,8 @@ def test_names_parse_to_targets():
     assert targets.get("cpu").platform == "cpu" and targets.get(t) is t
     for name in ("h100", "a100-80g", "b200", "v6e"):
         assert name in targets.names() and targets.get(name).memory > 0
-    assert targets.get("h200").describe() == "NVIDIA H200 141GB HBM3e"
-    assert targets.get("h200x8").describe() == "8 x NVIDIA H200 141GB HBM3e"
+    assert targets.get("h200").hardware() == "NVIDIA H200 141GB HBM3e"
+    assert targets.get("h200x8").hardware() == "8 x NVIDIA H200 141GB HBM3e"
 
 
 @pytest.mark.parametrize("bad,words", [("h300", "is not known; use one of h100, h200"),

@@ -309,3 +309,29 @@ def test_usage_error_is_a_value_error():
     assert issubclass(UsageError, ValueError)
     with pytest.raises(UsageError, match="--grad_accum_steps"):
         TrainConfig(grad_accum_steps=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Values past what int32 can count or index: one line naming the limit, exit 2, from the real CLIs.
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train.py", "--batch_size", "1099511627776", "--dry_run"],
+     "--batch_size 1099511627776 is out of range; use an integer in 1..2147483647"),
+    (["-m", "remat_lm.sample", "run", "--sample_length", "2147483648"],
+     "--sample_length: expected an integer in 1..2147483646, got '2147483648'"),
+])
+def test_a_value_past_int32_exits_2_with_one_line(argv, needle):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, *argv], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_a_micro_batch_past_int32_tokens_names_the_product():
+    with pytest.raises(UsageError, match=r"--batch_size 33554432 x --sequence_length 64 = 2147483648 tokens per "
+                                         r"micro-batch exceeds 2147483647"):
+        TrainConfig(batch_size=2**25, sequence_length=64)

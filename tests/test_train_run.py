@@ -116,7 +116,7 @@ def test_weight_decay_mask_skips_norms_and_biases():
     assert not mask["ln_f"]["w"] and not mask["ln_f"]["b"]
 
 
-@pytest.mark.slow  # ~20 s; tests/test_trust_resume.py keeps a bit-identical resume fast
+@pytest.mark.slow  # ~20 s; tests/test_resume_integrity.py keeps a bit-identical resume fast
 def test_resume_is_bit_identical(tmp_path, text_file):
     """6 steps straight vs 3 + resume + 3: identical JSONL losses (float32, CPU)."""
     common = ["--preset", "tiny", "--data", text_file, "--lr_decay_iters", "6", "--warmup_iters", "2",

@@ -113,7 +113,7 @@ def sweep_report(res: dict) -> str:
     m = res["meta"]
     head = (f"One attention layer ({m['n_head']} heads of {m['head_dim']}), forward + backward, float32; median of "
             f"{m['steps']} interleaved steps after 1 warm-up; jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, "
-            f"load average {m['loadavg'][0] if m.get('loadavg') else '?'} at the start)")
+            f"{common.load_note(m)})")
     body = [[r["batch"], r["seq"], r["core"], fmt(r["temp_bytes"] / MiB, ".1f"), fmt(r["temp_vs_xla"]),
              fmt(r["step_ms"], ".1f"), fmt(r["time_vs_xla"])] for r in res["rows"]]
     return "\n".join([head, "", markdown_table(["B", "T", "core", "temp MiB", "temp × xla", "step ms", "time × xla"],
@@ -139,8 +139,8 @@ def report(res: dict) -> str:
     m, s = res["meta"], res["meta"]["shape"]
     head = (f"GPT-2 {s['n_layer']} layers, C={s['n_embd']}, {s['n_head']} heads, B={m['batch']}, vocab {s['vocab']}, "
             f"float32, {'scan' if m['scan'] else 'loop'} layers, tile {m['tile']}; median of {m['steps']} interleaved "
-            f"steps after 1 warm-up; jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, load average "
-            f"{m['loadavg'][0] if m.get('loadavg') else '?'} at the start)")
+            f"steps after 1 warm-up; jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, "
+            f"{common.load_note(m)})")
     body = [[r["seq"], r["setting"], r["attention"], fmt(r["saved_bytes"] / MiB, ".1f"), fmt(r["temp_bytes"] / MiB, ".1f"),
              fmt(r["temp_vs_xla"]), fmt(r["step_ms"], ".0f"), fmt(r["time_vs_xla"]), fmt(r["flops"] / 1e9, ".1f")]
             for r in res["rows"]]

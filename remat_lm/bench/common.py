@@ -138,15 +138,26 @@ def cli(main: Callable[[], int], module: str) -> int:
     return argtypes.run(main, f"python -m remat_lm.bench.{module}")
 
 
+def load_note(meta: dict) -> str:
+    """`load average 1.2 at the start` (or `?`), from `machine()`'s `loadavg`: the report headers' words."""
+    return f"load average {meta['loadavg'][0] if meta.get('loadavg') else '?'} at the start"
+
+
+def write_json(path: str | None, obj) -> None:
+    """Write `obj` as JSON to `path` (its directory made), when a path is given (`--json`)."""
+    import json
+
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+
+
 def publish(res: dict, report: Callable[[dict], str], module: str, argv, json_path: str | None) -> int:
     """Record the command in `res`, print the report, and write `res` as JSON when asked."""
-    import json
     import sys
 
     res["meta"]["command"] = f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
     print(report(res))
-    if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(json_path, res)
     return 0

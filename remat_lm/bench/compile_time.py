@@ -8,13 +8,12 @@ and compiled once in this process (`jax.jit(...).lower(...).compile()`); nothing
 from __future__ import annotations
 
 import sys
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 
-from remat_lm.bench.common import REFERENCE_BATCH, reference_config, cli
+from remat_lm.bench.common import REFERENCE_BATCH, reference_config, cli, write_json
 from remat_lm.models import gpt2
 from remat import RecomputeConfig
 from remat_lm.argtypes import Parser, integer
@@ -48,9 +47,7 @@ def main(argv=None) -> int:
                 tr, co = measure(n, scan, rc)
                 rows.append(dict(layers=n, scan=scan, recompute=name, trace_s=tr, compile_s=co))
                 print(f"| {n} | {'scan' if scan else 'loop'} | {name} | {tr:.2f} | {co:.2f} | {tr + co:.2f} |", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(a.json, rows)
     return 0
 
 

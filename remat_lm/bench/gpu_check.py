@@ -63,7 +63,8 @@ import sys
 import time
 
 from remat_lm.bench.common import GiB, Target, fmt, markdown_table, targets_markdown, cli
-from remat.memory import compiled_stats, is_oom
+from remat.memory import compiled_stats
+from remat_lm.training.checks import is_oom
 from remat_lm.argtypes import Parser, integer, real
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak (NVIDIA H200 SXM datasheet)
@@ -192,15 +193,14 @@ def analytic(a, recompute_kwargs) -> dict:
     import jax.numpy as jnp
 
     from remat_lm.models import gpt2, memory_model
-    from remat import RecomputeConfig, plan, policies
+    from remat import RecomputeConfig, plan, policies, regions
     from remat.memory import predict_saved
 
     cfg = _model_config(a, recompute_kwargs)
     rc, L, T, C = cfg.recompute, cfg.n_layer, a.seq, cfg.n_embd
-    rule = policies.by_name(rc.effective_policy()) if rc.enabled and rc.layer_policies is None else None
+    rule = policies.by_name(rc.effective_policy()) if rc.enabled and not isinstance(rc.layers, regions.PerLayer) else None
     if rule is not None and rule.offload:  # the device keeps what the policy saves
-        save = jax.checkpoint_policies.save_only_these_names(*sorted(rule.save))
-        rc = RecomputeConfig(**{**recompute_kwargs, "policy": save})
+        rc = RecomputeConfig(**{**recompute_kwargs, "policy": policies.Policy(save=rule.save)})
     saved = []
     for b in (1, 2):
         layer, head = memory_model.activation_bytes(cfg, b, T)

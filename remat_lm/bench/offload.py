@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     shape = dict(model=a.model, preset=a.preset, batch=a.batch, seq=a.seq, scan_layers=a.scan)
     t = targets.get(a.target)
     print(f"{a.model} {a.preset}, B={a.batch} T={a.seq}, bf16, loss_chunk 128, "
-          f"{'scan' if a.scan else 'loop'} layers; jax.grad of the loss compiled by {t.compiler} for {t.describe()}")
+          f"{'scan' if a.scan else 'loop'} layers; jax.grad of the loss compiled by {t.compiler} for {t.hardware()}")
     print(f"{'setting':<16}{'device temp MiB':>17}{'host MiB':>11}{'moves MiB':>11}{'copies to host':>16}"
           f"{'late':>6}{'compile s':>11}")
     rows, moved = {}, {}

@@ -212,8 +212,8 @@ def report(res: dict) -> str:
     c = m["config"]
     shape = (f"{m['model']} preset {m['preset']}: {c['n_layer']} layers, C={c['n_embd']}, {c['n_head']} heads, "
              f"T={m['seq']}, B={m['batch']}, vocab {c['vocab_size']}; median of {m['steps']} interleaved steps "
-             f"after 1 warm-up; jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, load average "
-             f"{m['loadavg'][0] if m.get('loadavg') else '?'} at the start)")
+             f"after 1 warm-up; jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, "
+             f"{common.load_note(m)})")
     return "\n".join([shape, "", table(res["rows"]), "",
                       "bf16 rows are relative to `none (bf16)` (bfloat16 compute, float32 parameters).", "",
                       "Targets:", targets_markdown([Target(**t) for t in res["targets"]])])

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from remat import RecomputeConfig, targets
 from remat.checkpoint import tie_needed
 from remat_lm.argtypes import Parser, run as run_cli
-from remat_lm.bench.common import REFERENCE_BATCH, reference_config
+from remat_lm.bench.common import REFERENCE_BATCH, reference_config, write_json
 from remat_lm.models import family
 
 SETTINGS = {"full": RecomputeConfig(granularity="full"),
@@ -85,10 +85,7 @@ def main(argv=None) -> int:
     except targets.TargetUnavailable as e:
         raise SystemExit(str(e))
     print(report(rows))
-    if a.json:
-        import json
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(a.json, rows)
     return 0
 
 

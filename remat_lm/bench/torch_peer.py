@@ -226,8 +226,8 @@ def report(res: dict) -> str:
     m, c = res["meta"], res["meta"]["config"]
     head = (f"GPT-2 {c['n_layer']} layers, C={c['n_embd']}, {c['n_head']} heads, T={m['seq']}, B={m['batch']}, "
             f"vocab {c['vocab_size']}, float32; median of {m['steps']} interleaved steps after 1 warm-up; "
-            f"jax {m['jax']}, torch {m['torch']}, {m['nproc']} CPUs, load average "
-            f"{m['loadavg'][0] if m.get('loadavg') else '?'} at the start")
+            f"jax {m['jax']}, torch {m['torch']}, {m['nproc']} CPUs, "
+            f"{common.load_note(m)}")
     body = [[r["impl"], fmt(r["saved_bytes"] / MiB, ".1f"), fmt(r["step_ms"], ".0f"), fmt(r["time_ratio"]),
              f"{r['loss']:.5f}"] for r in res["rows"]]
     table = markdown_table(["implementation", "saved MiB", "step ms", "× own no-remat", "initial loss"], body)

@@ -122,9 +122,8 @@ def _fresh(xs, *prev):
 
     # NOTE: a plain zeros, or the stacked outputs of `lax.scan`, start from a constant broadcast,
     # which XLA shares between every loop of the program; under SPMD partitioning XLA:CPU then made
-    # one copy per loop at the start of the program, all live until their loop ran (GPT-2, 8 layers,
-    # tensor=2: 24 copies of (n, B, K, G·t, D) in the forward, before any layer; 6 MiB of a 36 MiB
-    # temp). `lax.optimization_barrier` does not hold: XLA:CPU removes it before scheduling. A data
+    # one copy per loop at the start of the program, all live until their loop ran (every loop's
+    # (n, B, K, G·t, D) copy in the forward, before any layer). `lax.optimization_barrier` does not hold: XLA:CPU removes it before scheduling. A data
     # dependency does: one element of each `prev` times zero (XLA keeps x·0 for floats, as it is NaN
     # for x = NaN or inf). A NaN or inf in `prev` turns the buffers NaN; the loss is NaN either way.
     """
@@ -160,8 +159,8 @@ def xla_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, dropout_rate: 
 # NOTE: layout. The core works head-major with the G query heads of a kv group folded into the
 # rows: q (B, K, R, D) with R = G·T (row r is head g = r // T, position r % T), k and v (B, K, T, D),
 # scores (B, K, R, T). Every product is then a plain batched matmul (batch dims leading, contracting
-# the last axis), which XLA:CPU runs about 2× faster than the same einsums over (B, T, K, G, D)
-# operands (GPT-2 reference layer: 38 → 18 ms forward + backward). (B, K, R, T) has the memory
+# the last axis), which XLA:CPU runs faster than the same einsums over (B, T, K, G, D) operands
+# (the commit that chose this layout records the timing). (B, K, R, T) has the memory
 # order of (B, K, G, T, T), so dropout masks are drawn in that shape.
 
 def _q_rows(q, n_head, n_kv_head):
@@ -243,8 +242,7 @@ _xla.defvjp(_xla_fwd, _xla_bwd)
 # NOTE: the static-prefix kernel (query tile i read its whole key prefix [0, end_i) in one
 # unrolled block; `tiled` until 2026-12-01) was removed. On a quiet 2-core CPU it ran a long-T
 # layer faster (one large matmul per tile), but its program grew as (T/tile)² (a bound on the tile
-# count widened the tile past 32 tiles), its temp was larger (full remat, T=4096: 266 vs 150 MiB),
-# and nothing selected it but a benchmark flipping a module global. Its measured rows stay in
+# count widened the tile past 32 tiles), its compiled temp was larger, and nothing selected it but a benchmark flipping a module global. Its measured rows stay in
 # docs/BENCHMARKS.md ("Attention cores"); the code is in the git history.
 
 def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = DEFAULT_TILE,
@@ -410,8 +408,8 @@ def _online_bwd(n_head, n_kv_head, tile, rate, res, dy):
         return dqt.at[i].set(dq.astype(q.dtype)), (dk, dv)
 
     # NOTE: the dk/dv accumulators depend on nothing, and XLA:CPU's scheduler otherwise creates every
-    # layer's at the start of the backward (reference GPT-2, Python loop of layers, full remat:
-    # compiled temp 136 MiB; made after dy with `_fresh`: 104 MiB, tests/test_peak.py).
+    # layer's at the start of the backward, all live at once; made after dy with `_fresh`, each lives
+    # only through its layer's backward (tests/test_peak.py checks the compiled temp).
     dq0, zeros = _fresh((jnp.zeros(qt.shape, q.dtype), jnp.zeros(kt.shape, F32)), dyt)  # dk, dv: per key tile
     dqt, (dkt, dvt) = lax.fori_loop(0, n, row, (dq0, (zeros, zeros)))
     kv = lambda xt, like: _merge(_from_tile_major(xt, 1, T).astype(like.dtype))  # → (B, T, K·D)
@@ -463,6 +461,19 @@ def _dpa(q, k, v, implementation):
 CUDNN_TARGET_VERSION = 91000
 
 
+def _fused_attention_stablehlo():
+    """JAX's cuDNN attention module, `jax._src.cudnn.fused_attention_stablehlo`: the one JAX internal
+    remat_lm imports (the library's are in remat/_compat.py; `tests/test_jax_policies.py` checks).
+
+    # NOTE: no public API exposes the cuDNN version check JAX runs while tracing cuDNN attention
+    # (replaced by `_cudnn_off_host` so a CPU host can build a cuda program) or its compute-capability
+    # check (the largest head size cuDNN takes). Imported on first use, so `import remat_lm` and every
+    # other attention core keep working if JAX moves it; pyproject.toml's `jax<0.11` bounds it.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo
+    return fused_attention_stablehlo
+
+
 def _cudnn_off_host():
     """Let JAX's cuDNN wrapper trace for cuda on a host without cuDNN (a CPU machine building a GPU
     program): it asks the local cuDNN for its version and refuses without one. Installed once: while
@@ -472,7 +483,7 @@ def _cudnn_off_host():
     # NOTE: a wrapper installed for good rather than a patch around the call: `jax.checkpoint`
     # re-traces the region (and so the cuDNN call) during partial evaluation, after the call returned.
     """
-    from remat._compat import fused_attention_stablehlo as fas  # JAX internals: remat/_compat.py
+    fas = _fused_attention_stablehlo()
     if getattr(fas.check_cudnn_version, "_remat_off_host", False):
         return
     jax_check = fas.check_cudnn_version
@@ -489,7 +500,7 @@ def _cudnn_off_host():
 def cudnn_head_max() -> int:
     """The largest head size JAX's cuDNN flash attention takes here: 256 on a local Hopper or later
     GPU, else 128 (JAX's own rule, `check_is_flash_attention`; off-GPU it assumes pre-Hopper)."""
-    from remat._compat import fused_attention_stablehlo as fas
+    fas = _fused_attention_stablehlo()
     try:
         return 256 if fas.check_compute_capability("9.0") else 128
     except Exception:  # no GPU backend here

@@ -26,15 +26,12 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from remat.errors import is_int
 from remat import RecomputeConfig
 from remat_lm.models import parallel
 from remat_lm.models.attention import ATTENTION, DEFAULT_TILE
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +74,11 @@ class ModelConfig:
 
     def __post_init__(self):
         name = type(self).__name__
-        if not _is_int(self.loss_chunk) or self.loss_chunk < 0:
+        if not is_int(self.loss_chunk) or self.loss_chunk < 0:
             raise ValueError(f"{name}.loss_chunk={self.loss_chunk!r} must be an int >= 0 (0: no chunking)")
         for f in self._POSITIVE:
             v = getattr(self, f)
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name}.{f}={v!r} must be a positive int")
         self._check_shape()
         if self.dtype not in DTYPES:
@@ -92,7 +89,7 @@ class ModelConfig:
             raise ValueError(f"{name}.recompute={self.recompute!r} must be a remat.RecomputeConfig")
         if self.attention not in ATTENTION:
             raise ValueError(f"{name}.attention={self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
-        if not _is_int(self.attention_tile) or self.attention_tile < 1:
+        if not is_int(self.attention_tile) or self.attention_tile < 1:
             raise ValueError(f"{name}.attention_tile={self.attention_tile!r} must be a positive int, e.g. {DEFAULT_TILE}")
         try:
             parallel.check(self.sharding)

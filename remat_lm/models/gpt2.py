@@ -32,7 +32,7 @@ from remat_lm.models import llmc_io, parallel
 from remat_lm.models.config import ModelConfig
 from remat_lm.models.family import Family
 from remat_lm.models.layers import MLP, CausalSelfAttention, LayerNorm, embed, lm_head
-from remat_lm.models.llmc_io import check_llmc_tensors, stack_layers, unstack_layers
+from remat_lm.models.llmc_io import check_llmc_tensors, layer_params, layer_tensors
 from remat_lm.models.memory_model import F32, lm_head_bytes, lse_bytes
 
 # Norm (LayerNorm), attention (CausalSelfAttention with n_kv_head = n_head, biases, no RoPE) and
@@ -291,7 +291,7 @@ def to_llmc(config: GPT2Config, params) -> dict:
     """
     b = params["blocks"]
     out = {"wte": np.asarray(params["wte"], np.float32), "wpe": np.asarray(params["wpe"], np.float32)}
-    out.update({k: stack_layers(b, config.n_layer, config.scan_layers, p) for k, p in _LAYER_TENSORS.items()})
+    out.update(layer_tensors(b, _LAYER_TENSORS))
     out["ln_f.w"] = np.asarray(params["ln_f"]["w"], np.float32)
     out["ln_f.b"] = np.asarray(params["ln_f"]["b"], np.float32)
     return out
@@ -308,8 +308,7 @@ def from_llmc(config: GPT2Config, tensors) -> dict:
     """
     check_llmc_tensors("GPT-2", llmc_shapes(config), tensors)
     f = lambda k: jnp.asarray(np.asarray(tensors[k], np.float32))
-    blocks = unstack_layers({p: np.asarray(tensors[k], np.float32) for k, p in _LAYER_TENSORS.items()},
-                            config.n_layer, config.scan_layers)
+    blocks = layer_params(tensors, _LAYER_TENSORS, config.scan_layers)
     return {"wte": f("wte"), "wpe": f("wpe"), "blocks": blocks,
             "ln_f": {"w": f("ln_f.w"), "b": f("ln_f.b")}}
 

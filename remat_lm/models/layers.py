@@ -13,8 +13,8 @@ remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here ta
 xla cores never keep their probabilities.
 
 # NOTE: lean residuals. A plain JAX formulation keeps what autodiff finds convenient: GELU's and
-# LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs: about three times
-# what PyTorch eager keeps (docs/BENCHMARKS.md, torch_peer). Each piece below is a
+# LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs: more than PyTorch
+# eager keeps for the same model (docs/BENCHMARKS.md compares them). Each piece below is a
 # `jax.custom_vjp` that keeps what PyTorch's kernels keep and recomputes the rest:
 #   layer_norm / rms_norm: the input and per-row statistics (the weights are arguments);
 #   gelu_tanh: its input; swiglu: its two inputs;
@@ -515,16 +515,19 @@ class CausalSelfAttention(nn.Module):
         return attention_lib.cached_attention(q, ck.value, cv.value, positions)  # (B, S, H·D)
 
 
-class MLP(nn.Module):
-    """GPT-2's MLP: c_fc → tanh-GELU → c_proj → dropout; tags mlp_up, mlp_act, mlp_out.
-
-    `sharding` (a `remat_lm.models.parallel.ShardingConfig` or None): hidden units split over its tensor axis.
-    """
+class _FeedForward(nn.Module):
+    """The fields both MLPs take: `hidden` units, compute `dtype`, `dropout`, the output projection's
+    init `proj_std`, and `sharding` (a `remat_lm.models.parallel.ShardingConfig` or None: hidden
+    units split over its tensor axis)."""
     hidden: int
     dtype: Any = F32
     dropout: float = 0.0
     proj_std: float = 0.02
     sharding: Any = None
+
+
+class MLP(_FeedForward):
+    """GPT-2's MLP: c_fc → tanh-GELU → c_proj → dropout; tags mlp_up, mlp_act, mlp_out."""
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
@@ -536,16 +539,8 @@ class MLP(nn.Module):
         return nn.Dropout(self.dropout)(y, deterministic)
 
 
-class SwiGLU(nn.Module):
-    """LLaMA's MLP: c_proj(silu(c_fc2(x)) · c_fc(x)) → dropout, no biases; tags mlp_up/gate/act/out.
-
-    `sharding` (a `remat_lm.models.parallel.ShardingConfig` or None): hidden units split over its tensor axis.
-    """
-    hidden: int
-    dtype: Any = F32
-    dropout: float = 0.0
-    proj_std: float = 0.02
-    sharding: Any = None
+class SwiGLU(_FeedForward):
+    """LLaMA's MLP: c_proj(silu(c_fc2(x)) · c_fc(x)) → dropout, no biases; tags mlp_up/gate/act/out."""
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):

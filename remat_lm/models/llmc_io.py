@@ -271,7 +271,7 @@ def _open_checked(path: str, what: str) -> tuple[BinaryIO, int, np.ndarray]:
         raise
 
 
-def _describe_magic(magic: int) -> str:
+def _magic_words(magic: int) -> str:
     """What a file with this magic is ("a GPT-2 model file"), or "" (token magics first: NumPy only)."""
     for fmt in TOKEN_FORMATS.values():
         if fmt.magic == magic:
@@ -338,7 +338,7 @@ def _parse_model_header(path: str, ints: np.ndarray, overrides: dict[str, float]
         raise _fail(path, f"{cls.title} model file version {version} is {cls.retired}",
                     f"re-export with a current {cls.exporter} (version 3 float32 or 5 bfloat16)")
     if cls is None:
-        what = _describe_magic(magic)
+        what = _magic_words(magic)
         problem = f"magic {magic} is {what}, not a model file" if what else f"unknown magic {magic}"
         known = ", ".join(f"{h.model_magic} ({h.title})" for h in formats)
         raise _fail(path, problem, f"known model magics: {known}; "
@@ -541,7 +541,7 @@ def read_state(path: str | os.PathLike, kind: str, header: Header) -> dict:
         magic = int(ints[0])
         want = header.state_magic
         if magic != want:
-            what = _describe_magic(magic)
+            what = _magic_words(magic)
             problem = f"magic {magic} ({what or 'unknown'}) is not a {kind} debug state file (magic {want})"
             raise _fail(path, problem, "pass the debug state file written by the matching train script "
                                        "(read_model / read_tokens read the other kinds)")
@@ -643,7 +643,7 @@ class TokenFormat:
     """One llm.c token shard format (``dev/data/data_common.py``'s ``HEADERS_INFO``).
 
     Example:
-        >>> TOKEN_FORMATS["llama3"].describe()
+        >>> TOKEN_FORMATS["llama3"].words()
         'llm.c LLaMA-3 shard (uint32, magic 20240801)'
     """
 
@@ -657,7 +657,7 @@ class TokenFormat:
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize
 
-    def describe(self) -> str:
+    def words(self) -> str:
         """``llm.c GPT-2 shard (uint16, magic 20240520)``: the words messages use."""
         return f"llm.c {self.title} shard ({np.dtype(self.dtype).name}, magic {self.magic})"
 
@@ -687,7 +687,7 @@ def _token_header(path: str, size: int, ints: np.ndarray) -> tuple[TokenFormat, 
     magic, version, n = int(ints[0]), int(ints[1]), int(ints[2])
     fmt = _TOKEN_MAGICS.get(magic)
     if fmt is None:
-        what = _describe_magic(magic)
+        what = _magic_words(magic)
         problem = f"magic {magic} is {what}, not a token shard" if what else f"unknown magic {magic}"
         known = ", ".join(f"{f.magic} ({f.title}, {np.dtype(f.dtype).name})" for f in TOKEN_FORMATS.values())
         raise _fail(path, problem, f"known token shard magics: {known}; pass a shard written by llm.c's "
@@ -699,7 +699,7 @@ def _token_header(path: str, size: int, ints: np.ndarray) -> tuple[TokenFormat, 
         raise _fail(path, f"token shard header says it holds {n} tokens (empty shard)",
                     "re-create the shard or drop it from the dataset")
     _check_size(path, size, HEADER_BYTES + fmt.itemsize * n,
-                f"{HEADER_BYTES}-byte header + {n} {np.dtype(fmt.dtype).name} tokens of an {fmt.describe()}")
+                f"{HEADER_BYTES}-byte header + {n} {np.dtype(fmt.dtype).name} tokens of an {fmt.words()}")
     return fmt, n
 
 
@@ -757,7 +757,7 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray, kind: str = "gpt2"
         wider = [w for w in TOKEN_FORMATS.values() if np.iinfo(np.dtype(w.dtype)).max > top]
         fix = (f"write kind={wider[0].kind!r} ({np.dtype(wider[0].dtype).name} tokens)" if wider
                else "check the token ids")
-        raise _fail(path, f"token ids span [{tok.min()}, {tok.max()}], outside {name} ({fmt.describe()})", fix)
+        raise _fail(path, f"token ids span [{tok.min()}, {tok.max()}], outside {name} ({fmt.words()})", fix)
     if tok.size >= 2**31:
         raise _fail(path, f"{tok.size} tokens do not fit the int32 count", "split the shard")
     ints = np.zeros(HEADER_INTS, dtype="<i4")
@@ -769,46 +769,50 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray, kind: str = "gpt2"
 
 # ------------------------------------------------------------------------------------------------
 # The tensor layout of the model files' `to_llmc` / `from_llmc`: llm.c stacks each per-layer
-# parameter on a leading L axis; a `remat.linen.LayerStack` keeps layers as `h_0..h_{L-1}` (or one
-# stacked `h` under scan).
+# parameter on a leading L axis; the layers' own layout is `remat.linen.LayerStack`'s
+# (`remat.linen.stack_layers` / `unstack_layers`, the one place that knows it).
 
-def stack_layers(blocks, n_layer: int, scan: bool, path: tuple) -> np.ndarray:
-    """The parameter at `path` inside every layer of a LayerStack, stacked: (L, ...) float32.
+def layer_tensors(blocks, paths: dict) -> dict:
+    """{llm.c name: (L, ...) float32 np.ndarray}: the parameter at each path in every layer of a
+    LayerStack's params, stacked on a leading layer axis (JAX is imported here, on first use).
 
     Example:
       >>> blocks = {"h_0": {"ln_1": {"w": np.ones(4)}}, "h_1": {"ln_1": {"w": np.zeros(4)}}}
-      >>> stack_layers(blocks, 2, False, ("ln_1", "w")).shape
+      >>> layer_tensors(blocks, {"ln_1.w": ("ln_1", "w")})["ln_1.w"].shape
       (2, 4)
     """
-    def get(tree):
+    from remat.linen import unstack_layers
+
+    def get(tree, path):
         for k in path:
             tree = tree[k]
-        return tree
-    if scan:
-        return np.asarray(get(blocks["h"]), np.float32)
-    return np.stack([np.asarray(get(blocks[f"h_{i}"]), np.float32) for i in range(n_layer)])
+        return np.asarray(tree, np.float32)
+    layers = unstack_layers(blocks)
+    return {name: np.stack([get(layer, path) for layer in layers]) for name, path in paths.items()}
 
 
-def unstack_layers(stacked: dict, n_layer: int, scan: bool) -> dict:
-    """{path: (L, ...) array} → the LayerStack's params (`h` stacked, or `h_0..h_{L-1}`), float32
-    JAX arrays (JAX is imported here, on first use).
+def layer_params(tensors: dict, paths: dict, scan: bool) -> dict:
+    """The inverse of `layer_tensors`: {llm.c name: (L, ...) array} → a LayerStack's params, float32
+    JAX arrays in the loop or scan layout (`remat.linen.stack_layers`).
 
     Example:
-      >>> params = unstack_layers({("ln_1", "w"): np.ones((2, 4))}, 2, False)
+      >>> params = layer_params({"ln_1.w": np.ones((2, 4))}, {"ln_1.w": ("ln_1", "w")}, scan=False)
       >>> sorted(params), params["h_1"]["ln_1"]["w"].shape
       (['h_0', 'h_1'], (4,))
     """
     import jax.numpy as jnp
+    from remat.linen import stack_layers
 
-    def tree(index):
+    def layer(index):
         out: dict = {}
-        for path, arr in stacked.items():
+        for name, path in paths.items():
             node = out
             for k in path[:-1]:
                 node = node.setdefault(k, {})
-            node[path[-1]] = jnp.asarray(arr if index is None else arr[index], jnp.float32)
+            node[path[-1]] = jnp.asarray(np.asarray(tensors[name])[index], jnp.float32)
         return out
-    return {"h": tree(None)} if scan else {f"h_{i}": tree(i) for i in range(n_layer)}
+    n_layer = len(tensors[next(iter(paths))])
+    return stack_layers([layer(i) for i in range(n_layer)], scan=scan)
 
 
 def check_llmc_tensors(model: str, shapes: dict, tensors) -> None:

@@ -144,6 +144,7 @@ def _generate(params, prompt, key, *, config, n_new: int, temperature: float, to
 
 
 SEED_MAX = 2**32 - 1  # jax.random.PRNGKey keeps 32 bits of a seed: larger ones repeat smaller ones
+INT32_MAX = 2**31 - 1  # the positions of a sample (prompt + generated tokens) are int32 indices
 
 
 def generate(params, config, prompt, max_new_tokens: int, *, temperature: float = 0.0,
@@ -186,6 +187,10 @@ def generate(params, config, prompt, max_new_tokens: int, *, temperature: float 
         top_k = int(min(top_k, config.vocab_size))
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
         raise ValueError(f"seed={seed!r} must be an integer in 0..{SEED_MAX} (jax.random.PRNGKey keeps 32 bits)")
+    if prompt.shape[1] + max_new_tokens > INT32_MAX:
+        raise ValueError(f"a {prompt.shape[1]}-token prompt and max_new_tokens={max_new_tokens} give "
+                         f"{prompt.shape[1] + max_new_tokens} positions, more than {INT32_MAX} (2**31 - 1: positions "
+                         f"are int32 indices); generate fewer tokens")
     if max_new_tokens == 0:
         return prompt.astype(np.int32)
     T = config.block_size

@@ -20,6 +20,18 @@ from remat_lm.argtypes import UsageError
 # AdamW keeps the parameters, two moments and (transiently) the gradients, all float32.
 STATE_BYTES_PER_PARAM = 16
 
+_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM when allocating")
+
+
+def is_oom(err: BaseException) -> bool:
+    """True for an out-of-memory error: XLA's (at compile or run time, any backend) or Python's.
+
+    Example:
+      >>> is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB"))
+      True
+    """
+    return isinstance(err, MemoryError) or any(s in str(err) for s in _OOM_MARKERS)
+
 
 def _kind(path: str) -> str:
     try:
@@ -171,7 +183,7 @@ def check_model_size(n_params: int, fsdp: int, devices, limit: int | None = None
 
 # NOTE: byte-level text is read whole into memory (and copied once more when several files are
 # concatenated), so a text corpus beyond a few GiB belongs in llm.c token shards, which are read
-# through a memory map. A 64 GiB (even sparse) text file was read until memory ran out.
+# through a memory map; without the cap a large (even sparse) text file was read until memory ran out.
 TEXT_MAX_BYTES = 4 << 30
 _DATA_FIX = "pass token shards (*.bin) or text files"
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import remat
 import remat.targets
 from remat_lm.training import sharding as sh
+from remat_lm.training.checks import is_oom
 from remat_lm.training import target as run_target
 from remat_lm.training.config import UsageError
 from remat_lm.models import family
@@ -96,7 +97,7 @@ def _compiled(setup, mcfg=None):
     try:
         compiled = lowered.compile()
     except Exception as e:
-        if setup.deviceless and remat.memory.is_oom(e):
+        if setup.deviceless and is_oom(e):
             flops = remat.targets.matmul_flops(traced.jaxpr) / setup.mesh.size  # the planner's cost of it
             raise run_target.refused(setup.target, e, flops) from e
         raise

@@ -1,9 +1,10 @@
 """TrainConfig: every training setting, validated once; the CLI flags are generated from its fields.
 
-Each field's `metadata` carries its help text (and `choices` where the set is closed), so the flag
-name, type, default and help cannot drift apart (`build_parser`); the recompute flags' come from
-`remat_lm.training.flags.FLAGS`, the table `python -m remat_lm.llmc verify` uses too. Validation that needs only the
-values lives in `TrainConfig.__post_init__`; validation that needs files, devices or the model
+Each field's `metadata` carries its help text, its `choices` where the set is closed and its
+bounds (`lo`, `hi`) where it is a number, so the flag name, type, default, help and valid values
+are declared once (`build_parser`, `__post_init__`); the recompute fields are inherited from
+`remat_lm.training.flags.RecomputeFlags`, generated from the table `python -m remat_lm.llmc verify`
+uses too. Validation that needs only the values lives in `TrainConfig.__post_init__`; validation that needs files, devices or the model
 (data, `--init_from`, `--resume`, `--mesh` against the device count) happens in
 `remat_lm.training.prepare.prepare`, still before anything is written.
 
@@ -21,6 +22,7 @@ import math
 import typing
 from typing import Sequence
 
+from remat.errors import is_int
 from remat_lm.models.attention import ATTENTION, DEFAULT_TILE
 from remat_lm.models.family import NAMES as model_family_names
 from remat import RecomputeConfig
@@ -29,9 +31,10 @@ from remat_lm.argtypes import UsageError  # noqa: F401  (re-exported: raised thr
 from remat_lm.training.checks import check_input_file, host_available
 from remat_lm.training import deepspeed as remat_deepspeed
 from remat_lm.training import flags as recompute_flags
+from remat_lm.training.flags import RecomputeFlags
 from remat import targets as remat_targets
-from remat.config import AutoRecompute
-from remat.planner import parse_size
+from remat_lm.argtypes import parse_size
+from remat_lm.training.flags import AutoRecompute
 
 MODELS = model_family_names  # the model-family registry (remat_lm.models.family)
 DTYPES = ("float32", "bfloat16")
@@ -39,7 +42,9 @@ MESH_AXES = ("data", "fsdp", "tensor")
 TENSOR_AXIS = "tensor"  # Megatron-style tensor (and sequence) parallelism: remat_lm/training/sharding.py
 DEFAULT_PRESET = "tiny"
 DEFAULT_PROMPT_TOKENS = 32  # the default sample prompt: this many tokens from the start of the validation data
-SEED_MAX = 2**31 - 1  # the seed enters the jitted init as an int32
+INT32_MAX = 2**31 - 1  # JAX computes in int32 (x64 off): counts, indices and seeds must fit it
+SEED_MAX = INT32_MAX  # the seed enters the jitted init as an int32
+SAMPLE_LENGTH_MAX = INT32_MAX - 1  # a sample's positions (prompt + generated tokens) are int32 indices
 
 
 # Every flag that names a path, and the fix for an empty one.
@@ -55,13 +60,9 @@ PATH_FLAGS = {
 
 
 def _f(default, help: str, **meta):
+    """A field and its flag: `help`, and argparse's `choices`/`metavar`, or the bounds `lo`/`hi` of a
+    number (checked by `__post_init__`; an int's `hi` defaults to INT32_MAX)."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
-
-
-def _r(name: str):
-    """A field whose flag is `remat_lm.training.flags.FLAGS[name]` (the one table of recompute flags)."""
-    flag = recompute_flags.BY_NAME[name]
-    return dataclasses.field(default=flag.default, metadata={"recompute_flag": name, "help": flag.help})
 
 
 def model_presets(model: str) -> tuple[str, ...]:
@@ -93,84 +94,72 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Every setting of a training run; one CLI flag per field (`--<field name>`)."""
+class TrainConfig(RecomputeFlags):
+    """Every setting of a training run; one CLI flag per field (`--<field name>`). The recompute
+    fields come from `RecomputeFlags` (`remat_lm.training.flags.FLAGS`)."""
     # -- model
     model: str = _f("gpt2", "model family", choices=MODELS)
     preset: str = _f(DEFAULT_PRESET, "model preset: gpt2 tiny|d12|d24|d36|d48, llama3 tiny|1b|8b")
-    n_layer: int | None = _f(None, "override the preset's number of layers")
-    n_head: int | None = _f(None, "override the preset's number of attention heads")
-    n_embd: int | None = _f(None, "override the preset's width")
+    n_layer: int | None = _f(None, "override the preset's number of layers", lo=1)
+    n_head: int | None = _f(None, "override the preset's number of attention heads", lo=1)
+    n_embd: int | None = _f(None, "override the preset's width", lo=1)
     block_size: int | None = _f(None, "override the preset's maximum sequence length (default: the preset's, "
-                                      "raised to --sequence_length when that is longer and no --init_from)")
-    vocab_size: int | None = _f(None, "vocabulary size (default: 256 for byte-level text data, else the preset's)")
+                                      "raised to --sequence_length when that is longer and no --init_from)", lo=1)
+    vocab_size: int | None = _f(None, "vocabulary size (default: 256 for byte-level text data, else the preset's)",
+                                lo=1)
     init_from: str | None = _f(None, "initialize from an llm.c model .bin file or an orbax checkpoint "
                                      "directory written by this script (shapes must match the preset)", metavar="PATH")
     dtype: str = _f("float32", "compute dtype (parameters and optimizer state stay float32)", choices=DTYPES)
-    dropout: float = _f(0.0, "dropout probability")
-    # -- activation recompute: names, types, defaults and help come from remat_lm.training.flags.FLAGS (shared with
-    #    `python -m remat_lm.llmc verify`); the values are validated once, by remat.RecomputeConfig
-    activation_recompute: bool = _r("activation_recompute")
-    recompute_granularity: str | None = _r("recompute_granularity")
-    recompute_method: str = _r("recompute_method")
-    memory_budget: str | None = _r("memory_budget")
-    recompute_num_layers: int = _r("recompute_num_layers")
-    recompute_modules: str | None = _r("recompute_modules")
-    remat_policy: str | None = _r("remat_policy")
-    use_reentrant: bool = _r("use_reentrant")
-    scan_layers: bool = _r("scan_layers")
-    recompute_segments: str | None = _r("recompute_segments")
-    recompute_every: int | None = _r("recompute_every")
-    cpu_checkpointing: bool = _r("cpu_checkpointing")
+    dropout: float = _f(0.0, "dropout probability", range=(0.0, 1.0, "left"))
+    # -- activation recompute: the fields of RecomputeFlags, validated once, by remat.RecomputeConfig
     distribute_saved_activations: bool = _f(False, "keep each recompute region's input split along T over the "
                                                    "mesh's tensor axis between the forward and the backward, "
                                                    "gathered before its recomputation (Megatron's "
                                                    "--distribute-saved-activations); needs granularity full, "
                                                    "--mesh tensor=N (N > 1) and --no-sequence_parallel")
-    deepspeed_config: str | None = _r("deepspeed_config")
     loss_chunk: int = _f(0, "compute the LM head and cross-entropy over chunks of N positions, each "
-                            "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)")
+                            "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)", lo=0)
     attention: str = _f("auto", "attention core: tiled (query tiles, masked tiles skipped; any backend) | xla "
                                 "(the whole T x T scores) | cudnn (cuDNN flash attention: NVIDIA GPU, bfloat16, "
                                 "no dropout) | pallas (Pallas TPU splash attention: TPU, T a multiple of 128, no dropout) | auto "
                                 "(for the platform built for: cudnn on an NVIDIA GPU, pallas on TPU, where they apply, "
                                 "else tiled)", choices=ATTENTION)
-    attention_tile: int = _f(DEFAULT_TILE, "query tile of --attention tiled")
+    attention_tile: int = _f(DEFAULT_TILE, "query tile of --attention tiled", lo=1)
     # -- optimization
-    batch_size: int = _f(16, "micro-batch size (sequences per forward/backward)")
-    sequence_length: int = _f(64, "tokens per sequence T")
+    batch_size: int = _f(16, "micro-batch size (sequences per forward/backward)", lo=1)
+    sequence_length: int = _f(64, "tokens per sequence T", lo=1)
     grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step (tokens per step = "
-                                  "batch_size * sequence_length * grad_accum_steps)")
-    num_iterations: int = _f(3000, "optimizer steps to train for (the step count to stop at when resuming)")
-    learning_rate: float = _f(3e-3, "peak learning rate (AdamW)")
-    warmup_iters: int = _f(30, "linear warmup steps")
-    lr_decay: float = _f(0.1, "cosine-decay the learning rate to this fraction of its peak")
+                                  "batch_size * sequence_length * grad_accum_steps)", lo=1)
+    num_iterations: int = _f(3000, "optimizer steps to train for (the step count to stop at when resuming)", lo=1)
+    learning_rate: float = _f(3e-3, "peak learning rate (AdamW)", range=(0.0, math.inf, False))
+    warmup_iters: int = _f(30, "linear warmup steps", lo=0)
+    lr_decay: float = _f(0.1, "cosine-decay the learning rate to this fraction of its peak", range=(0.0, 1.0, True))
     lr_decay_iters: int | None = _f(None, "steps of the warmup+cosine schedule (default --num_iterations; on "
-                                          "--resume, the saved run's)")
-    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
-    grad_clip: float = _f(1.0, "clip gradients to this global norm (0: no clipping)")
-    seed: int = _f(1337, f"seed for initialization, data order and dropout (0..{SEED_MAX})")
+                                          "--resume, the saved run's)", lo=1)
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)", range=(0.0, math.inf, True))
+    grad_clip: float = _f(1.0, "clip gradients to this global norm (0: no clipping)", range=(0.0, math.inf, True))
+    seed: int = _f(1337, f"seed for initialization, data order and dropout (0..{SEED_MAX})", lo=0, hi=SEED_MAX)
     # -- data
     data: tuple[str, ...] = _f((), "training data: llm.c token shards (*.bin, magic 20240520) or text files "
                                     "(byte-level tokens); glob patterns allowed; default: the Python "
                                     "standard library's source files")
     val_data: tuple[str, ...] = _f((), "validation data, as --data (default: the last 2%% of the training "
                                         "tokens are held out)")
-    val_every: int = _f(250, "evaluate every N steps and at the last step (0: never)")
-    val_steps: int = _f(8, "batches per evaluation")
+    val_every: int = _f(250, "evaluate every N steps and at the last step (0: never)", lo=0)
+    val_steps: int = _f(8, "batches per evaluation", lo=1)
     # -- samples (remat_lm/training/samples.py)
-    sample_every: int = _f(0, "print a short generation every N steps and at the last step (0: never)")
-    sample_length: int = _f(128, "tokens generated per sample")
+    sample_every: int = _f(0, "print a short generation every N steps and at the last step (0: never)", lo=0)
+    sample_length: int = _f(128, "tokens generated per sample", lo=1, hi=SAMPLE_LENGTH_MAX)
     prompt: str | None = _f(None, "sample prompt text (default: the first %d tokens of the validation data)"
                             % DEFAULT_PROMPT_TOKENS)
-    temperature: float = _f(0.0, "sampling temperature (0: greedy)")
-    top_k: int | None = _f(None, "sample among the k most likely tokens only (needs --temperature > 0)")
+    temperature: float = _f(0.0, "sampling temperature (0: greedy)", range=(0.0, math.inf, True))
+    top_k: int | None = _f(None, "sample among the k most likely tokens only (needs --temperature > 0)", lo=1)
     tokenizer: str | None = _f(None, "llm.c tokenizer file (gpt2_tokenizer.bin, magic 20240328) to decode and "
                                      "encode samples of llm.c token data", metavar="FILE")
     # -- checkpoints and logs
     checkpoint_dir: str | None = _f(None, "orbax checkpoint directory (asynchronous, atomic saves)", metavar="DIR")
-    checkpoint_every: int = _f(0, "save every N steps (0: only at the end); needs --checkpoint_dir")
-    keep_checkpoints: int = _f(3, "how many of the latest checkpoints to keep")
+    checkpoint_every: int = _f(0, "save every N steps (0: only at the end); needs --checkpoint_dir", lo=0)
+    keep_checkpoints: int = _f(3, "how many of the latest checkpoints to keep", lo=1)
     resume: bool = _f(False, "continue from the latest complete checkpoint in --checkpoint_dir")
     log_jsonl: str | None = _f(None, "write one JSON object per step to this file (appended to on --resume)",
                                 metavar="PATH")
@@ -209,36 +198,15 @@ class TrainConfig:
         object.__setattr__(self, "data", tuple(self.data))
         object.__setattr__(self, "val_data", tuple(self.val_data))
         self._check_paths()
-        if self.model not in MODELS:
-            raise UsageError(f"--model {self.model!r} is not valid; use one of {', '.join(MODELS)}")
+        self._check_values()
         presets = model_presets(self.model)
         if self.preset not in presets:
             raise UsageError(f"--preset {self.preset!r} is not a {self.model} preset; use one of {', '.join(presets)}")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
-        if self.attention not in ATTENTION:
-            raise UsageError(f"--attention {self.attention!r} is not valid; use one of {', '.join(ATTENTION)}")
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "lr_decay_iters", "top_k"):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or v < 1):
-                raise UsageError(f"--{name} {v!r} must be a positive integer (or left unset for the default)")
-        for name, lo in (("batch_size", 1), ("sequence_length", 1), ("grad_accum_steps", 1),
-                         ("num_iterations", 1), ("warmup_iters", 0), ("attention_tile", 1), ("val_every", 0),
-                         ("val_steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("sample_every", 0), ("sample_length", 1), ("loss_chunk", 0)):
-            v = getattr(self, name)
-            if not _is_int(v) or v < lo:
-                raise UsageError(f"--{name} {v!r} must be an integer >= {lo}")
-        if not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX:
-            raise UsageError(f"--seed {self.seed!r} is out of range; use an integer in 0..{SEED_MAX}")
-        for name, lo, hi, closed in (("learning_rate", 0.0, math.inf, False), ("lr_decay", 0.0, 1.0, True),
-                                     ("weight_decay", 0.0, math.inf, True), ("grad_clip", 0.0, math.inf, True),
-                                     ("dropout", 0.0, 1.0, "left"), ("temperature", 0.0, math.inf, True)):
-            v = getattr(self, name)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
-                (lo <= v <= hi) if closed is True else (lo <= v < hi) if closed == "left" else (lo < v <= hi))
-            if not ok:
-                rng = {True: f"[{lo}, {hi}]", "left": f"[{lo}, {hi})", False: f"({lo}, {hi}]"}[closed]
-                raise UsageError(f"--{name} {v!r} must be a finite number in {rng}")
+        if self.batch_size * self.sequence_length > INT32_MAX:
+            raise UsageError(f"--batch_size {self.batch_size} x --sequence_length {self.sequence_length} = "
+                             f"{self.batch_size * self.sequence_length} tokens per micro-batch exceeds {INT32_MAX} "
+                             f"(2**31 - 1: JAX counts a batch's tokens in int32); lower --batch_size or "
+                             f"--sequence_length (and raise --grad_accum_steps)")
         if self.top_k is not None and self.temperature == 0:
             raise UsageError(f"--top_k {self.top_k} samples among the k most likely tokens, but --temperature 0 is "
                              f"greedy; add --temperature (e.g. 0.8) or drop --top_k")
@@ -270,6 +238,29 @@ class TrainConfig:
         if self.deepspeed_config is not None:  # read by recompute_configs: a FIFO would block, /dev/zero never end
             check_input_file(self.deepspeed_config, "--deepspeed_config", "pass a DeepSpeed JSON config file")
         self.recompute_configs()  # validates the recompute flags
+
+    def _check_values(self) -> None:
+        """UsageError for a value outside its field's `choices` or bounds (`lo`, `hi`, `range`), as
+        the fields declare them."""
+        for f in dataclasses.fields(TrainConfig):
+            v, meta = getattr(self, f.name), f.metadata
+            if "choices" in meta and v not in meta["choices"]:
+                raise UsageError(f"--{f.name} {v!r} is not valid; use one of {', '.join(meta['choices'])}")
+            if "lo" in meta and not (v is None and f.default is None):
+                lo, hi = meta["lo"], meta.get("hi", INT32_MAX)
+                if not is_int(v) or (v < lo and "hi" not in meta):
+                    raise UsageError(f"--{f.name} {v!r} must be " + ("a positive integer (or left unset for the "
+                                     "default)" if f.default is None else f"an integer >= {lo}"))
+                if not lo <= v <= hi:
+                    raise UsageError(f"--{f.name} {v!r} is out of range; use an integer in {lo}..{hi}"
+                                     + (" (JAX counts and indexes in int32)" if hi == INT32_MAX else ""))
+            if "range" in meta:
+                lo, hi, closed = meta["range"]
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+                    (lo <= v <= hi) if closed is True else (lo <= v < hi) if closed == "left" else (lo < v <= hi))
+                if not ok:
+                    rng = {True: f"[{lo}, {hi}]", "left": f"[{lo}, {hi})", False: f"({lo}, {hi}]"}[closed]
+                    raise UsageError(f"--{f.name} {v!r} must be a finite number in {rng}")
 
     def _check_target(self) -> None:
         """UsageError for a --target that is not a name, or a --mesh of another size. The host's CPU
@@ -329,7 +320,7 @@ class TrainConfig:
 
     def recompute_configs(self) -> list:
         """[(label, RecomputeConfig)]: one entry, or one per method of a `--recompute_method` comma list;
-        [("auto", remat.config.AutoRecompute)] for `--recompute_method auto` (the planner's request).
+        [("auto", remat_lm.training.flags.AutoRecompute)] for `--recompute_method auto` (the planner's request).
 
         Raises UsageError naming the flag and the fix for every inconsistent combination.
         """
@@ -427,15 +418,14 @@ def _ascii_int(text: str) -> bool:
     return True
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 # ------------------------------------------------------------------------------------------------
 # The CLI, generated from the fields.
 
+_CHECKED = ("lo", "hi", "range")  # bounds __post_init__ checks (argparse reads only the ASCII form)
+
+
 def _flag_spec(f: dataclasses.Field, tp) -> dict:
-    meta = dict(f.metadata)
+    meta = {k: v for k, v in f.metadata.items() if k not in _CHECKED}
     kw: dict = {"help": meta.pop("help")}
     kw.update(meta)
     args = typing.get_args(tp)
@@ -459,9 +449,10 @@ def build_parser(prog: str = "train.py", description: str | None = None) -> argp
     """The argparse parser: one `--<field>` per TrainConfig field, with its type, default and help."""
     p = argtypes.Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
+    recompute = p.add_argument_group("activation recompute (remat_lm.training.flags)")
+    for f in sorted(dataclasses.fields(TrainConfig), key=lambda f: "recompute_flag" in f.metadata):
         if "recompute_flag" in f.metadata:
-            p.add_argument(f"--{f.name}", **recompute_flags.argparse_kwargs(recompute_flags.BY_NAME[f.name]))
+            recompute.add_argument(f"--{f.name}", **recompute_flags.argparse_kwargs(recompute_flags.BY_NAME[f.name]))
         else:
             p.add_argument(f"--{f.name}", **_flag_spec(f, hints[f.name]))
     return p

@@ -68,7 +68,7 @@ class Dataset:
                 flags = f"--model {fam.name} --preset {fam.tokenizer_preset}"
                 model = f"{flags} (vocab {vocab}) or " if top < vocab else ""
                 raise UsageError(
-                    f"{what} {self.top_file} ({self.token_format.describe()}) holds token ids up to {top}, but the "
+                    f"{what} {self.top_file} ({self.token_format.words()}) holds token ids up to {top}, but the "
                     f"model's vocab_size is {vocab_size}; pass {model}--vocab_size >= {top + 1}, or data tokenized "
                     f"for this model's vocabulary")
             raise UsageError(f"{what} ({self.description}) holds token ids up to {top}, but the "
@@ -179,8 +179,8 @@ def load(paths, what: str = "--data") -> Dataset:
         formats = [token_format(path)[0] for path in shards]  # header and size of every shard, first
         mixed = next((i for i, f in enumerate(formats) if f != formats[0]), None)
         if mixed is not None:
-            raise UsageError(f"{what} mixes token shard formats: {shards[0]} is an {formats[0].describe()}, "
-                             f"{shards[mixed]} an {formats[mixed].describe()}; their token ids come from "
+            raise UsageError(f"{what} mixes token shard formats: {shards[0]} is an {formats[0].words()}, "
+                             f"{shards[mixed]} an {formats[mixed].words()}; their token ids come from "
                              f"different tokenizers: pass shards of one format")
         streams, top, top_file = [], -1, shards[0]
         for path in shards:

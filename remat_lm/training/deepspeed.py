@@ -9,7 +9,7 @@ The block's keys (DeepSpeed's defaults in brackets) and what each becomes here:
 |                                  | tensor axis, or with sequence parallelism (which already splits them),
 |                                  | there is nothing to partition (a note says so) |
 | `cpu_checkpointing` [false] | `offload_inputs=True`: region inputs wait in pinned host memory |
-| `number_checkpoints` [null] | `regions=N`: the layers split into N contiguous regions of near-equal size |
+| `number_checkpoints` [null] | `layers=remat.count(N)`: the layers split into N contiguous regions of near-equal size |
 | `contiguous_memory_optimization` [false] | accepted; XLA already does it (see `NOTES`) |
 | `synchronize_checkpoint_boundary` [false] | accepted; XLA already does it (see `NOTES`) |
 | `profile` [false] | accepted; see `NOTES` for what to use instead |
@@ -20,13 +20,15 @@ are listed in the notes so nobody believes they took effect.
 Example:
     >>> from remat import RecomputeConfig
     >>> ds = parse({"activation_checkpointing": {"number_checkpoints": 2}})   # or load("ds_config.json")
-    >>> RecomputeConfig(granularity="full", **ds.recompute_kwargs(tensor_axis=None)).regions
-    2
+    >>> RecomputeConfig(granularity="full", **ds.recompute_kwargs(tensor_axis=None)).layers
+    count(2)
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+
+import remat.regions
 
 BLOCK = "activation_checkpointing"
 
@@ -87,7 +89,7 @@ class DeepSpeedCheckpointing:
         """RecomputeConfig fields this block sets (granularity full is the caller's)."""
         kw = {}
         if self.number_checkpoints is not None:
-            kw["regions"] = self.number_checkpoints
+            kw["layers"] = remat.regions.count(self.number_checkpoints)
         if self.cpu_checkpointing:
             kw["offload_inputs"] = True
         if self.partition_activations and tensor_axis is not None:

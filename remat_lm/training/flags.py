@@ -1,9 +1,10 @@
 """The recompute flags of every command line (train.py, `python -m remat_lm.llmc verify`).
 
 One table, `FLAGS`, defines the vocabulary: each flag's name, type, default, help and the
-`RecomputeConfig` field it sets. `train.py` (via `remat_lm.training.TrainConfig`) and `remat_lm.llmc verify`
-both generate their argparse flags from it (`argparse_kwargs`, `add_arguments`), so names, help
-and parsing are the same everywhere. `from_flags` turns flag values into `RecomputeConfig`s (or an
+`RecomputeConfig` field it sets. `RecomputeFlags`, the dataclass `remat_lm.training.TrainConfig`
+inherits its recompute fields from, is generated from it, and `train.py` and `remat_lm.llmc verify`
+both generate their argparse flags from it (`argparse_kwargs`, `add_arguments`), so names, types,
+defaults, help and parsing are declared once. `from_flags` turns flag values into `RecomputeConfig`s (or an
 `AutoRecompute` request for `--recompute_method auto`). The settings are validated once, by
 `RecomputeConfig` (which also refuses every setting that another would make it ignore); this module
 only checks what a config cannot see (`--activation_recompute` against `--recompute_granularity`,
@@ -22,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from typing import Any, Mapping
 
 from remat_lm import argtypes
 from remat import names as _names
 from remat import policies
-from remat.config import GRANULARITIES, METHODS, AutoRecompute, RecomputeConfig, RecomputeConfigError
+import remat
+from remat.config import GRANULARITIES, METHODS, RecomputeConfig, RecomputeConfigError
+from remat.errors import is_int
 from remat.errors import library_word
 
 
@@ -89,6 +93,18 @@ FLAGS = (
 )
 BY_NAME = {f.name: f for f in FLAGS}
 
+
+def _field(flag: Flag) -> tuple:
+    tp = flag.type if flag.default is not None else typing.Optional[flag.type]
+    return flag.name, tp, dataclasses.field(default=flag.default, metadata={"recompute_flag": flag.name,
+                                                                             "help": flag.help})
+
+
+# The recompute fields of TrainConfig (its base class), one per entry of FLAGS.
+RecomputeFlags = dataclasses.make_dataclass("RecomputeFlags", [_field(f) for f in FLAGS], frozen=True)
+RecomputeFlags.__doc__ = "The recompute flags' values, one field per entry of `FLAGS` (TrainConfig's base)."
+RecomputeFlags.__module__ = __name__
+
 # The flag that sets each RecomputeConfig field, for error messages (two come from --deepspeed_config).
 FIELD_FLAGS = {**{f.field: f"--{f.name}" for f in FLAGS if f.field},
                "regions": "--deepspeed_config number_checkpoints",
@@ -98,6 +114,25 @@ FIELD_FLAGS = {**{f.field: f"--{f.name}" for f in FLAGS if f.field},
 # Text flags that hold numbers: ASCII digits only (int() would misread or reject '²'), named in the error.
 _ARG_TYPES = {"recompute_segments": argtypes.ascii_digits("0-3,3-5")}
 _INT = argtypes.integer()  # one object, so every parser's recompute flags have the same type
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRecompute:
+    """A request to plan the recompute setting per layer (`--recompute_method auto`): what
+    `remat.plan_for_budget` is asked for (`remat_lm.training.compile.plan_memory` asks it). It is not a RecomputeConfig and never reaches a model;
+    the planner's answer (`BudgetPlan.recompute_config()`) does.
+
+    Args:
+      budget: the compiled peak per device to fit, in bytes.
+    Example:
+      >>> AutoRecompute(budget=12 * 2**30).budget
+      12884901888
+    """
+    budget: int
+
+    def __post_init__(self):
+        if not is_int(self.budget) or self.budget < 1:
+            raise ValueError(f"--memory_budget {self.budget!r} must be a number of bytes >= 1")
 
 
 def argparse_kwargs(flag: Flag) -> dict:
@@ -144,11 +179,19 @@ def granularity(activation_recompute: bool, recompute_granularity: str | None, *
 _SWITCHES = ("use_reentrant", "offload_inputs", "shard_saved_axis")
 
 
+def _field_of(name: str, value) -> str:
+    """The field whose flag sets `name=value`: a region spec (`layers`) is set by the flag of its kind
+    (`every(2)`: `--recompute_every`, `count(4)`: `--deepspeed_config number_checkpoints`)."""
+    return value.field if name == "layers" and isinstance(value, remat.regions.Layers) else name
+
+
 def flag_word(flags: Mapping[str, str] = FIELD_FLAGS):
     """How a command line names a setting in an error (for `RecomputeConfigError.render`): the flag
     of its field with the value as typed (`--recompute_every 2`, `--use_reentrant`,
     `--recompute_segments 0-3,3-5`), or the flag alone. A field without a flag keeps the library's words."""
     def word(name: str, value, with_value: bool) -> str:
+        if name == "layers" and isinstance(value, remat.regions.Layers):
+            name, value = value.field, value.value()
         flag = flags.get(name)
         if flag is None:
             return library_word(name, value, with_value)
@@ -167,13 +210,13 @@ def flag_error(e: RecomputeConfigError, flags: Mapping[str, str] = FIELD_FLAGS) 
 
     Example:
       >>> try:
-      ...     RecomputeConfig(granularity="full", every=0)
+      ...     RecomputeConfig(granularity="full", layers=remat.every(0))
       ... except RecomputeConfigError as e:
       ...     flag_error(e)
       '--recompute_every 0 must be an integer >= 1 (every k-th layer is a region)'
     """
     msg = e.render(flag_word(flags))
-    named = [flags.get(f, f) for f in e.fields]
+    named = [flags.get(_field_of(f, e.settings.get(f)), f) for f in e.fields]
     return msg if any(msg.startswith(f) for f in named) else f"{' and '.join(named)}: {msg}"
 
 
@@ -199,9 +242,20 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
     if deepspeed is not None and g != "full":
         raise ValueError(f"--deepspeed_config checkpoints whole layers (granularity full) but --recompute_granularity "
                          f"is {g}; drop --recompute_granularity")
-    base = dict(granularity=g, policy=policy, use_reentrant=use_reentrant, segments=segments, every=every,
-                offload_inputs=bool(cpu_checkpointing), modules=modules)
     flags = dict(FIELD_FLAGS)  # the flag that set each field, for messages
+    given = [(f, v) for f, v in (("segments", segments), ("every", every),
+                                 ("regions", None if deepspeed is None else deepspeed.number_checkpoints))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(" and ".join(flags[f] for f, _ in given) + " each say which layers are regions; pass "
+                         "only one")
+    try:
+        layers = (remat.segments(segments) if segments is not None else
+                  remat.every(every) if every is not None else None)
+    except RecomputeConfigError as e:
+        raise ValueError(flag_error(e, flags)) from None
+    base = dict(granularity=g, policy=policy, use_reentrant=use_reentrant, layers=layers,
+                offload_inputs=bool(cpu_checkpointing), modules=modules)
     if deepspeed is not None:
         base.update(deepspeed.recompute_kwargs(tensor_axis))
         if deepspeed.cpu_checkpointing and not cpu_checkpointing:
@@ -227,7 +281,7 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
 
 
 # The settings that mean nothing with recompute off, worded "needs recompute turned on" on a command line.
-_OFF_FIELDS = ("method", "num_layers", "modules", "policy", "use_reentrant", "segments", "every", "offload_inputs")
+_OFF_FIELDS = ("method", "num_layers", "modules", "policy", "use_reentrant", "layers", "offload_inputs")
 
 
 def _off_error(e: RecomputeConfigError, flags: Mapping[str, str], recompute_granularity: str | None,
@@ -236,7 +290,7 @@ def _off_error(e: RecomputeConfigError, flags: Mapping[str, str], recompute_gran
     flag that would be ignored and how to turn recompute on; None for any other error."""
     if e.settings.get("granularity") != "none" or e.field not in _OFF_FIELDS:
         return None
-    flag = flags[e.field]
+    flag = flags[_field_of(e.field, e.value)]
     shown = flag_word(flags)(e.field, method_flag if e.field == "method" else e.value, True)
     on = "--activation_recompute" + (" --recompute_granularity selective" if e.field == "modules" else "")
     if recompute_granularity is not None:  # the user said none
@@ -273,8 +327,6 @@ def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
 def _auto_request(v: dict, methods: tuple, default_budget: int | None = None) -> AutoRecompute:
     """`--recompute_method auto --memory_budget SIZE` → AutoRecompute (without the flag: `default_budget`,
     if any); the planner chooses every other recompute setting, so giving one is an error naming it."""
-    from remat.planner import parse_size
-
     if methods != ("auto",):
         if "auto" in methods:
             raise ValueError(f"--recompute_method {v['recompute_method']}: auto plans every layer itself; pass "
@@ -289,7 +341,7 @@ def _auto_request(v: dict, methods: tuple, default_budget: int | None = None) ->
         budget = int(default_budget)
     else:
         try:
-            budget = parse_size(v["memory_budget"])
+            budget = argtypes.parse_size(v["memory_budget"])
         except ValueError as e:
             raise ValueError(f"--memory_budget: {e}") from None
     fixed = ("activation_recompute", "recompute_method", "memory_budget")

@@ -25,12 +25,13 @@ from remat_lm.training import log as log_lib
 from remat_lm.training import saving
 from remat_lm.training import sharding as sh
 from remat_lm.training import signals
+from remat_lm.training.checks import is_oom
 from remat_lm.training.compile import batch_struct
 from remat_lm.training.config import TrainConfig, UsageError
 from remat_lm.training.distributed import put_rows
 from remat_lm.training.model import config_dict
 from remat_lm.training.profile import StepProfiler
-from remat_lm.training.report import describe
+from remat_lm.training.report import run_summary
 from remat_lm.training.resume import initial_state
 from remat_lm.training.step import make_eval_step
 
@@ -75,7 +76,7 @@ def train(setup, compiled, out, t_compile: float) -> RunResult:
     if jax.process_index() != 0:  # multi-host: one process reports
         out = open(os.devnull, "w")
     devices = list(mesh.devices.flat)
-    print(describe(setup, compiled), file=out)
+    print(run_summary(setup, compiled), file=out)
     print(f"compile  {t_compile:.1f} s", file=out)
     signals.set_phase("restoring the train state")
     state, position, setup = initial_state(setup)  # setup: the step restored, damaged steps skipped
@@ -139,7 +140,7 @@ def train(setup, compiled, out, t_compile: float) -> RunResult:
                     metrics = jax.device_get(metrics)
                     dt = time.perf_counter() - t0
             except Exception as e:
-                if remat.memory.is_oom(e):
+                if is_oom(e):
                     raise oom_error(cfg, f"at step {step + 1}", e) from None
                 raise
             position += 1
@@ -189,7 +190,7 @@ def train(setup, compiled, out, t_compile: float) -> RunResult:
         kept = (f"checkpoint step {last_saved} in {cfg.checkpoint_dir} is complete; continue with --resume"
                 if last_saved is not None else "no checkpoint was written"
                 + ("" if cfg.checkpoint_dir else " (no --checkpoint_dir)"))
-        raise Interrupted(f"{signals.describe(sig)} after step {n} of {cfg.num_iterations}; {kept}",
+        raise Interrupted(f"{signals.stop_words(sig)} after step {n} of {cfg.num_iterations}; {kept}",
                           signals.exit_code(sig))
     wall = time.perf_counter() - t_run
     if history:

@@ -41,7 +41,8 @@ import math
 from remat import policies
 from remat.memory import GiB, MiB, compiled_stats
 from remat.memory import format_bytes
-from remat.planner import parse_size, recompute_config
+from remat.planner import recompute_config
+from remat_lm.argtypes import parse_size
 from remat_lm.training.checks import device_memory_limit, host_available  # noqa: F401 (host_available: re-exported)
 from remat_lm.training.compile import compile_train_step
 from remat_lm.training.config import UsageError
@@ -101,7 +102,7 @@ def headroom(need: int, cap: Capacity) -> int:
 
 def verdict(setup, need: int | None, cap: Capacity, refused: run_target.Refused | None = None) -> str:
     """`fits on 8 x NVIDIA H200 141GB HBM3e with 61% headroom at batch 8` / `does not fit on ...`."""
-    where = f" on {setup.target.describe()}" if setup.target is not None else ""
+    where = f" on {setup.target.hardware()}" if setup.target is not None else ""
     batch = f" at batch {setup.cfg.batch_size}"
     if refused is None and need is not None and need <= cap.bytes:
         return f"fits{where} with {headroom(need, cap)}% headroom{batch}"

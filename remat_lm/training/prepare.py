@@ -21,7 +21,8 @@ from remat_lm.models import attention
 from remat_lm.models import family
 from remat_lm.models.llmc_io import LlmcFormatError
 from remat import RecomputeConfig
-from remat.config import AutoRecompute, RecomputeConfigError
+from remat.config import RecomputeConfigError
+from remat_lm.training.flags import AutoRecompute
 from remat_lm.training.flags import flag_error
 from remat_lm.training import checks
 from remat_lm.training import data as data_lib
@@ -225,8 +226,8 @@ def prepare(cfg: TrainConfig) -> Setup:
         if val_ds.kind != train_ds.kind:
             raise UsageError(f"--val_data is {val_ds.kind} but --data is {train_ds.kind}; pass the same kind")
         if val_ds.token_format != train_ds.token_format:
-            raise UsageError(f"--val_data {val_ds.description} is an {val_ds.token_format.describe()} but --data "
-                             f"is an {train_ds.token_format.describe()}; their token ids come from different "
+            raise UsageError(f"--val_data {val_ds.description} is an {val_ds.token_format.words()} but --data "
+                             f"is an {train_ds.token_format.words()}; their token ids come from different "
                              f"tokenizers: pass shards of one format")
     elif cfg.val_every > 0:
         train_ds, val_ds = train_ds.split_tail(VAL_FRACTION, cfg.sequence_length + 1)

@@ -61,7 +61,7 @@ def memory_report(setup) -> str:
     w0, w = 46, max(18, *(len(c[0]) + 2 for c in cols), *(len(x) + 2 for row in table for x in row))
     dev = setup.mesh.devices.flat[0]
     t = setup.target
-    on = (f"{t.describe()} ({t.compiler}{', compile-only: no device here' if setup.deviceless else ''})"
+    on = (f"{t.hardware()} ({t.compiler}{', compile-only: no device here' if setup.deviceless else ''})"
           if t is not None else f"{setup.mesh.size} {dev.platform} device(s)")
     lines = [f"memory report: {cfg.model} {cfg.preset} ({setup.fam.num_params(setup.mcfg):,} params), micro-batch "
              f"{cfg.batch_size}x{cfg.sequence_length}, {cfg.dtype}, mesh {cfg.mesh} on {on}",
@@ -114,7 +114,7 @@ def _verdicts(setup, cols, refused, wl) -> list[str]:
     return lines
 
 
-def describe(setup, compiled=None) -> str:
+def run_summary(setup, compiled=None) -> str:
     """A summary of the run (printed at the start and by --dry_run)."""
     cfg, m = setup.cfg, setup.mcfg
     rc = m.recompute
@@ -125,7 +125,7 @@ def describe(setup, compiled=None) -> str:
         f"{setup.fam.num_params(m):,} params, {m.n_layer} layers, "
         f"width {m.n_embd}, vocab {m.vocab_size}, block {m.block_size}, {m.dtype}"
         + (", scan" if m.scan_layers else ""),
-        f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {remat.policies.describe(rc.effective_policy()) if rc.layer_policies is None else 'per layer'}"
+        f"remat    {setup.mcfgs[0][0]}" + (f" ({regions} recompute regions, policy {remat.policies.describe(rc.effective_policy()) if not isinstance(rc.layers, remat.regions.PerLayer) else 'per layer'}"
                                             f"{', reentrant' if rc.use_reentrant else ''})" if rc.enabled else "")
         + (f"; loss over chunks of {m.loss_chunk} positions" if m.loss_chunk else ""),
         f"data     {setup.train_ds.description}: {setup.train_ds.n_tokens:,} tokens"
@@ -133,7 +133,7 @@ def describe(setup, compiled=None) -> str:
         f"batch    {cfg.batch_size} x {cfg.sequence_length} x {cfg.grad_accum_steps} accum = "
         f"{cfg.tokens_per_step:,} tokens/step, {setup.fam.flops_per_token(m, cfg.sequence_length) / 1e6:,.1f} "
         f"MFLOP/token",
-        f"mesh     {cfg.mesh} over " + (f"{setup.target.describe()} (compile-only: {setup.target.compiler} builds "
+        f"mesh     {cfg.mesh} over " + (f"{setup.target.hardware()} (compile-only: {setup.target.compiler} builds "
                                          f"for it, no device here)" if setup.deviceless else
                                          f"{setup.mesh.size} {setup.mesh.devices.flat[0].platform} device(s)"),
     ]

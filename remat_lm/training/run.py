@@ -20,11 +20,12 @@ from remat_lm.training import preflight
 from remat_lm.training import saving
 from remat_lm.training import signals
 from remat_lm.training import target as run_target
+from remat_lm.training.checks import is_oom
 from remat_lm.training.compile import compile_train_step, plan_memory
 from remat_lm.training.config import TrainConfig
 from remat_lm.training.loop import Interrupted, RunResult, TrainingDiverged, oom_error, train
 from remat_lm.training.prepare import Setup, prepare
-from remat_lm.training.report import describe, memory_report
+from remat_lm.training.report import memory_report, run_summary
 
 __all__ = ["Interrupted", "RunResult", "Setup", "TrainingDiverged", "compile_train_step", "describe",
            "memory_report", "plan_memory", "prepare", "run"]
@@ -72,7 +73,7 @@ def _compile_and_train(cfg: TrainConfig, setup: Setup, out) -> RunResult:
     except run_target.Refused as e:  # the target's compiler: too large for its memory (a verdict)
         raise preflight.refusal(setup, e, advise=cfg.preflight) from None
     except Exception as e:
-        if remat.memory.is_oom(e):
+        if is_oom(e):
             raise oom_error(cfg, "compiling the train step", e) from None
         raise
     t_compile = time.perf_counter() - t_compile
@@ -81,7 +82,7 @@ def _compile_and_train(cfg: TrainConfig, setup: Setup, out) -> RunResult:
         if fit:
             print(f"preflight {fit}", file=out)
     if cfg.dry_run:
-        print(describe(setup, compiled), file=out)
+        print(run_summary(setup, compiled), file=out)
         print(f"dry run: the train step compiled in {t_compile:.1f} s{built}; nothing was trained or written",
               file=out)
         return RunResult([], None, setup, stopped="dry_run")

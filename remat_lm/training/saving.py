@@ -215,7 +215,7 @@ def state_digest(tree) -> dict:
 # metadata needs no digest: the OCDBT manifest and b-tree nodes (where the arrays' file offsets
 # and lengths live) carry tensorstore's crc32c, and `_METADATA`, `_sharding` and
 # `array_metadatas` do not change what a restore against this run's abstract state returns
-# (tests/test_trust_resume.py changes each and compares).
+# (tests/test_resume_integrity.py changes each and compares).
 def meta_digest(meta: dict) -> str:
     """A sha256 (hex, 16 digits) of `meta` without its own `meta_digest` field, as JSON reads it back."""
     body = json.loads(json.dumps({k: v for k, v in meta.items() if k != "meta_digest"}))

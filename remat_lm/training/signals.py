@@ -66,7 +66,7 @@ def exit_code(sig: int) -> int:
     return EXIT_CODES.get(sig, 128 + int(sig))
 
 
-def describe(sig: int) -> str:
+def stop_words(sig: int) -> str:
     return WORDS.get(sig, f"stopped by signal {int(sig)}")
 
 
@@ -117,7 +117,7 @@ def _watch(fd: int) -> None:
                     _state["pending"] = sig
                     continue
             if phase == "training":
-                _leave(f"{prog}: {describe(sig)} again: exiting now; a checkpoint save in flight is abandoned "
+                _leave(f"{prog}: {stop_words(sig)} again: exiting now; a checkpoint save in flight is abandoned "
                        f"(the earlier steps are intact; continue with --resume)", exit_code(sig))
-            _leave(f"{prog}: {describe(sig)} while {phase}; nothing was written", exit_code(sig))
+            _leave(f"{prog}: {stop_words(sig)} while {phase}; nothing was written", exit_code(sig))
 

@@ -9,7 +9,7 @@ compares with its `memory_limit`, and `--recompute_method auto` takes that as it
 Example:
     >>> from remat_lm.training import TrainConfig
     >>> t, deviceless = resolve(TrainConfig(target="h200x8", mesh="fsdp=8", dry_run=True))
-    >>> t.describe(), deviceless, words(t)
+    >>> t.hardware(), deviceless, words(t)
     ('8 x NVIDIA H200 141GB HBM3e', True, 'XLA:GPU for 8 x NVIDIA H200 141GB HBM3e')
 
 # NOTE: which runs may take a target this host has not got. Compile-only devices run nothing, so
@@ -114,7 +114,7 @@ def resolve(cfg) -> tuple[remat_targets.Target | None, bool]:
         return t, False
     if not (cfg.dry_run or cfg.memory_report):
         devs = jax.devices()
-        raise UsageError(f"--target {t.name} is {t.describe()}, which this host has not got (it has {len(devs)} "
+        raise UsageError(f"--target {t.name} is {t.hardware()}, which this host has not got (it has {len(devs)} "
                          f"{devs[0].platform} device{'s' if len(devs) != 1 else ''}), so nothing can train on it; "
                          f"add --dry_run (compile and check the train step for it"
                          f"{', with the planned setting' if cfg.recompute_method == 'auto' else ''}) or --memory_report")
@@ -133,7 +133,7 @@ def devices(t: remat_targets.Target) -> list:
 
 def words(t: remat_targets.Target) -> str:
     """Which compiler gives the figures, for what: `XLA:GPU for 8 x NVIDIA H200 141GB HBM3e`."""
-    return f"{t.compiler} for {t.describe()}"
+    return f"{t.compiler} for {t.hardware()}"
 
 
 def limit_words(t: remat_targets.Target) -> str:
@@ -169,7 +169,7 @@ class Refused(MemoryError):
 def refused(t: remat_targets.Target, e: BaseException, flops: float | None = None) -> Refused:
     """`e`, the compiler's out-of-memory error for `t`, as a `Refused`."""
     first = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__).rstrip(".")
-    return Refused(f"{t.compiler} cannot fit the program on {t.describe()}: {first}", refused_bytes(first), flops)
+    return Refused(f"{t.compiler} cannot fit the program on {t.hardware()}: {first}", refused_bytes(first), flops)
 
 
 # XLA:TPU's two wordings: "the total memory required for HLO temporaries (47.68G) exceeds available

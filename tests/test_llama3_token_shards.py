@@ -75,7 +75,7 @@ def test_dataset_of_llama3_shards_keeps_ids_above_uint16(tmp_path):
     llmc_write_datafile(str(tmp_path / "s.bin"), toks, "llama-3")
     ds = load([str(tmp_path / "s.bin")])
     assert isinstance(ds.streams[0], np.memmap) and ds.streams[0].dtype == np.uint32
-    assert ds.vocab_needed == max(toks) + 1 > 65536 and ds.token_format.describe() == LLAMA
+    assert ds.vocab_needed == max(toks) + 1 > 65536 and ds.token_format.words() == LLAMA
     x, y = ds.eval_batch(0, 4, 16)
     np.testing.assert_array_equal(x.ravel(), toks[:64])
     np.testing.assert_array_equal(y.ravel(), toks[1:65])

@@ -1,0 +1,65 @@
+"""The platform a program is built for: `building_for`, `target_platform`, `lowered_for`."""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+# NOTE: the attention core (remat_lm/models/attention.py) and the cotangent tie (remat/checkpoint.py `_tie`)
+# differ per platform, and both are chosen while tracing, before XLA knows the lowering platforms.
+# `jax.lax.platform_dependent` would defer the choice to lowering, but differentiating it keeps the
+# residuals of every branch (a `cond`'s residuals are the union over branches, zero-filled where a
+# branch has none), so a cuDNN program would also allocate the tiled core's. Instead the platform
+# is explicit: `building_for(platform)` names it while tracing (`lowered_for` does), and without it
+# the host's own backend is the target, as when train.py runs on the machine it trains on. The
+# target is a `jax.make_user_context`, part of JAX's trace and jit cache keys.
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+ACCELERATORS = ("cuda", "rocm", "tpu")
+# a jit-cache-sensitive context: the same function traced for two platforms is traced twice
+_TARGET = jax.make_user_context(None)
+
+
+def host_platform() -> str:
+    """This process's default backend in lowering words: cpu, cuda, rocm or tpu."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return backend
+    version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+    return "rocm" if "rocm" in version else "cuda"
+
+
+def target_platform() -> str:
+    """The platform the program being traced is built for: `building_for`'s, else the host's.
+
+    Example:
+      >>> with building_for("tpu"):
+      ...     target_platform()
+      'tpu'
+    """
+    return _TARGET.value or host_platform()
+
+
+@contextlib.contextmanager
+def building_for(platform: str):
+    """Trace for `platform` (cpu | cuda | rocm | tpu): the platform-dependent pieces (attention
+    core, cotangent tie) take that platform's form, whatever this host is."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r} is not valid; use one of {', '.join(PLATFORMS)}")
+    with _TARGET(platform):
+        yield
+
+
+def lowered_for(fn, platform: str, *args, **kwargs) -> jax.stages.Lowered:
+    """`fn(*args, **kwargs)` jitted, traced and lowered for `platform` from any host (no compile).
+
+    `fn` may be jitted already (its shardings and donation are kept). Read the program with
+    `.as_text()` (StableHLO): e.g. the cuDNN attention call `__cudnn$fmha...` on cuda, the Pallas
+    kernel `tpu_custom_call` on tpu, `_xla_buffer_placement = "pinned_host"` for offloaded values.
+    `python -m remat_lm.bench.lower` does it for the train step.
+    Example:
+      >>> "stablehlo.sine" in lowered_for(jax.numpy.sin, "tpu", jax.numpy.ones(4)).as_text()
+      True
+    """
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+    with building_for(platform):
+        return jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,))
