@@ -66,7 +66,7 @@ def test_scan_reads_the_stored_stack_in_place(target):
     assert temps[True] <= temps[False] + slack, (temps, slack)
 
 
-# (FULL is slow: its sibling uniform 2 stays fast, and test_own_model.py's scan test covers FULL)
+# (FULL is slow: its sibling uniform 2 stays fast, and test_outside_models.py's scan test covers FULL)
 @pytest.mark.parametrize("cfg", [pytest.param(FULL, marks=pytest.mark.slow),
                                  RecomputeConfig(granularity="full", method="uniform", num_layers=2)])
 def test_scan_gradients_equal_the_loop_and_no_remat_and_paths_map_both_ways(cfg):
