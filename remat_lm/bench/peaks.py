@@ -26,6 +26,7 @@ and the ratio to the row it is compared with (`base`). The rows, float32 unless 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -62,15 +63,16 @@ class Setting:
     mesh: bool = False
 
 
-def settings(platform: str) -> list[Setting]:
-    """The rows for a target of `platform` (no fused-kernel rows on cpu)."""
+def settings(platform: str, n_layer: int = common.REFERENCE["gpt2"]["n_layer"]) -> list[Setting]:
+    """The rows for a target of `platform` (no fused-kernel rows on cpu); block L/2 of `n_layer`."""
     sel = lambda *m: RecomputeConfig(granularity="selective", modules=m)  # noqa: E731
     bf16 = (("dtype", "bfloat16"),)
     out = [
         Setting("none", "loop", RecomputeConfig()),
         Setting("full", "loop", FULL),
         Setting("uniform 2", "loop", RecomputeConfig(granularity="full", method="uniform", num_layers=2)),
-        Setting("block 4", "loop", RecomputeConfig(granularity="full", method="block", num_layers=4)),
+        Setting(f"block {max(1, n_layer // 2)}", "loop",
+                RecomputeConfig(granularity="full", method="block", num_layers=max(1, n_layer // 2))),
         Setting("selective core_attn", "loop", sel("core_attn")),
         Setting("selective core_attn+mlp", "loop", sel("core_attn", "mlp")),
         Setting("full + loss_chunk 64", "loop", FULL, "full", (("loss_chunk", 64),)),
@@ -104,9 +106,16 @@ def mesh_target(target: str) -> str:
     return f"{t.spec.kind}x4" if t.platform == "cuda" else f"{t.spec.kind}:2x2"
 
 
-def measure(model: str, s: Setting, target: str, *, batch: int, seq: int) -> dict:
-    """Compile the gradient of one row for `target` and read XLA's memory analysis."""
-    mcfg = common.reference_config(model, block_size=seq, recompute=s.recompute, **dict(s.overrides))
+def measure(model: str, s: Setting, target: str, *, batch: int = common.REFERENCE_BATCH, seq: int | None = None,
+            **shape) -> dict:
+    """Compile the gradient of one row for `target` and read XLA's memory analysis.
+
+    `seq` (default the reference block size) and `shape` (model config fields: n_layer, n_embd, ...)
+    change the reference shape; tests/test_target_peaks.py takes tiny ones.
+    """
+    seq = seq or common.REFERENCE[model]["block_size"]
+    mcfg = common.reference_config(model, **{**shape, "block_size": seq, "recompute": s.recompute,
+                                             **dict(s.overrides)})
     fn, args = offload.gradient(mcfg, batch, seq)
     t0 = time.perf_counter()
     if s.mesh:
@@ -121,8 +130,9 @@ def measure(model: str, s: Setting, target: str, *, batch: int, seq: int) -> dic
 
 
 def run(target: str = "cpu", models=MODELS, *, batch: int = common.REFERENCE_BATCH, seq: int | None = None,
-        groups=None, log=None) -> dict:
-    """Every row of `settings` for each model; ratios to each row's base.
+        groups=None, rows=None, shape=None, log=None) -> dict:
+    """Every row of `settings` for each model (only `groups` / row keys `rows` when given), the
+    reference shape changed by `seq` and `shape` (config fields); ratios to each row's base.
 
     Example:
       >>> res = run("cpu", ("gpt2",), groups=("scan",))
@@ -131,23 +141,23 @@ def run(target: str = "cpu", models=MODELS, *, batch: int = common.REFERENCE_BAT
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t = targets.get(target)
-    rows = []
+    shape = dict(shape or {})
+    wanted, out = rows, []
     for model in models:
-        T = seq or common.REFERENCE[model]["block_size"]
         by = {}
-        for s in settings(t.platform):
-            if groups and s.group not in groups:
+        for s in settings(t.platform, shape.get("n_layer", common.REFERENCE[model]["n_layer"])):
+            if groups and s.group not in groups or wanted and key(s) not in wanted:
                 continue
-            r = measure(model, s, t.name, batch=batch, seq=T)
+            r = measure(model, s, t.name, batch=batch, seq=seq, **shape)
             by[r["row"]] = r
             base = by.get(r["base"])
             r["ratio"] = r["temp"] / base["temp"] if base and base["temp"] else None
-            rows.append(r)
+            out.append(r)
             log(f"{model} {r['row']}: temp {r['temp'] / MiB:.1f} MiB, host {r['host'] / MiB:.1f} MiB "
                 f"({r['seconds']:.1f} s)")
     meta = dict(common.machine(), source=common.source(t.name), models=list(models), batch=batch, seq=seq,
-                mesh=MESH, mesh_target=mesh_target(t.name), command=None)
-    return {"meta": meta, "rows": rows}
+                shape=shape, mesh=MESH, mesh_target=mesh_target(t.name), command=None)
+    return {"meta": meta, "rows": out}
 
 
 def _mib(x) -> str:
@@ -156,7 +166,9 @@ def _mib(x) -> str:
 
 def report(res: dict) -> str:
     m = res["meta"]
-    head = (f"jax.grad of the loss at the reference shape (B={m['batch']}), {common.source_line(m['source'])}; "
+    changed = {**m.get("shape", {}), **({"seq": m["seq"]} if m.get("seq") else {})}
+    head = (f"jax.grad of the loss at the reference shape (B={m['batch']}{', ' if changed else ''}"
+            f"{', '.join(f'{k}={v}' for k, v in changed.items())}), {common.source_line(m['source'])}; "
             f"sharded rows on {m['mesh_target']} (mesh {m['mesh']}); {m['date']}, jax {m['jax']}")
     body = [[r["model"], r["group"], r["setting"], _mib(r["temp"]), common.fmt(r["ratio"]), r["base"],
              _mib(r["host"]), common.fmt(r["seconds"], ".1f")] for r in res["rows"]]
@@ -166,9 +178,16 @@ def report(res: dict) -> str:
 
 def merge(runs: list[dict]) -> str:
     """One table of several runs (one per target): temp MiB and × base per compiler."""
-    cols = [f"{r['meta']['source']['compiler']} {r['meta']['source']['target']}"
-            + (" (no VMEM)" if "vmem_memory_space_assignment=false" in r['meta']['source'].get("libtpu_args", "")
-               else "") for r in runs]
+    by_source = {}
+    for r in runs:  # runs of one target (e.g. one per model) make one column
+        src = r["meta"]["source"]
+        col = f"{src['compiler']} {src['target']}" + (" (no VMEM)" if "vmem_memory_space_assignment=false" in
+                                                     src.get("libtpu_args", "") else "")
+        if col in by_source:
+            by_source[col] = {"meta": by_source[col]["meta"], "rows": by_source[col]["rows"] + r["rows"]}
+        else:
+            by_source[col] = r
+    cols, runs = list(by_source), list(by_source.values())
     keys = []
     for r in runs:
         keys += [(x["model"], x["row"]) for x in r["rows"] if (x["model"], x["row"]) not in keys]
@@ -183,12 +202,27 @@ def merge(runs: list[dict]) -> str:
     return "\n".join([common.markdown_table(header, body), "", f"Runs: {dates}."])
 
 
+def _shape(text: str) -> dict:
+    """`--shape n_layer=4,n_embd=64` -> {"n_layer": 4, "n_embd": 64}: positive ints."""
+    out = {}
+    for part in str(text).split(","):
+        k, _, v = part.partition("=")
+        if not k.strip() or not v.strip().isascii() or not v.strip().isdigit() or int(v) < 1:
+            raise argparse.ArgumentTypeError(f"expected name=N pairs separated by ',' (N a positive integer), "
+                                             f"e.g. n_layer=4,n_embd=64; got {text!r}")
+        out[k.strip()] = int(v)
+    return out
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m remat_lm.bench.peaks", description=__doc__.split("\n\n")[0])
     common.add_target(p)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--groups", default=None, help="comma-separated: loop, scan, attention bf16, offload bf16, sharded")
+    p.add_argument("--rows", default=None, help="comma-separated row names (e.g. none,full,full scan): only these")
     p.add_argument("--batch", type=integer(1), default=common.REFERENCE_BATCH)
+    p.add_argument("--seq", type=integer(1), default=None, help="sequence length (default the reference 256)")
+    p.add_argument("--shape", type=_shape, default=None, help="config fields changed, e.g. n_layer=4,n_embd=64")
     p.add_argument("--json", default=None, help="also write meta and rows here")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="instead: one table of these runs")
     a = p.parse_args(argv)
@@ -210,7 +244,8 @@ def main(argv=None) -> int:
     known = {s.group for s in settings("cuda")}
     if groups is not None and (not groups or set(groups) - known):
         p.error(f"--groups: use some of {', '.join(sorted(known))}")
-    res = run(a.target, models, batch=a.batch, groups=groups)
+    rows = None if a.rows is None else tuple(r.strip() for r in a.rows.split(",") if r.strip())
+    res = run(a.target, models, batch=a.batch, seq=a.seq, groups=groups, rows=rows, shape=a.shape)
     return common.publish(res, report, "remat_lm.bench.peaks", argv, a.json)
 
 
