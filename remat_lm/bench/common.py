@@ -217,7 +217,7 @@ def source_line(src: dict) -> str:
       True
     """
     if src["timed"]:
-        line = f"compiled by {src['compiler']} on this host and timed here"
+        line = f"compiled by {src['compiler']} on this host"
     else:
         line = (f"compiled by {src['compiler']} for {src['device']} with no device (remat.targets); "
                 f"not run, so no step times")
