@@ -540,7 +540,8 @@ def pallas_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, interpret: 
     so k and v are never repeated. `interpret=True` runs the kernel in Pallas' interpreter on any
     backend (tests compare its gradients with the other cores on CPU); otherwise it needs a TPU
     target (it lowers to `tpu_custom_call` from any host). Under a mesh of several devices it runs
-    per shard (`_pallas_sharded`; `spec`: the layout of q, k, v and the result).
+    per shard (`_pallas_sharded`; `spec`: the layout of q, k, v and the result), whether the caller
+    set the mesh (`jax.set_mesh`) or only sharded the inputs.
     # NOTE: the kernel's own VJP keeps q, k, v, the output and the log-sum-exp; `named_residuals`
     # tags them `attn_probs`, as for cudnn, so `core_attn` recomputes the kernel's forward in the
     # backward and `save_names:` / `offload_names:` name them. The tags are put outside the
