@@ -191,6 +191,11 @@ def merge(runs: list[dict]) -> str:
     keys = []
     for r in runs:
         keys += [(x["model"], x["row"]) for x in r["rows"] if (x["model"], x["row"]) not in keys]
+    groups, first = list(dict.fromkeys(s.group for s in settings("cuda"))), list(keys)
+    order = lambda k: (MODELS.index(k[0]) if k[0] in MODELS else len(MODELS),  # noqa: E731
+                       next((groups.index(g) for g in groups if k[1] == g or k[1].endswith(" " + g)), 0),
+                       "pallas" in k[1], first.index(k))
+    keys.sort(key=order)
     index = [{(x["model"], x["row"]): x for x in r["rows"]} for r in runs]
     header = ["model", "row", "base"] + [f"{c}: temp MiB (× base)" for c in cols]
     body = []
