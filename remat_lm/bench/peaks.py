@@ -245,11 +245,21 @@ def main(argv=None) -> int:
     bad = [m for m in models if m not in MODELS]
     if bad or not models:
         p.error(f"--models: unknown {', '.join(bad) or 'empty'}; use {', '.join(MODELS)}")
+    for m in models:
+        fields = {f.name for f in dataclasses.fields(family.get(m).config_cls)}
+        unknown = sorted(set(a.shape or {}) - fields)
+        if unknown:
+            p.error(f"--shape: {', '.join(unknown)} is not a {family.get(m).config_cls.__name__} field; "
+                    f"use e.g. n_layer=4,n_embd=64")
     groups = None if a.groups is None else tuple(g.strip() for g in a.groups.split(",") if g.strip())
     known = {s.group for s in settings("cuda")}
     if groups is not None and (not groups or set(groups) - known):
         p.error(f"--groups: use some of {', '.join(sorted(known))}")
     rows = None if a.rows is None else tuple(r.strip() for r in a.rows.split(",") if r.strip())
+    names = {key(s) for pl in ("cpu", "cuda", "tpu") for s in settings(pl, (a.shape or {}).get("n_layer", 8))}
+    if rows is not None and (not rows or set(rows) - names):
+        p.error(f"--rows: unknown {', '.join(sorted(set(rows) - names)) or 'empty'}; rows are named as the "
+                f"report's (none, full, full scan, full + offload_names offload bf16, ...)")
     res = run(a.target, models, batch=a.batch, seq=a.seq, groups=groups, rows=rows, shape=a.shape)
     return common.publish(res, report, "remat_lm.bench.peaks", argv, a.json)
 
