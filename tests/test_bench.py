@@ -366,3 +366,45 @@ def test_bench_bad_input_exits_2_with_one_line(argv):
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert lines[-1].startswith(f"python -m {argv[0]}: error: {argv[1]} ") and argv[2] in lines[-1]
+
+
+# --- --target: the compiler a figure comes from
+
+@pytest.mark.parametrize("argv,words", [
+    (["remat_lm.bench.policies", "--target", "h300"], "argument --target: target 'h300' is not known"),
+    (["remat_lm.bench.attention", "--cores", "xla,cudnn", "--target", "h200"], "add --dtype bfloat16"),
+    (["remat_lm.bench.attention", "--cores", "xla,pallas"], "optionally tiled for --target cpu"),
+    (["remat_lm.bench.peaks", "--models", "gpt3"], "--models: unknown gpt3")])
+def test_bench_target_bad_input_exits_2_with_one_line(argv, words):
+    p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    last = [l for l in p.stderr.splitlines() if l.strip()][-1]
+    assert last.startswith(f"python -m {argv[0]}: error: ") and words in last, last
+
+
+def test_policies_for_a_gpu_target_report_its_compiler_and_skip_timing():
+    from targethelp import need
+    need("cuda")
+    settings = [s for s in policies.default_settings(TINY["n_layer"]) if s.name in ("none", "full")]
+    res = policies.run("gpt2", "ref", steps=2, settings=settings, target="h200", log=lambda _: None, **TINY)
+    assert res["meta"]["source"]["compiler"] == "XLA:GPU" and not res["meta"]["source"]["timed"]
+    assert all(r["step_ms"] is None and r["loss"] is None for r in res["rows"])
+    assert res["rows"][1]["temp_bytes"] < res["rows"][0]["temp_bytes"]
+    assert "time" not in " ".join(t["name"] for t in res["targets"])  # no time verdict without a run
+    text = policies.report(res)
+    assert "compiled by XLA:GPU for NVIDIA H200" in text and "not run" in text
+
+
+def test_peaks_rows_and_merge_one_column_per_compiler(tmp_path):
+    from remat_lm.bench import peaks
+    shape = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=256)
+    res = peaks.run("cpu", ("gpt2",), batch=2, seq=32, rows=("none", "full"), shape=shape, log=lambda _: None)
+    none, full = res["rows"]
+    assert (none["row"], full["row"]) == ("none", "full") and full["base"] == "none"
+    assert full["ratio"] == full["temp"] / none["temp"] < 1
+    assert res["meta"]["source"]["compiler"] == "XLA:CPU"
+    other = json.loads(json.dumps(res))
+    other["meta"]["source"] = dict(other["meta"]["source"], compiler="XLA:GPU", target="h200")
+    table = peaks.merge([res, other])
+    assert "XLA:CPU cpu: temp MiB (× base)" in table and "XLA:GPU h200: temp MiB (× base)" in table

@@ -3,6 +3,8 @@
     python -m remat_lm.bench.attention                                  # T = 1024, 2048, 4096
     python -m remat_lm.bench.attention --seqs 1024 --steps 3 --json out/bench/attention.json
     python -m remat_lm.bench.attention --tile_sweep 64,128,256 --shapes 8x256,1x1024   # the default tile
+    JAX_PLATFORMS=cpu python -m remat_lm.bench.attention --target h200 --dtype bfloat16 --cores xla,tiled,cudnn
+    JAX_PLATFORMS=cpu python -m remat_lm.bench.attention --target v5e --cores xla,tiled,pallas
 
 GPT-2, 8 layers, C=256, 4 heads, B=1, vocabulary 1024, float32 (the reference width at long
 sequences). Per T, the settings none / full / selective core_attn, each with `attention="xla"`
@@ -13,6 +15,9 @@ compiled first and then timed round-robin
 A step is jitted `jax.value_and_grad(loss_fn)`; temp is XLA's compiled temp buffer of that step
 (`remat.memory.compiled_stats`). The layers run under `lax.scan` (`--no-scan` for the Python
 loop): the layer body compiles once, so T=4096 compiles in seconds rather than minutes.
+`--target` (a `remat.targets` name) compiles with that target's compiler, no device needed, and adds
+the fused kernels to `--cores` (`cudnn` on a GPU, bf16; `pallas` on a TPU); built for a target this
+host is not, nothing runs: the step-time columns and the time target are left out.
 """
 from __future__ import annotations
 
@@ -34,11 +39,12 @@ SEQS = (1024, 2048, 4096)
 SETTINGS = {"none": RecomputeConfig(), "full": RecomputeConfig(granularity="full"),
             "selective core_attn": RecomputeConfig(granularity="selective", modules=("core_attn",))}
 CORES = ("xla", "tiled")
+KERNELS = {"cuda": "cudnn", "tpu": "pallas"}  # the fused kernel `--cores` may add on that platform
 
 
 def run(seqs=SEQS, *, batch: int = 1, steps: int = 3, tile: int = DEFAULT_TILE, scan: bool = True,
         n_layer: int = SHAPE["n_layer"], n_embd: int = SHAPE["n_embd"], n_head: int = SHAPE["n_head"],
-        vocab: int = SHAPE["vocab"], cores=CORES, log=None) -> dict:
+        vocab: int = SHAPE["vocab"], cores=CORES, dtype: str = "float32", target: str = "cpu", log=None) -> dict:
     """Every (T, setting, core) row, timed per T in one interleaved round-robin.
 
     Example:
@@ -51,24 +57,29 @@ def run(seqs=SEQS, *, batch: int = 1, steps: int = 3, tile: int = DEFAULT_TILE, 
     for T in seqs:
         base, _ = policies.build_config("gpt2", "ref", n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq=T,
                                         vocab=vocab)
-        base = dataclasses.replace(base, scan_layers=scan, attention_tile=tile)
+        base = dataclasses.replace(base, scan_layers=scan, attention_tile=tile, dtype=dtype)
         params, idx, targets = policies.inputs(base, batch, T)
         cases = {}
         for name, rc in SETTINGS.items():
             for core in cores:
                 log(f"T={T}: compiling {name} / {core} ...")
                 cfg = dataclasses.replace(base, attention=core)
-                cases[(name, core)] = policies.prepare("gpt2", cfg, policies.Setting(f"{name} {core}", rc),
-                                                       params, idx, targets)
-        log(f"T={T}: timing {len(cases)} settings, {steps} interleaved rounds after 1 warm-up ...")
-        times = interleaved_ms({f"{n} {c}": case.step for (n, c), case in cases.items()}, n=steps, warmup=1)
+                cases[(name, core)] = policies.prepare("gpt2", cfg, policies.Setting(f"{name} {core}", rc, dtype),
+                                                       params, idx, targets, target)
+        times = {}
+        if common.timed(target):
+            log(f"T={T}: timing {len(cases)} settings, {steps} interleaved rounds after 1 warm-up ...")
+            times = interleaved_ms({f"{n} {c}": case.step for (n, c), case in cases.items()}, n=steps, warmup=1)
         for (name, core), case in cases.items():
             xla = cases[(name, "xla")]
-            ms, xla_ms = median(times[f"{name} {core}"]), median(times[f"{name} xla"])
+            ms = median(times[f"{name} {core}"]) if times else None
+            xla_ms = median(times[f"{name} xla"]) if times else None
             rows.append(dict(seq=T, setting=name, attention=core, saved_bytes=case.saved, temp_bytes=case.temp,
-                             flops=case.flops, step_ms=ms, step_ms_all=times[f"{name} {core}"], loss=case.loss,
-                             temp_vs_xla=case.temp / xla.temp, time_vs_xla=ms / xla_ms))
+                             flops=case.flops, step_ms=ms, step_ms_all=times.get(f"{name} {core}"), loss=case.loss,
+                             temp_vs_xla=case.temp / xla.temp if xla.temp else None,
+                             time_vs_xla=None if ms is None else ms / xla_ms))
     meta = dict(info, batch=batch, steps=steps, tile=tile, scan=scan, seqs=list(seqs), cores=list(cores),
+                dtype=dtype, source=common.source(target),
                 shape=dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab=vocab), command=None)
     return {"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}
 
@@ -125,24 +136,27 @@ def evaluate(rows: list[dict]) -> list[Target]:
     T = max(r["seq"] for r in rows)
     by = {(r["setting"], r["attention"]): r for r in rows if r["seq"] == T}
     full, none = by[("full", "tiled")], by[("none", "tiled")]
-    return [
-        Target(f"T={T}: full-remat compiled temp, tiled ≤ 0.5× xla's",
-               f"{full['temp_bytes'] / MiB:.1f} vs {by[('full', 'xla')]['temp_bytes'] / MiB:.1f} MiB "
-               f"({full['temp_vs_xla']:.2f}×)", full["temp_vs_xla"] <= 0.5),
-        Target(f"T={T}: no-remat step time, tiled ≤ xla's",
-               f"{none['step_ms']:.0f} vs {by[('none', 'xla')]['step_ms']:.0f} ms ({none['time_vs_xla']:.2f}×)",
-               none["time_vs_xla"] <= 1.0),
-    ]
+    out = [Target(f"T={T}: full-remat compiled temp, tiled ≤ 0.5× xla's",
+                  f"{full['temp_bytes'] / MiB:.1f} vs {by[('full', 'xla')]['temp_bytes'] / MiB:.1f} MiB "
+                  f"({fmt(full['temp_vs_xla'])}×)", full["temp_vs_xla"] is not None and full["temp_vs_xla"] <= 0.5)]
+    if none["time_vs_xla"] is not None:
+        out.append(Target(f"T={T}: no-remat step time, tiled ≤ xla's",
+                          f"{none['step_ms']:.0f} vs {by[('none', 'xla')]['step_ms']:.0f} ms "
+                          f"({none['time_vs_xla']:.2f}×)", none["time_vs_xla"] <= 1.0))
+    return out
 
 
 def report(res: dict) -> str:
     m, s = res["meta"], res["meta"]["shape"]
+    src = m.get("source") or common.source("cpu")
+    timing = f"; median of {m['steps']} interleaved steps after 1 warm-up" if src["timed"] else ""
     head = (f"GPT-2 {s['n_layer']} layers, C={s['n_embd']}, {s['n_head']} heads, B={m['batch']}, vocab {s['vocab']}, "
-            f"float32, {'scan' if m['scan'] else 'loop'} layers, tile {m['tile']}; median of {m['steps']} interleaved "
-            f"steps after 1 warm-up; jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, "
+            f"{m.get('dtype', 'float32')}, {'scan' if m['scan'] else 'loop'} layers, tile {m['tile']}; "
+            f"{common.source_line(src)}{timing}; jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, "
             f"{common.load_note(m)})")
     body = [[r["seq"], r["setting"], r["attention"], fmt(r["saved_bytes"] / MiB, ".1f"), fmt(r["temp_bytes"] / MiB, ".1f"),
-             fmt(r["temp_vs_xla"]), fmt(r["step_ms"], ".0f"), fmt(r["time_vs_xla"]), fmt(r["flops"] / 1e9, ".1f")]
+             fmt(r["temp_vs_xla"]), fmt(r["step_ms"], ".0f"), fmt(r["time_vs_xla"]),
+             fmt(None if r["flops"] is None else r["flops"] / 1e9, ".1f")]
             for r in res["rows"]]
     table = markdown_table(["T", "setting", "attention", "saved MiB", "temp MiB", "temp × xla", "step ms",
                             "time × xla", "GFLOPs"], body)
@@ -175,18 +189,28 @@ def main(argv=None) -> int:
     p.add_argument("--tile_sweep", type=int_list(1, example="64,128,256"), default=None,
                    help="instead: one attention layer at these tiles, e.g. 64,128,256")
     p.add_argument("--shapes", type=_shapes, default="8x256,1x1024,1x4096", help="with --tile_sweep: BxT shapes")
-    p.add_argument("--cores", default=",".join(CORES), help=f"comma-separated, from {', '.join(CORES)} (xla needed)")
+    p.add_argument("--cores", default=",".join(CORES),
+                   help=f"comma-separated, from {', '.join(CORES + tuple(KERNELS.values()))} (xla needed; cudnn with "
+                        f"--target on a GPU and --dtype bfloat16, pallas with --target on a TPU)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
+    common.add_target(p)
     a = p.parse_args(argv)
     if a.tile_sweep:
         tiles, shapes = list(a.tile_sweep), list(a.shapes)
         return common.publish(tile_sweep(shapes, tiles, steps=a.steps), sweep_report,
                               "remat_lm.bench.attention", argv, a.json)
     cores = tuple(c for c in a.cores.split(",") if c)
-    if "xla" not in cores or any(c not in CORES for c in cores):
-        raise SystemExit(f"--cores {a.cores!r}: give xla and optionally tiled, e.g. --cores xla,tiled")
+    from remat import targets as rtargets
+    kernel = KERNELS.get(rtargets.get(a.target).platform)
+    valid = CORES + ((kernel,) if kernel else ())
+    if "xla" not in cores or any(c not in valid for c in cores):
+        raise SystemExit(f"--cores {a.cores!r}: give xla and optionally {', '.join(valid[1:])} for --target "
+                         f"{a.target}, e.g. --cores {','.join(valid)}")
+    if "cudnn" in cores and a.dtype != "bfloat16":
+        raise SystemExit("--cores cudnn: cuDNN flash attention computes in bfloat16; add --dtype bfloat16")
     res = run(a.seqs, batch=a.batch, steps=a.steps, tile=a.tile, scan=a.scan, n_layer=a.n_layer, n_embd=a.n_embd,
-              n_head=a.n_head, vocab=a.vocab, cores=cores)
+              n_head=a.n_head, vocab=a.vocab, cores=cores, dtype=a.dtype, target=a.target)
     return common.publish(res, report, "remat_lm.bench.attention", argv, a.json)
 
 

@@ -1,7 +1,8 @@
 """Shared benchmark helpers: the reference shape, interleaved timing, targets, markdown tables,
-run metadata."""
+run metadata, and the compiler a figure comes from (`--target`)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import os
@@ -13,7 +14,8 @@ from typing import Callable, Mapping, Sequence
 from remat.memory import GiB, MiB, format_bytes  # noqa: F401  (the one byte unit and formatter)
 from remat_lm import argtypes
 
-# NOTE: the bench reference shape (a GPT-2 small enough to compile and run in seconds on 2 CPU cores), defined here once so that every figure in docs/
+# NOTE: the reference shape: the small GPT-2 every CPU figure of docs/BENCHMARKS.md is measured on
+# (a step takes under a second on two cores), defined here once so that every figure in docs/
 # can say which shape it was taken on (remat_lm.bench.policies `--preset ref`, remat_lm.bench.planner,
 # remat_lm.bench.attention, remat_lm.bench.compile_time and the tests import it). LLaMA-3's variant keeps the same
 # width, depth and sequence, with GQA over 2 key/value heads.
@@ -125,6 +127,103 @@ def loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Which compiler a figure comes from: `--target`.
+
+# NOTE: a benchmark's memory figures are one compiler's answer. `--target NAME` (a `remat.targets`
+# name: cpu, h200, h200x4, v5e, v5e:2x2, ...) has the bench compile its programs with that target's
+# compiler, deviceless where this host is not the target (`remat.targets.compile`), and every JSON
+# and report records the compiler (`source`, `source_line`). Step times are only meaningful where
+# the program runs: built for a target this host is not, a bench skips its timed columns and says so
+# (`timed(target)` is False).
+
+def target_name(text: str) -> str:
+    """argparse type of `--target`: a `remat.targets` name, normalized (`H200x4` -> `h200x4`)."""
+    from remat import targets
+    try:
+        return targets.get(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_target(parser, default: str = "cpu"):
+    """Add `--target NAME` to a bench parser (default `cpu`, this host and its compiler, XLA:CPU).
+
+    Example:
+      >>> a = add_target(argparse.ArgumentParser()).parse_args(["--target", "H200"])
+      >>> a.target
+      'h200'
+    """
+    parser.add_argument("--target", default=default, type=target_name,
+                        help="compile for this remat.targets name (cpu, h200, h200x4, a100-80g, v5e, v5e:2x2, ...): "
+                             "its compiler's memory figures, no device needed; timed columns only where this "
+                             f"host is the target (default {default})")
+    return parser
+
+
+def timed(target: str) -> bool:
+    """True when a program built for `target` runs here (the target's platform is this host's):
+    only then are step times measured."""
+    from remat import targets
+    from remat.memory import host_platform
+    return targets.get(target).platform == host_platform()
+
+
+def compile_for(fn, *args, target: str = "cpu", mesh=None, specs=None):
+    """`fn(*args)` jitted and compiled for `target`: on this host as `jax.jit` does when the host is
+    the target and no mesh is asked (the figures every CPU table has always had), else by the
+    target's compiler with no device (`remat.targets.compile`; `mesh`, `specs` as it takes them).
+
+    Example:
+      >>> import jax.numpy as jnp, jax
+      >>> compile_for(jnp.sin, jax.ShapeDtypeStruct((4,), jnp.float32)).memory_analysis() is not None
+      True
+    """
+    import jax
+
+    from remat import targets
+    from remat.memory import building_for
+    t = targets.get(target)
+    if timed(t.name) and mesh is None and specs is None:
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        with building_for(t.platform):
+            return jitted.lower(*args).compile()
+    return targets.compile(fn, *args, target=t, mesh=mesh, specs=specs)
+
+
+def compiled_memory(fn, *args, target: str = "cpu", mesh=None, specs=None):
+    """`remat.memory.CompiledMemory` of `compile_for(fn, *args, target=...)`: device temp, argument,
+    output, alias and host bytes per device, as the target's compiler allocated them."""
+    from remat.memory import compiled_stats
+    return compiled_stats(compile_for(fn, *args, target=target, mesh=mesh, specs=specs))
+
+
+def source(target: str) -> dict:
+    """Where a bench's figures come from: {"target", "compiler", "device", "timed", "libtpu_args"}
+    (`libtpu_args`: LIBTPU_INIT_ARGS as this process started, which changes XLA:TPU's figures)."""
+    from remat import targets
+    t = targets.get(target)
+    return {"target": t.name, "compiler": t.compiler, "device": t.hardware(), "timed": timed(t.name),
+            "libtpu_args": os.environ.get("LIBTPU_INIT_ARGS", "") if t.platform == "tpu" else ""}
+
+
+def source_line(src: dict) -> str:
+    """One line naming the compiler of a run's figures (from `source(target)`), for reports.
+
+    Example:
+      >>> source_line(source("cpu")).startswith("compiled by XLA:CPU")
+      True
+    """
+    if src["timed"]:
+        line = f"compiled by {src['compiler']} on this host"
+    else:
+        line = (f"compiled by {src['compiler']} for {src['device']} with no device (remat.targets); "
+                f"not run, so no step times")
+    if src.get("libtpu_args"):
+        line += f"; LIBTPU_INIT_ARGS={src['libtpu_args']}"
+    return line
 
 
 def cli(main: Callable[[], int], module: str) -> int:

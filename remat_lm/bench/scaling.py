@@ -3,6 +3,7 @@
     python -m remat_lm.bench.scaling                  # d12, T=1024, B=8: compile only (peaks), then timed steps
     python -m remat_lm.bench.scaling --small          # peaks of a small shape too (a quick check, ~1 min)
     python -m remat_lm.bench.scaling --json out.json
+    JAX_PLATFORMS=cpu python -m remat_lm.bench.scaling --target h200 --no-time   # XLA:GPU, 1-8 H200s, no device
 
 Mesh `tensor=t` (data = fsdp = 1: the same batch on every device, so per-device memory can only
 fall through tensor/sequence parallelism) for t = 1, 2, 4, 8. Settings per t:
@@ -19,6 +20,9 @@ smaller shape (`TIME_SHAPE`, printed) because a d12 step at T=1024 takes tens of
 shared cores; they are medians of interleaved rounds (`remat_lm.bench.common.interleaved_ms`), as ratios to
 t=1 of the same setting. On CPU the 8 "devices" share the same cores, so a step-time ratio shows the
 collectives' and partitioning's overhead, not a speed-up.
+
+`--target NAME` compiles the peaks for that accelerator (its first t devices of an 8-device target:
+h200x8, v5e:2x4) with its compiler and no device (`remat.targets`); the timed steps then do not run.
 
 d12 has 12 heads: with t=8 XLA splits the 768 attention features 96 per device, inside heads
 (train.py refuses that mesh: `remat_lm.training.sharding.check_tensor`); the row is marked.
@@ -37,9 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat_lm.bench import common
 from remat_lm.bench.common import MiB, fmt, interleaved_ms, machine, markdown_table, median, publish, cli
 from remat_lm.models import gpt2
-from remat import RecomputeConfig
+from remat import RecomputeConfig, targets
+from remat.memory import building_for
 from remat_lm.argtypes import Parser, integer
 from remat_lm.training import sharding as sh
 
@@ -55,11 +61,20 @@ SMALL_SHAPE = dict(preset="d12", seq=256, batch=8, overrides=dict(n_layer=4, n_e
 TIME_SHAPE = dict(preset="d12", seq=128, batch=8, overrides=dict(n_layer=2, n_embd=256, n_head=8))
 
 
-def _build(shape: dict, t: int, setting: str):
+def devices(target: str = "cpu"):
+    """The devices the meshes take their first t of: this host's (cpu), else the compile-only
+    devices of the target's 8-device form (h200 -> h200x8, v5e -> v5e:2x4)."""
+    t = targets.get(target)
+    if t.platform == "cpu":
+        return None
+    return targets.get(f"{t.spec.kind}x8" if t.platform == "cuda" else f"{t.spec.kind}:2x4").devices()
+
+
+def _build(shape: dict, t: int, setting: str, devs=None):
     rc, seq_par = SETTINGS[setting]
     cfg = gpt2.GPT2Config.preset(shape["preset"], recompute=rc, block_size=max(shape["seq"], 64),
                                  **shape["overrides"])
-    mesh = sh.make_mesh(dict(data=1, fsdp=1, tensor=t), shape["batch"])
+    mesh = sh.make_mesh(dict(data=1, fsdp=1, tensor=t), shape["batch"], devices=devs)
     params = jax.eval_shape(lambda: gpt2.init_params(cfg, jax.random.PRNGKey(0)))
     ps, xs = sh.state_shardings(mesh, params), sh.batch_sharding(mesh, 2, 0)
     mcfg = sh.model_sharding(cfg, mesh, seq_par)
@@ -67,13 +82,13 @@ def _build(shape: dict, t: int, setting: str):
     return cfg, mesh, params, ps, xs, f
 
 
-def peak(shape: dict, t: int, setting: str) -> dict:
-    """Compile one (t, setting) and read XLA's per-device memory analysis."""
-    cfg, mesh, params, ps, xs, f = _build(shape, t, setting)
+def peak(shape: dict, t: int, setting: str, target: str = "cpu") -> dict:
+    """Compile one (t, setting) for `target` and read XLA's per-device memory analysis."""
+    cfg, mesh, params, ps, xs, f = _build(shape, t, setting, devices(target))
     idx = jax.ShapeDtypeStruct((shape["batch"], shape["seq"]), jnp.int32, sharding=xs)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, ps)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
+    with building_for(targets.get(target).platform), jax.set_mesh(mesh):
         ma = f.lower(abstract, idx, idx).compile().memory_analysis()
     g = lambda k: int(getattr(ma, k, 0) or 0)
     return dict(tensor=t, setting=setting, temp=g("temp_size_in_bytes"),
@@ -99,17 +114,18 @@ def step_times(shape: dict, rounds: int, log=print) -> dict:
     return interleaved_ms(steps, rounds)
 
 
-def run(shape: dict, rounds: int = 5, timed: bool = True, peaks: bool = True, log=print) -> dict:
+def run(shape: dict, rounds: int = 5, timed: bool = True, peaks: bool = True, log=print, target: str = "cpu") -> dict:
     rows = []
+    timed = timed and common.timed(target)
     for t in TENSOR if peaks else ():
         for setting in SETTINGS:
             if t == 1 and setting.startswith("full, no SP"):
                 continue  # no tensor axis: nothing to split
-            r = peak(shape, t, setting)
+            r = peak(shape, t, setting, target)
             rows.append(r)
             log(f"t={t} {setting}: peak {r['peak'] / MiB:,.1f} MiB, temp {r['temp'] / MiB:,.1f} MiB "
                 f"({r['compile_s']:.1f} s)")
-    res = {"meta": machine(), "shape": shape, "rows": rows}
+    res = {"meta": dict(machine(), source=common.source(target)), "shape": shape, "rows": rows}
     if timed:
         ms = step_times(TIME_SHAPE, rounds, log)
         res["time_shape"] = TIME_SHAPE
@@ -125,7 +141,8 @@ def report(res: dict) -> str:
     lines = [f"# remat_lm.bench.scaling: {shape['preset']} {shape['overrides'] or ''} T={shape['seq']} B={shape['batch']}, "
              f"mesh tensor=t, float32", "",
              f"{m['date']}, {m['nproc']} CPUs ({m['cpu']}), jax {m['jax']}, {len(m['devices'])} {m['backend']} devices, "
-             f"load {m['loadavg']}", f"command: `{m.get('command', '')}`"]
+             f"load {m['loadavg']}; {common.source_line(m.get('source') or common.source('cpu'))}",
+             f"command: `{m.get('command', '')}`"]
     if res["rows"]:
         lines += ["", "Per-device compiled peak (arguments + outputs + temp − aliased) and temp; ratios to t=1 of "
                       "the same remat (`none` or `full`).", ""]
@@ -157,10 +174,14 @@ def main(argv=None) -> int:
     ap.add_argument("--time-only", action="store_true", help="only the timed steps (no peaks)")
     ap.add_argument("--rounds", type=integer(1), default=5, help="timed rounds per setting")
     ap.add_argument("--json", help="also write the results here")
+    common.add_target(ap)
     args = ap.parse_args(argv)
-    if len(jax.devices()) < 8:
+    if targets.get(args.target).platform == "cpu" and len(jax.devices()) < 8:
         raise SystemExit("remat_lm.bench.scaling needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    res = run(SMALL_SHAPE if args.small else PEAK_SHAPE, args.rounds, args.timed, not args.time_only)
+    if args.time_only and not common.timed(args.target):
+        raise SystemExit(f"--time-only: a program built for {args.target} does not run on this host; drop --time-only")
+    res = run(SMALL_SHAPE if args.small else PEAK_SHAPE, args.rounds, args.timed, not args.time_only,
+              target=args.target)
     return publish(res, report, "remat_lm.bench.scaling", argv, args.json)
 
 

@@ -551,7 +551,8 @@ def pallas_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, interpret: 
     so k and v are never repeated. `interpret=True` runs the kernel in Pallas' interpreter on any
     backend (tests compare its gradients with the other cores on CPU); otherwise it needs a TPU
     target (it lowers to `tpu_custom_call` from any host). Under a mesh of several devices it runs
-    per shard (`_pallas_sharded`; `spec`: the layout of q, k, v and the result).
+    per shard (`_pallas_sharded`; `spec`: the layout of q, k, v and the result), whether the caller
+    set the mesh (`jax.set_mesh`) or only sharded the inputs.
     # NOTE: the kernel's own VJP keeps q, k, v, the output and the log-sum-exp; `named_residuals`
     # tags them `attn_probs`, as for cudnn, so `core_attn` recomputes the kernel's forward in the
     # backward and `save_names:` / `offload_names:` name them. The tags are put outside the
@@ -597,8 +598,8 @@ def _pallas_sharded(q, k, v, n_head, n_kv_head, spec, interpret=False):
     # query heads (remat_lm.training.sharding.check_tensor: heads and kv heads divisible by tensor).
     """
     from jax.sharding import PartitionSpec as P
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    mesh = _mesh_of(q)
+    if mesh is None or mesh.empty or mesh.size == 1:
         return _pallas_kernel(q, k, v, n_head, n_kv_head, interpret)
     if spec is None:
         spec = P(tuple(a for a in mesh.axis_names if mesh.shape[a] > 1), None, None)
@@ -610,8 +611,26 @@ def _pallas_sharded(q, k, v, n_head, n_kv_head, spec, interpret=False):
                          f"(T must be whole, batch and heads divisible); use attention='tiled' (--attention tiled)")
     run = functools.partial(_pallas_kernel, n_head=n_head // heads, n_kv_head=n_kv_head // heads, interpret=interpret)
     # check_vma=False: the kernel's pallas_call declares its outputs without varying-axis types
-    return jax.shard_map(lambda q, k, v: run(q, k, v), in_specs=(P(*spec),) * 3, out_specs=P(*spec),
+    return jax.shard_map(lambda q, k, v: run(q, k, v), mesh=mesh, in_specs=(P(*spec),) * 3, out_specs=P(*spec),
                          check_vma=False)(q, k, v)
+
+
+def _mesh_of(x):
+    """The mesh `x` is laid out over: the one set by `jax.set_mesh`, else the mesh of `x`'s own
+    sharding (an array, or a tracer of a program jitted with sharded inputs and no mesh set).
+
+    # NOTE: a program jitted with sharded arguments alone (`jax.jit(f)(x)` with `x` on a
+    # NamedSharding, or `ShapeDtypeStruct(..., sharding=...)` to `.trace`) sets no mesh context, but
+    # its tracers' types carry the arguments' mesh (`jax.typeof(q).sharding.mesh`, an AbstractMesh;
+    # in Auto axis mode the spec is not recorded). The kernel's shard_map is built over that mesh
+    # with the model's layout; XLA reshards q, k, v at its boundary if the caller laid them out
+    # otherwise. Without it the kernel reaches XLA's partitioner, which refuses a Mosaic call.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return getattr(sharding, "mesh", None) if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
 # ------------------------------------------------------------------------------------------------
