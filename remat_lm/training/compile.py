@@ -84,14 +84,8 @@ def _compiled(setup, mcfg=None):
     if key in _COMPILED:
         _COMPILED.move_to_end(key)
         return _COMPILED[key]
-    fn = make_train_step(setup.fam, mcfg, setup.tx, setup.schedule, cfg.dropout)
-    jitted = jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
-                     out_shardings=(setup.state_sharding, sh.replicated(setup.mesh)), donate_argnums=(0,))
-    b = batch_struct(setup)
-    # the mesh: the model's tensor/sequence-parallel constraints are PartitionSpecs; the target's platform:
-    # its attention core and other platform choices
     with run_target.building(setup):
-        traced = jitted.trace(abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b)
+        traced = _trace(setup, mcfg)
         lowered = traced.lower()
     try:
         compiled = lowered.compile()
@@ -104,6 +98,24 @@ def _compiled(setup, mcfg=None):
     while len(_COMPILED) > _COMPILED_MAX:
         _COMPILED.popitem(last=False)
     return _COMPILED[key]
+
+
+def _trace(setup, mcfg):
+    """The traced train step (`jax.stages.Traced`) for a model config already sharded for the mesh;
+    call under `run_target.building(setup)`: the mesh (the model's tensor/sequence-parallel
+    constraints are PartitionSpecs) and the target's platform (its attention core and other choices)."""
+    fn = make_train_step(setup.fam, mcfg, setup.tx, setup.schedule, setup.cfg.dropout)
+    jitted = jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
+                     out_shardings=(setup.state_sharding, sh.replicated(setup.mesh)), donate_argnums=(0,))
+    b = batch_struct(setup)
+    return jitted.trace(abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b)
+
+
+def step_jaxpr(setup, mcfg=None):
+    """The jaxpr of the train step (traced, not compiled): what the planner's time model reads."""
+    mcfg = sh.model_sharding(setup.mcfg if mcfg is None else mcfg, setup.mesh, setup.cfg.sequence_parallel)
+    with run_target.building(setup):
+        return _trace(setup, mcfg).jaxpr
 
 
 def batch_struct(setup):
