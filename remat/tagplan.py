@@ -126,6 +126,7 @@ class Model:
     m_none: float               # peak bytes one layer without remat adds over full remat
     a_save: float               # peak bytes per saved byte
     a_off: float | None         # peak bytes per offloaded byte; None: offload not allowed
+    c_mix: float = 0.0          # peak bytes a stack of rematerialized and plain layers adds (two scans)
     notes: tuple = ()
 
     def layer_choice(self, policy) -> dict | None:
@@ -160,65 +161,90 @@ class Model:
     def predict(self, layer_policies: Sequence) -> tuple:
         """(predicted peak bytes, predicted step seconds) of a per-layer plan."""
         mem = rec = off = 0.0
-        for p in layer_policies:
-            m, r, o = self.layer_cost(None if p in (None, "none") else p)
+        lp = [None if p in (None, "none") else p for p in layer_policies]
+        for p in lp:
+            m, r, o = self.layer_cost(p)
             mem, rec, off = mem + m, rec + r, off + o
+        if None in lp and any(p is not None for p in lp):
+            mem += self.c_mix
         return int(round(self.p_full + mem)), self.base_step_s + rec + self.exposed_offload_s(off)
 
     def solve(self, budget: float, time_limit: float = 60.0):
-        """The per-layer plan of least predicted step time whose predicted peak ≤ budget (None when
-        none is predicted to fit): an exact integer program over the counts of layers per choice."""
+        """The plan of least predicted step time whose predicted peak ≤ budget (None when none is
+        predicted to fit), exact over its family (`_solve`): every layer rematerialized, none, or a
+        split (which adds `c_mix`)."""
+        best = None
+        if self.m_none * self.n_layers + self.p_full <= budget:
+            best = (None,) * self.n_layers
+        for lo, hi, extra in ((self.n_layers, self.n_layers, 0.0), (1, self.n_layers - 1, self.c_mix)):
+            if lo > hi:
+                continue
+            lp = self._solve(budget - extra, lo, hi, time_limit)
+            if lp is not None and (best is None or self.predict(lp)[1] < self.predict(best)[1]):
+                best = lp
+        return best
+
+    def _solve(self, budget: float, n_lo: int, n_hi: int, time_limit: float):
+        """The plan of least predicted step time whose predicted peak ≤ budget (None when none is
+        predicted to fit), exact over its family: one tag policy P (each tag saved, offloaded or
+        recomputed) on the first n layers, no remat on the rest, both chosen by an integer program.
+
+        # NOTE: one policy for every rematerialized layer keeps the stack two scans (compiles stay
+        # few and fast at any depth) and keeps the compiled peak close to the linear model: plans
+        # mixing several tag policies over many scan runs compiled far above it (XLA:GPU, GPT-2 d12).
+        # The product n·[t saved] is linearized exactly (n integer, the choice binary).
+        """
         L, T = self.n_layers, len(self.tags)
         offload = self.a_off is not None and bool(self.host_link)
-        # variables: n_none, n_rem, then per tag (s_t, o_t, r_t), then e_fwd, e_bwd (exposed seconds)
-        nv = 2 + 3 * T + 2
+        S, O, R = (lambda k: 1 + k), (lambda k: 1 + T + k), (lambda k: 1 + 2 * T + k)
+        YS, YO, YR = (lambda k: 1 + 3 * T + k), (lambda k: 1 + 4 * T + k), (lambda k: 1 + 5 * T + k)
+        nv = 1 + 6 * T + 2
+        EF, EB = nv - 2, nv - 1
         c = np.zeros(nv)
-        c[1] = self.untagged_s
-        A, lo, hi = [], [], []
-        mem = np.zeros(nv)
-        mem[0] = self.m_none
-        link_f, link_b = np.zeros(nv), np.zeros(nv)
-        for k, t in enumerate(self.tags):
-            s, o, r = 2 + 3 * k, 3 + 3 * k, 4 + 3 * k
-            c[r] = self.share[t]
-            mem[s] = self.a_save * self.bytes[t]
-            mem[o] = (self.a_off or 0.0) * self.bytes[t]
+        c[0] = self.untagged_s
+        c[EF] = c[EB] = 1.0
+        rows, lo, hi = [], [], []
+
+        def add(coef: dict, lb, ub):
             row = np.zeros(nv)
-            row[[s, o, r]] = 1
-            row[1] = -1
-            A.append(row), lo.append(0), hi.append(0)          # s + o + r = n_rem
+            for i, v in coef.items():
+                row[i] += v
+            rows.append(row), lo.append(lb), hi.append(ub)
+
+        mem = {0: -self.m_none}
+        link = {}
+        for k, t in enumerate(self.tags):
+            c[YR(k)] = self.share[t]
+            add({S(k): 1, O(k): 1, R(k): 1}, 1, 1)
+            for x, y in ((S(k), YS(k)), (O(k), YO(k)), (R(k), YR(k))):   # y = n·x
+                add({y: 1, x: -L}, -np.inf, 0)
+                add({y: 1, 0: -1}, -np.inf, 0)
+                add({y: 1, 0: -1, x: -L}, -L, np.inf)
+            mem[YS(k)] = self.a_save * self.bytes[t]
+            mem[YO(k)] = (self.a_off or 0.0) * self.bytes[t]
             if offload:
-                link_f[o] = link_b[o] = self.bytes[t] / self.host_link
-        c[-2] = c[-1] = 1.0
-        row = np.zeros(nv)
-        row[[0, 1]] = 1
-        A.append(row), lo.append(L), hi.append(L)               # n_none + n_rem = L
-        A.append(mem), lo.append(-np.inf), hi.append(budget - self.p_full)
+                link[YO(k)] = self.bytes[t] / self.host_link
+        add(mem, -np.inf, budget - self.p_full - L * self.m_none)
         if offload:
-            link_f[-2] = -1
-            link_b[-1] = -1
-            A.append(link_f), lo.append(-np.inf), hi.append(L * self.forward_s)
-            A.append(link_b), lo.append(-np.inf), hi.append(2 * L * self.forward_s)
-        ub = np.full(nv, float(L))
-        ub[-2:] = np.inf
+            add({**link, EF: -1}, -np.inf, L * self.forward_s)
+            add({**link, EB: -1}, -np.inf, 2 * L * self.forward_s)
+        ub = np.full(nv, 1.0)
+        ub[0] = n_hi
+        ub[1 + 3 * T:1 + 6 * T] = L
+        ub[EF] = ub[EB] = np.inf
         if not offload:
-            ub[[3 + 3 * k for k in range(T)]] = 0
-        integ = np.ones(nv)
-        integ[-2:] = 0
-        res = milp(c, constraints=LinearConstraint(np.array(A), lo, hi), integrality=integ,
-                   bounds=Bounds(np.zeros(nv), ub), options={"time_limit": time_limit})
+            for k in range(T):
+                ub[O(k)] = ub[YO(k)] = 0
+        integ = np.zeros(nv)
+        integ[:1 + 3 * T] = 1
+        res = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integ,
+                   bounds=Bounds(np.r_[n_lo, np.zeros(nv - 1)], ub), options={"time_limit": time_limit})
         if res.x is None:
             return None
-        x = np.round(res.x[:-2]).astype(int)
-        n_rem = int(x[1])
-        lp = []
-        for i in range(n_rem):   # rematerialized layers first; per tag: recompute, then offload, then save
-            ch = {}
-            for k, t in enumerate(self.tags):
-                s, o, r = x[2 + 3 * k], x[3 + 3 * k], x[4 + 3 * k]
-                ch[t] = RECOMPUTE if i < r else OFFLOAD if i < r + o else SAVE
-            lp.append(tag_policy(ch))
-        return tuple(lp) + (None,) * (L - n_rem)
+        n = int(round(res.x[0]))
+        ch = {t: SAVE if res.x[S(k)] > 0.5 else OFFLOAD if res.x[O(k)] > 0.5 else RECOMPUTE
+              for k, t in enumerate(self.tags)}
+        return (tag_policy(ch),) * n + (None,) * (L - n)
 
 
 def calibrate(compile_step: Callable, trace_step: Callable, n_layers: int, target, *, peak: Callable,
@@ -243,22 +269,30 @@ def calibrate(compile_step: Callable, trace_step: Callable, n_layers: int, targe
     base = _cost.jaxpr_seconds(trace_step(RecomputeConfig()), roof) / div
     p_full, p_none = peak(measure(full_lp)), peak(measure((None,) * L))
     saved = sum(prof.tags[t].bytes for t in tags)
-    all_save = (tag_policy({t: SAVE for t in tags}),) * L
-    p_save = peak(measure(all_save))
-    a_save = max(0.0, (p_save - p_full) / (L * saved)) if saved else 0.0
-    a_off = None
+    # NOTE: a, a_off are fitted in the layout the solver returns (a tag policy on the first k layers,
+    # no remat on the rest; k = ceil(L/2)), not on uniform plans: on XLA:GPU an offloading policy
+    # beside layers without remat compiled far above what the uniform plan suggests.
+    k = max(1, (L + 1) // 2)
+    m_none = (p_none - p_full) / L
+    rest = (L - k) * m_none
+    c_mix = 0.0
+    if 0 < k < L:   # the split's own cost: full remat on k layers, none on the rest (block k)
+        c_mix = peak(measure((_policies.NOTHING,) * k + (None,) * (L - k))) - p_full - rest
+    fit = lambda p: max(0.0, (p - p_full - rest - c_mix) / (k * saved)) if saved else 0.0
+    p_save = peak(measure((tag_policy({t: SAVE for t in tags}),) * k + (None,) * (L - k)))
+    a_save, a_off = fit(p_save), None
     link = roof.host_link
     if link and tags:
-        all_off = (tag_policy({t: OFFLOAD for t in tags}),) * L
-        p_off = peak(measure(all_off))
+        p_off = peak(measure((tag_policy({t: OFFLOAD for t in tags}),) * k + (None,) * (L - k)))
         if p_off < p_save:
-            a_off = max(0.0, (p_off - p_full) / (L * saved))
+            a_off = fit(p_off)
         else:
-            notes.append(f"offload dropped: offloading every tag does not lower the compiled peak on this compiler "
-                         f"({format_bytes(p_off)} against {format_bytes(p_save)} keeping them on the device)")
+            notes.append(f"offload dropped: offloading every tag on {k} layers does not lower the compiled peak on "
+                         f"this compiler ({format_bytes(p_off)} against {format_bytes(p_save)} keeping them on the "
+                         f"device)")
     return Model(L, tags, {t: prof.tags[t].bytes for t in tags}, {t: prof.tags[t].recompute_s for t in tags},
-                 prof.untagged_s, prof.forward_s, base, link, p_full, (p_none - p_full) / L, a_save, a_off,
-                 tuple(notes))
+                 prof.untagged_s, prof.forward_s, base, link, p_full, m_none, a_save, a_off,
+                 c_mix, tuple(notes))
 
 
 def baseline_plans(n_layers: int) -> dict:

@@ -132,8 +132,10 @@ def plan_memory(setup, out=None):
     """--recompute_method auto: ask the planner (`remat.plan_for_budget` on the real train step) for a
     setting per layer that fits the request's budget, print the plan, and return
     `(setup with that model config, BudgetPlan)`. A budget below what full remat needs is a
-    UsageError stating the minimum. With --target the candidates are compiled by its compiler, and
-    without --memory_budget the budget is its memory (`TrainConfig.target_budget`)."""
+    UsageError stating the minimum. With --target the plan is made per tag and priced on the target
+    (`remat.plan_for_budget(target=...)`: save, offload or recompute each tagged activation; the
+    step time from the traced program's roofline), every plan compiled by its compiler; without
+    --memory_budget the budget is its memory (`TrainConfig.target_budget`)."""
     from remat_lm.models.memory_model import activation_bytes
 
     cfg, base, request = setup.cfg, setup.base_mcfg, setup.auto
@@ -159,8 +161,13 @@ def plan_memory(setup, out=None):
             return remat.memory.CompiledMemory(temp=need, argument=0, output=0, alias=0, generated_code=0,
                                                host_temp=0, flops=e.flops, flops_source="jaxpr matmuls")
     try:
-        plan = remat.plan_for_budget(measure, base.n_layer, request.budget,
-                                     layer_bytes=activation_bytes(base, cfg.batch_size, cfg.sequence_length)[0])
+        if setup.target is not None:   # per tag, priced on the target (remat.tagplan), every plan compiled
+            trace = lambda rc: step_jaxpr(setup, dataclasses.replace(base, recompute=rc))
+            plan = remat.plan_for_budget(measure, base.n_layer, request.budget, target=setup.target,
+                                         trace_step=trace)
+        else:
+            plan = remat.plan_for_budget(measure, base.n_layer, request.budget,
+                                         layer_bytes=activation_bytes(base, cfg.batch_size, cfg.sequence_length)[0])
     except ValueError as e:
         raise UsageError(f"{flag}: {e}") from None
     print(plan.table(), file=out)

@@ -119,6 +119,7 @@ class TrainConfig:
     remat_policy: str | None = _r("remat_policy")
     use_reentrant: bool = _r("use_reentrant")
     scan_layers: bool = _r("scan_layers")
+    recompute_plan: str | None = _r("recompute_plan")
     recompute_segments: str | None = _r("recompute_segments")
     recompute_every: int | None = _r("recompute_every")
     cpu_checkpointing: bool = _r("cpu_checkpointing")
