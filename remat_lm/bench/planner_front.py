@@ -122,13 +122,33 @@ def main(argv=None) -> int:
     t_cal = time.perf_counter() - t0
     budgets = [int(p_full + k * (p_none - p_full) / (args.budgets + 1)) for k in range(1, args.budgets + 1)]
     f = front(cs, ts, L, budgets, target=target, log=say, model=model, measured=measured)
-    t_plan = t_cal + time.perf_counter() - t0 - t_cal
+    t_plan = time.perf_counter() - t0
     print(f"planning: {t_plan:.0f} s, {f0.compiles + f.compiles} compilations", file=sys.stderr, flush=True)
 
-    # Baselines, compiled and priced the same way.
+    res = {"command": "python -m remat_lm.bench.planner " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "target": target.name, "compiler": target.compiler, "n_layers": L, "load_average": load,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "planning_s": t_plan,
+           "full_peak_bytes": p_full, "none_peak_bytes": p_none, "model": dataclasses.asdict(model)}
+
+    def save(rows, base_rows, partial):
+        """Write what is known so far (a long run leaves its front even when stopped)."""
+        res.update(front=rows, baselines=base_rows, compiles=len(measured), partial=partial)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as fh:
+                json.dump(res, fh, indent=1, default=str)
+
+    row = lambda p: {"budget_bytes": p.budget, "plan": p.text, "compiled_peak_bytes": p.compiled_peak,
+                     "predicted_peak_bytes": p.predicted_peak, "predicted_step_s": p.predicted_step_s,
+                     "notes": list(p.notes)}
+    save([row(p) for p in f.plans], [], True)
+    # Baselines, compiled and priced the same way (Megatron's first: the middle-budget check needs them).
     base_rows, rcs = [], {}
     full_step = model.predict((remat.policies.NOTHING,) * L)[1]
-    for name, rc in tagplan.baseline_plans(L).items():
+    plans0 = tagplan.baseline_plans(L)
+    order = sorted(plans0, key=lambda n: (n.split()[0] not in ("none", "full", "block", "uniform"), n))
+    for name in order:
+        rc = plans0[name]
         lp = tagplan.config_policies(rc, L)
         if lp is not None:
             cm = measured.get(lp) or compiled_stats(cs(rc))
@@ -139,6 +159,7 @@ def main(argv=None) -> int:
         say(f"baseline {name}: peak {format_bytes(pk(cm))}")
         rcs[name] = rc
         base_rows.append({"name": name, "compiled_peak_bytes": pk(cm), "predicted_step_s": step})
+        save([row(p) for p in f.plans], base_rows, True)
     measure = lambda lp: pk(measured.get(tuple(lp)) or measured.setdefault(
         tuple(lp), compiled_stats(cs(tagplan.recompute_config(lp)))))
     greedy = {}
@@ -151,16 +172,8 @@ def main(argv=None) -> int:
     # the front again with every baseline known: a fitting baseline predicted faster is taken
     known = {lp: cm for lp, cm in measured.items() if len(lp) == L}
     f = front(cs, ts, L, budgets, target=target, log=say, model=model, measured=measured, known=known)
-    rows = [{"budget_bytes": p.budget, "plan": p.text, "compiled_peak_bytes": p.compiled_peak,
-             "predicted_peak_bytes": p.predicted_peak, "predicted_step_s": p.predicted_step_s,
-             "notes": list(p.notes)} for p in f.plans]
-    checks = _checks(rows, base_rows, p_full, p_none, model)
-    res = {"command": "python -m remat_lm.bench.planner " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "target": target.name, "compiler": target.compiler, "n_layers": L, "load_average": load,
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "planning_s": t_plan,
-           "compiles": len(measured), "full_peak_bytes": p_full, "none_peak_bytes": p_none,
-           "front": rows, "baselines": base_rows, "checks": checks,
-           "model": {k: v for k, v in dataclasses.asdict(model).items()}}
+    rows = [row(p) for p in f.plans]
+    res["checks"] = checks = _checks(rows, base_rows, p_full, p_none, model)
     if run is not None and args.time_steps:
         res["timing"] = _time(run, rows, base_rows, rcs, max(budgets), args.time_steps)
     for c in checks:
@@ -168,10 +181,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"budget {r['budget_bytes'] / GiB:.3f} GiB: peak {r['compiled_peak_bytes'] / GiB:.3f} GiB, "
               f"predicted {r['predicted_step_s'] * 1e3:.3f} ms  plan: {r['plan']}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1, default=str)
+    save(rows, base_rows, False)
     png = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if png:
         plot(res, png)
