@@ -265,6 +265,18 @@ def plot(res: dict, path: str) -> None:
         if kind in ("none", "full"):
             ax.annotate(kind, (b["compiled_peak_bytes"] / GiB, b["predicted_step_s"] * 1e3), fontsize=8,
                         xytext=(4, 4), textcoords="offset points")
+    # the y range of the front and the hand settings; slower points (greedy's offloads) are drawn at the top
+    ys = [r["predicted_step_s"] * 1e3 for r in fr] + [b["predicted_step_s"] * 1e3 for b in res["baselines"]
+                                                       if b["name"] != "greedy"]
+    lo, hi = min(ys), max(ys)
+    top = hi + 0.15 * (hi - lo)
+    off = [b for b in res["baselines"] if b["predicted_step_s"] * 1e3 > top]
+    if off:
+        ax.set_ylim(lo - 0.05 * (hi - lo), top)
+        for b in off:
+            ax.annotate(f"{b['predicted_step_s'] * 1e3:.0f} ms", (b["compiled_peak_bytes"] / GiB, top), fontsize=7,
+                        xytext=(0, -10), textcoords="offset points", ha="center", color="C2", annotation_clip=False)
+            ax.plot(b["compiled_peak_bytes"] / GiB, top, "D", color="C2", clip_on=False)
     ax.set_xlabel(f"compiled peak per device, GiB ({res['compiler']}, {res['target']})")
     ax.set_ylabel("predicted step, ms (roofline)")
     ax.set_title(f"recompute plans against the memory budget ({res['n_layers']} layers)")
