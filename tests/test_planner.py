@@ -473,3 +473,15 @@ def test_acceptance_front(args, tmp_path):
     import json
     res = json.load(open(out))
     assert all(c["ok"] for c in res["checks"]), res["checks"]
+
+
+@pytest.mark.slow  # ~35 s: five XLA:GPU compilations of the tiny model
+def test_cli_auto_with_a_target_plans_per_tag():
+    from targethelp import need
+
+    need("cuda")
+    p = _train(["--preset", "tiny", "--batch_size", "4", "--sequence_length", "64", "--recompute_method", "auto",
+                "--target", "h200", "--dry_run", "--scan_layers"])
+    assert p.returncode == 0, p.stderr
+    plan = re.search(r"^plan: (.+)$", p.stdout, re.M)
+    assert plan and "predicted step" in p.stdout and tagplan.parse_plan(plan.group(1), 2)
