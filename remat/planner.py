@@ -1,5 +1,10 @@
 """plan_for_budget(): the setting per layer that recomputes least while the compiled peak fits a budget.
 
+With `target=` and `trace_step=` it plans per tag instead: each tagged activation of each layer
+saved, offloaded or recomputed at the least predicted step time on the target (`front`, below;
+the model and solver are remat.tagplan's, the time model remat.cost's; docs/planner.md). What
+follows describes the preset planner (no target).
+
 The library stays model-agnostic: the caller hands in `compile_step(recompute_config)`, which
 compiles the real train step for a `RecomputeConfig` and returns XLA's memory and cost analysis
 (`remat.memory.CompiledMemory`, or a `jax.stages.Compiled`, read with `compiled_stats`).

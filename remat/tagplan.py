@@ -297,13 +297,13 @@ def calibrate(compile_step: Callable, trace_step: Callable, n_layers: int, targe
 
 def baseline_plans(n_layers: int) -> dict:
     """{name: RecomputeConfig} of the hand settings: none, full, uniform N, block N (every N for up to
-    16 layers; deeper stacks: the N that divide the depth, and block every depth/16), the presets."""
+    16 layers; deeper stacks: the N that divide the depth, and block N every depth/8), the presets."""
     L = n_layers
     out = {"none": RecomputeConfig(), "full": recompute_config((_policies.NOTHING,) * L)}
     uni = range(2, L + 1) if L <= 16 else [n for n in range(2, L + 1) if L % n == 0]
     for n in uni:
         out[f"uniform {n}"] = RecomputeConfig(granularity="full", method="uniform", num_layers=n)
-    blk = range(1, L) if L <= 16 else sorted({max(1, round(k * L / 16)) for k in range(1, 16)})
+    blk = range(1, L) if L <= 16 else sorted({max(1, round(k * L / 8)) for k in range(1, 8)})
     for n in blk:
         out[f"block {n}"] = recompute_config((_policies.NOTHING,) * n + (None,) * (L - n))
     for m in MODULE_PRESETS:
