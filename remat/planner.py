@@ -1,5 +1,10 @@
 """plan_for_budget(): the setting per layer that recomputes least while the compiled peak fits a budget.
 
+With `target=` and `trace_step=` it plans per tag instead: each tagged activation of each layer
+saved, offloaded or recomputed at the least predicted step time on the target (`front`, below;
+the model and solver are remat.tagplan's, the time model remat.cost's; docs/planner.md). What
+follows describes the preset planner (no target).
+
 The library stays model-agnostic: the caller hands in `compile_step(recompute_config)`, which
 compiles the real train step for a `RecomputeConfig` and returns XLA's memory and cost analysis
 (`remat.memory.CompiledMemory`, or a `jax.stages.Compiled`, read with `compiled_stats`).
@@ -40,6 +45,7 @@ import numpy as np
 
 from remat import memory as _memory
 from remat import policies as _policies
+from remat import tagplan as _tagplan
 from remat.config import RecomputeConfig
 from remat.regions import per_layer
 from remat.memory import compiled_stats, format_bytes  # noqa: F401  (re-exported: remat.planner.compiled_stats)
@@ -114,6 +120,12 @@ class BudgetPlan:
     compiles: int
     candidates: tuple = ()
     notes: tuple = ()
+    predicted_step_s: float | None = None   # the tag planner's time model (target=...), seconds
+
+    @property
+    def text(self) -> str:
+        """The plan's one-line text (`train.py --recompute_plan` takes it)."""
+        return _tagplan.format_plan(self.layer_policies)
 
     @property
     def settings(self) -> tuple:
@@ -149,6 +161,9 @@ class BudgetPlan:
                      f"minimum {format_bytes(self.minimum_peak)}")
         lines.append(f"planning: {self.iterations} round(s), {self.compiles} compilation(s); compiled recompute "
                      f"{self.compiled_recompute_flops / 1e6:,.1f} MFLOP")
+        if self.predicted_step_s is not None:
+            lines.append(f"predicted step {self.predicted_step_s * 1e3:,.2f} ms (roofline on the target)")
+            lines.append(f"plan: {self.text}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -171,8 +186,8 @@ def _n_compositions(m: int, k: int) -> int:
 
 def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers: int, budget_bytes: int, *,
                     candidates: Sequence = DEFAULT_CANDIDATES, peak: str = "estimate", max_iterations: int = 4,
-                    layer_bytes: _memory.LayerBytes | None = None, log: Callable[[str], None] | None = None
-                    ) -> BudgetPlan:
+                    layer_bytes: _memory.LayerBytes | None = None, log: Callable[[str], None] | None = None,
+                    target=None, trace_step: Callable | None = None) -> BudgetPlan:
     """Choose one recompute setting per layer minimizing recompute FLOPs with the compiled peak ≤ budget.
 
     Args:
@@ -188,6 +203,10 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
       layer_bytes: the analytic bytes of one layer (`remat_lm.models.memory_model.activation_bytes`), only
         for the saved-bytes column of the table.
       log: called with one line per compilation (progress), e.g. `print`.
+      target, trace_step: plan per tag for a `remat.targets` target (name or Target): every tagged
+        activation of every layer saved, offloaded or recomputed, at the least predicted step time
+        on the target (remat.tagplan, docs/planner.md); `trace_step(recompute_config)` returns the
+        train step's jaxpr. `candidates` and `layer_bytes` are then not used.
     Returns:
       BudgetPlan; `.table()` prints it, `.recompute_config()` applies it.
     Raises:
@@ -197,6 +216,12 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         plan = plan_for_budget(lambda rc: compiled_memory(step_for(rc), *args), 8, 600 * 2**20)
         print(plan.table()); cfg = plan.recompute_config()
     """
+    if target is not None or trace_step is not None:
+        if trace_step is None:
+            raise ValueError("plan_for_budget(target=...) plans per tag and needs trace_step(recompute_config) -> "
+                             "the train step's jaxpr (jax.jit(step).trace(...).jaxpr)")
+        return front(compile_step, trace_step, n_layers, [budget_bytes], target=target, peak=peak,
+                     max_iterations=max_iterations, log=log).plans[0]
     if not isinstance(n_layers, int) or n_layers < 1:
         raise ValueError(f"n_layers={n_layers!r} must be a positive int")
     if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
@@ -402,3 +427,113 @@ def _result(lp, cands, table, budget, peak, predicted, cm, p_none, minimum, flop
                       no_remat_peak=p_none, minimum_peak=minimum, compiled_recompute_flops=float(flops),
                       iterations=iterations, compiles=compiles, candidates=tuple(table.values()),
                       notes=tuple(notes))
+
+
+# ------------------------------------------------------------------------------------------------
+# The tag planner's front (target=...): remat.tagplan's model, solved per budget, every plan compiled.
+
+@dataclasses.dataclass(frozen=True)
+class Front:
+    """Plans for increasing budgets (`plans`, one BudgetPlan per budget, monotone: a larger budget
+    never has a slower predicted step), the calibrated `model` (remat.tagplan.Model) and every
+    compiled plan (`measured`: per-layer policies -> CompiledMemory)."""
+    plans: tuple
+    model: _tagplan.Model
+    measured: dict
+    compiles: int
+
+
+def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callable, n_layers: int,
+          budgets: Sequence, *, target=None, peak: str = "estimate", max_iterations: int = 4,
+          log: Callable[[str], None] | None = None, known: dict | None = None, model=None,
+          measured: dict | None = None) -> Front:
+    """Plan every budget (bytes or size strings) per tag on `target` and compile each plan.
+
+    Args:
+      compile_step, trace_step: `f(recompute_config)` -> the compiled step (CompiledMemory or
+        jax.stages.Compiled) / the step's jaxpr.
+      n_layers: layers in the stack.
+      budgets: bounds on the compiled peak, planned in increasing order.
+      target: a `remat.targets` name or Target (its roofline prices time; None: this host's CPU).
+      known: {per-layer policies: CompiledMemory} of plans compiled already (e.g. the baselines):
+        a known plan that fits and is predicted faster than the solver's answer is taken instead.
+      model, measured: a calibrated Model and its compiled plans, to share between calls.
+    Returns:
+      Front. Raises ValueError when a budget is below full remat's compiled peak.
+    Example (compiles the step several times; tests/test_planner.py runs it on a tiny model):
+        f = front(compile_step, trace_step, 12, ["6GiB", "8GiB"], target="h200")
+        [p.text for p in f.plans]
+    """
+    from remat import targets as _targets
+
+    if peak not in PEAKS:
+        raise ValueError(f"peak={peak!r} is not valid; use one of {', '.join(PEAKS)}")
+    tgt = _targets.get(target) if target is not None else _targets.get("cpu")
+    say = log or (lambda s: None)
+    pk = (lambda cm: cm.peak_estimate) if peak == "estimate" else (lambda cm: cm.temp)
+    cache = {} if measured is None else measured
+    for lp, cm in (known or {}).items():
+        cache.setdefault(tuple(lp), cm)
+    n_compiled = [0]
+
+    def measure(lp):
+        lp = tuple(None if p == "none" else p for p in lp)
+        if lp not in cache:
+            cache[lp] = compiled_stats(compile_step(recompute_config(lp)))
+            n_compiled[0] += 1
+            say(f"compiled {_tagplan.format_plan(lp)}: peak {format_bytes(pk(cache[lp]))}")
+        return cache[lp]
+
+    if model is None:
+        model = _tagplan.calibrate(compile_step, trace_step, n_layers, tgt, peak=pk, measure=measure)
+    L = n_layers
+    none_cm = measure((None,) * L)
+    plans, prev = [], None
+    for b in sorted(int(b) for b in budgets):
+        if b < model.p_full and pk(none_cm) > b:
+            raise ValueError(f"memory budget {format_bytes(b)} is below the minimum of {format_bytes(model.p_full, up=True)} "
+                             f"({model.p_full:,} bytes) that full remat on every layer reaches on {tgt.compiler}; raise "
+                             f"the budget, or lower the memory: a smaller micro-batch, a shorter sequence, bfloat16 "
+                             f"compute, or sharding over more devices")
+        notes = list(model.notes)
+        internal, chosen, it = b, None, 0
+        for it in range(1, max_iterations + 1):
+            lp = model.solve(internal)
+            if lp is None:
+                break
+            got = pk(measure(lp))
+            if got <= b:
+                chosen = lp
+                break
+            notes.append(f"round {it}: {_tagplan.format_plan(lp)} compiled to {format_bytes(got)}, "
+                         f"{format_bytes(got - b)} over; solving again with {format_bytes(internal - (got - b))}")
+            internal -= got - b
+        fits = {lp: cm for lp, cm in cache.items() if len(lp) == L and pk(cm) <= b and _priced(model, lp)}
+        best = min(fits, key=lambda lp: model.predict(lp)[1], default=None)
+        if best is not None and (chosen is None or model.predict(best)[1] < model.predict(chosen)[1]):
+            if chosen is not None:
+                notes.append(f"{_tagplan.format_plan(best)}, compiled already, fits and is predicted faster than "
+                             f"the solver's {_tagplan.format_plan(chosen)}: taken")
+            chosen = best
+        if prev is not None and model.predict(prev)[1] < model.predict(chosen)[1]:
+            notes.append(f"the plan of the smaller budget is predicted faster: kept (monotone front)")
+            chosen = prev
+        prev = chosen
+        cm = cache[chosen]
+        pred_peak, step = model.predict(chosen)
+        per = [model.layer_cost(p) for p in chosen]
+        plans.append(BudgetPlan(
+            layer_policies=tuple(chosen), saved_bytes=tuple(int(m) for m, _, _ in per),
+            freed_bytes=tuple(model.m_none - m for m, _, _ in per), recompute_flops=(0.0,) * L, budget=b,
+            peak_kind=peak, predicted_peak=pred_peak, compiled_peak=pk(cm), compiled=cm, no_remat_peak=pk(none_cm),
+            minimum_peak=model.p_full, compiled_recompute_flops=float((cm.flops or 0) - (none_cm.flops or 0)),
+            iterations=it, compiles=n_compiled[0], notes=tuple(notes), predicted_step_s=step))
+    return Front(tuple(plans), model, cache, n_compiled[0])
+
+
+def _priced(model, lp) -> bool:
+    try:
+        model.predict(lp)
+        return True
+    except ValueError:
+        return False

@@ -95,7 +95,8 @@ def planned(frac: float):
     return budget, _PLANS[budget]
 
 
-@pytest.mark.parametrize("frac", [pytest.param(0.15, marks=pytest.mark.slow), 0.45, 0.8])  # 0.15: ~45 s
+@pytest.mark.parametrize("frac", [pytest.param(0.15, marks=pytest.mark.slow), pytest.param(0.45, marks=pytest.mark.slow),
+                                  0.8])  # 0.15, 0.45: ~45 s each; 0.8 keeps the search fast
 def test_plan_fits_and_beats_every_hand_setting(frac):
     budget, plan = planned(frac)
     lo, hi = _bounds()
@@ -303,3 +304,186 @@ def test_bench_helpers():
     a = 'HloModule m\n\nFileNames\n1 "a.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="x"}\n}'
     b = 'HloModule m\n\nFileNames\n1 "b.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="y"}\n}'
     assert bp._fingerprint(a) == bp._fingerprint(b) != bp._fingerprint(a.replace("f32", "s32"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The planner per tag (target=...): remat.cost, remat.tagplan, remat.planner.front, --recompute_plan
+
+from remat import cost as _cost
+from remat import tagplan
+
+
+def test_plan_text_round_trip_and_bad_text():
+    lp = ("save_names:mlp_up,qkv",) * 3 + ("custom:qkv=device,mlp_up=offload", None)
+    text = tagplan.format_plan(lp)
+    assert text == "save_names:mlp_up,qkv x3; custom:qkv=device,mlp_up=offload x1; none x1"
+    assert tagplan.parse_plan(text, 5) == lp
+    for bad, match in (("full_remat", "not 'POLICY xN'"), ("bogus x2", "bogus"), ("none x2", "covers 2 layers")):
+        with pytest.raises(ValueError, match=match) as e:
+            tagplan.parse_plan(bad, 3)
+        assert "POLICY xN" in str(e.value) or "bogus" in str(e.value)
+
+
+def test_cost_profile_splits_the_forward_by_tag():
+    from jax.ad_checkpoint import checkpoint_name
+
+    def layer(w1, w2, x):
+        h = checkpoint_name(x @ w1, "mlp_up")
+        return checkpoint_name(jnp.tanh(h) @ w2, "mlp_out")
+
+    jp = jax.make_jaxpr(layer)(jnp.ones((64, 256)), jnp.ones((256, 64)), jnp.ones((32, 64)))
+    roof = _cost.Roofline(1e9, {"float32": 1e9})
+    p = _cost.profile(jp, roof)
+    assert p.order == ("mlp_up", "mlp_out")
+    assert p.tags["mlp_up"].bytes == 32 * 256 * 4 and p.tags["mlp_out"].bytes == 32 * 64 * 4
+    # each share holds its matmul (2·M·N·K FLOPs at 1 GFLOP/s); tanh's output is read by the second
+    assert p.tags["mlp_up"].recompute_s == pytest.approx(2 * 32 * 64 * 256 / 1e9)
+    assert p.tags["mlp_out"].recompute_s > 2 * 32 * 256 * 64 / 1e9
+    assert p.forward_s == pytest.approx(p.tags["mlp_up"].recompute_s + p.tags["mlp_out"].recompute_s)
+
+
+def _syn_model(L=6, offload=True):
+    return tagplan.Model(
+        n_layers=L, tags=("qkv", "mlp_up", "attn_out"), bytes={"qkv": 100, "mlp_up": 300, "attn_out": 50},
+        share={"qkv": 5.0, "mlp_up": 6.0, "attn_out": 4.0},
+        untagged_s=1.0, forward_s=2.0, base_step_s=10.0, host_link=40.0 if offload else None, p_full=1000,
+        m_none=600, a_save=1.0, a_off=0.1 if offload else None, c_mix=30)
+
+
+@pytest.mark.parametrize("budget", [1000, 1100, 1500, 2200, 3000, 4700])
+def test_solver_is_exact_over_its_family(budget):
+    """scipy.optimize.milp's plan against every plan of the family (policy P on n layers, none after)."""
+    m = _syn_model()
+    got = m.solve(budget)
+    choices = [tagplan.SAVE, tagplan.OFFLOAD, tagplan.RECOMPUTE]
+    best = None
+    for n in range(m.n_layers + 1):
+        for combo in itertools.product(choices, repeat=3):
+            lp = (tagplan.tag_policy(dict(zip(m.tags, combo))),) * n + (None,) * (m.n_layers - n)
+            pk, step = m.predict(lp)
+            if pk <= budget and (best is None or step < best - 1e-9):
+                best = step
+    assert got is not None and m.predict(got)[0] <= budget
+    assert m.predict(got)[1] == pytest.approx(best)
+
+
+def test_solver_never_offloads_when_offload_is_dropped():
+    m = _syn_model(offload=False)
+    for b in (1100, 1500, 2200):
+        lp = m.solve(b)
+        assert lp is not None and not any(p and "offload" in p for p in lp)
+
+
+@functools.cache
+def _scan_data():
+    cfg = dataclasses.replace(CFG, scan_layers=True)
+    return cfg, gpt2.init_params(cfg, jax.random.PRNGKey(0)), *_data()[1:]
+
+
+def _tiny_scan():
+    cfg, params, idx, tgt = _scan_data()
+    compiled = {}
+
+    def fn(rc):
+        c = dataclasses.replace(cfg, recompute=rc)
+        return jax.jit(jax.grad(lambda p: gpt2.loss_fn(p, c, idx, tgt)))
+
+    def cs(rc):
+        if rc not in compiled:
+            compiled[rc] = fn(rc).lower(params).compile()
+        return compiled[rc]
+
+    return cs, (lambda rc: fn(rc).trace(params).jaxpr), compiled
+
+
+@pytest.mark.slow  # 8 compilations of the tiny model: 165 s on the shared 2-core machine
+def test_front_on_cpu_fits_every_budget_and_is_monotone():
+    """The tiny GPT-2 (scan) on XLA:CPU: every plan compiled within its budget, the front monotone,
+    each plan's text parses back to the program that was compiled."""
+    cs, ts, compiled = _tiny_scan()
+    measured: dict = {}
+    f0 = remat.planner.front(cs, ts, L, [], target="cpu", measured=measured)
+    hi = measured[(None,) * L].peak_estimate
+    budgets = [int(f0.model.p_full + k * (hi - f0.model.p_full) / 3) for k in (1, 2)]
+    f = remat.planner.front(cs, ts, L, budgets, target="cpu", model=f0.model, measured=measured)
+    steps = [p.predicted_step_s for p in f.plans]
+    assert all(p.compiled_peak <= p.budget for p in f.plans)
+    assert steps[1] <= steps[0] and steps[0] <= f0.model.predict(("full_remat",) * L)[1]
+    for p in f.plans:
+        rc = tagplan.recompute_config(tagplan.parse_plan(p.text, L))
+        assert compiled_stats(cs(rc)).peak_estimate == p.compiled_peak
+    with pytest.raises(ValueError, match="below the minimum"):
+        remat.planner.front(cs, ts, L, [f0.model.p_full // 2], target="cpu", model=f0.model, measured=measured)
+
+
+@pytest.mark.slow  # 9 XLA:GPU compilations: 250 s on the shared 2-core machine
+def test_front_on_h200():
+    """The same tiny model built by XLA:GPU for an H200 (no device): the plan fits what XLA:GPU compiled."""
+    from targethelp import need
+
+    need("cuda")
+    import remat.targets as rt
+
+    cfg, params, idx, tgt = _scan_data()
+    t = rt.get("h200")
+
+    def fn(rc):
+        c = dataclasses.replace(cfg, recompute=rc)
+        return lambda p: jax.grad(lambda p: gpt2.loss_fn(p, c, idx, tgt))(p)
+
+    cs = lambda rc: rt.compiled_memory(fn(rc), params, target=t)
+    ts = lambda rc: jax.jit(fn(rc)).trace(params).jaxpr
+    measured: dict = {}
+    f0 = remat.planner.front(cs, ts, L, [], target=t, measured=measured)
+    hi = measured[(None,) * L].peak_estimate
+    b = int((f0.model.p_full + hi) / 2)
+    plan = remat.plan_for_budget(cs, L, b, target=t, trace_step=ts)
+    assert plan.compiled_peak <= b and plan.predicted_step_s > 0 and "plan: " in plan.table()
+
+
+def test_recompute_plan_flag():
+    cfg = config_from_args(["--recompute_plan", "save_names:qkv x2; none x2", "--scan_layers"])
+    label, rc = cfg.recompute_configs()[0]
+    assert label == "plan" and rc == tagplan.recompute_config(("save_names:qkv",) * 2 + (None,) * 2)
+    for bad, match in ((["--recompute_plan", "save_names:qkv"], "expected POLICY xN"),
+                       (["--recompute_plan", "none x2", "--remat_policy", "dots"], "drop --remat_policy")):
+        with pytest.raises(UsageError, match=match):
+            config_from_args(bad).recompute_configs()
+
+
+def test_recompute_plan_cli_exit_2_one_line(text_file):
+    p = _train(["--recompute_plan", "full_remat"] + SMALL + ["--data", text_file])
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "POLICY xN" in lines[0], p.stderr
+
+
+@pytest.mark.slow  # the acceptance runs: minutes each (docs/planner.md)
+@pytest.mark.parametrize("args", [
+    ["--target", "h200", "--model", "gpt2", "--preset", "d12", "--batch_size", "8", "--sequence_length", "1024",
+     "--dtype", "bfloat16"],
+    ["--target", "h200x8", "--mesh", "fsdp=8", "--model", "llama3", "--preset", "8b", "--batch_size", "8",
+     "--sequence_length", "8192", "--dtype", "bfloat16"]])
+def test_acceptance_front(args, tmp_path):
+    from targethelp import need
+
+    need("cuda")
+    out = tmp_path / "front.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "remat_lm.bench.planner", *args, "--json", str(out)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=3600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+    res = json.load(open(out))
+    assert all(c["ok"] for c in res["checks"]), res["checks"]
+
+
+@pytest.mark.slow  # ~35 s: five XLA:GPU compilations of the tiny model
+def test_cli_auto_with_a_target_plans_per_tag():
+    from targethelp import need
+
+    need("cuda")
+    p = _train(["--preset", "tiny", "--batch_size", "4", "--sequence_length", "64", "--recompute_method", "auto",
+                "--target", "h200", "--dry_run", "--scan_layers"])
+    assert p.returncode == 0, p.stderr
+    plan = re.search(r"^plan: (.+)$", p.stdout, re.M)
+    assert plan and "predicted step" in p.stdout and tagplan.parse_plan(plan.group(1), 2)

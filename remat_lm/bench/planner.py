@@ -1,5 +1,8 @@
-"""The memory-budget planner against hand settings: step time at three budgets.
+"""The memory-budget planner against hand settings: step time at three budgets; with --target, the
+planner's front per tag on that target (remat_lm.bench.planner_front).
 
+    python -m remat_lm.bench.planner --target h200 --model gpt2 --preset d12 --batch_size 8 \
+        --sequence_length 1024 --dtype bfloat16 --json out/front.json   # the front, baselines, plot
     python -m remat_lm.bench.planner                          # reference shape, 3 budgets, 7 timed rounds
     python -m remat_lm.bench.planner --steps 9 --json out/planner.json --markdown out/planner.md
 
@@ -56,7 +59,8 @@ def hand_settings(L: int) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def legacy_main(argv=None) -> int:
+    """The preset planner (no --target) against hand settings at the reference shape."""
     ap = Parser(prog="python -m remat_lm.bench.planner", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=integer(1), default=7, help="timed rounds (median reported)")
@@ -237,6 +241,17 @@ def _short(lp) -> str:
         else:
             runs.append([c, 1])
     return ", ".join(f"{c}×{n}" if n > 1 else c for c, n in runs)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--target" or a.startswith("--target=") for a in argv):
+        from remat_lm.bench import planner_front
+        return planner_front.main(argv)
+    if any(a in ("-h", "--help") for a in argv):  # both forms: the preset planner, then the front per tag
+        from remat_lm.bench import planner_front
+        print(planner_front.parser().format_help().replace("usage:", "with --target, the front per tag:\n  usage:", 1))
+    return legacy_main(argv)
 
 
 if __name__ == "__main__":

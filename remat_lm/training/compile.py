@@ -85,14 +85,8 @@ def _compiled(setup, mcfg=None):
     if key in _COMPILED:
         _COMPILED.move_to_end(key)
         return _COMPILED[key]
-    fn = make_train_step(setup.fam, mcfg, setup.tx, setup.schedule, cfg.dropout)
-    jitted = jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
-                     out_shardings=(setup.state_sharding, sh.replicated(setup.mesh)), donate_argnums=(0,))
-    b = batch_struct(setup)
-    # the mesh: the model's tensor/sequence-parallel constraints are PartitionSpecs; the target's platform:
-    # its attention core and other platform choices
     with run_target.building(setup):
-        traced = jitted.trace(abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b)
+        traced = _trace(setup, mcfg)
         lowered = traced.lower()
     try:
         compiled = lowered.compile()
@@ -105,6 +99,24 @@ def _compiled(setup, mcfg=None):
     while len(_COMPILED) > _COMPILED_MAX:
         _COMPILED.popitem(last=False)
     return _COMPILED[key]
+
+
+def _trace(setup, mcfg):
+    """The traced train step (`jax.stages.Traced`) for a model config already sharded for the mesh;
+    call under `run_target.building(setup)`: the mesh (the model's tensor/sequence-parallel
+    constraints are PartitionSpecs) and the target's platform (its attention core and other choices)."""
+    fn = make_train_step(setup.fam, mcfg, setup.tx, setup.schedule, setup.cfg.dropout)
+    jitted = jax.jit(fn, in_shardings=(setup.state_sharding, setup.x_sharding, setup.x_sharding),
+                     out_shardings=(setup.state_sharding, sh.replicated(setup.mesh)), donate_argnums=(0,))
+    b = batch_struct(setup)
+    return jitted.trace(abstract_with_sharding(setup.abstract_state, setup.state_sharding), b, b)
+
+
+def step_jaxpr(setup, mcfg=None):
+    """The jaxpr of the train step (traced, not compiled): what the planner's time model reads."""
+    mcfg = sh.model_sharding(setup.mcfg if mcfg is None else mcfg, setup.mesh, setup.cfg.sequence_parallel)
+    with run_target.building(setup):
+        return _trace(setup, mcfg).jaxpr
 
 
 def batch_struct(setup):
@@ -121,8 +133,10 @@ def plan_memory(setup, out=None):
     """--recompute_method auto: ask the planner (`remat.plan_for_budget` on the real train step) for a
     setting per layer that fits the request's budget, print the plan, and return
     `(setup with that model config, BudgetPlan)`. A budget below what full remat needs is a
-    UsageError stating the minimum. With --target the candidates are compiled by its compiler, and
-    without --memory_budget the budget is its memory (`TrainConfig.target_budget`)."""
+    UsageError stating the minimum. With --target the plan is made per tag and priced on the target
+    (`remat.plan_for_budget(target=...)`: save, offload or recompute each tagged activation; the
+    step time from the traced program's roofline), every plan compiled by its compiler; without
+    --memory_budget the budget is its memory (`TrainConfig.target_budget`)."""
     from remat_lm.models.memory_model import activation_bytes
 
     cfg, base, request = setup.cfg, setup.base_mcfg, setup.auto
@@ -148,8 +162,13 @@ def plan_memory(setup, out=None):
             return remat.memory.CompiledMemory(temp=need, argument=0, output=0, alias=0, generated_code=0,
                                                host_temp=0, flops=e.flops, flops_source="jaxpr matmuls")
     try:
-        plan = remat.plan_for_budget(measure, base.n_layer, request.budget,
-                                     layer_bytes=activation_bytes(base, cfg.batch_size, cfg.sequence_length)[0])
+        if setup.target is not None:   # per tag, priced on the target (remat.tagplan), every plan compiled
+            trace = lambda rc: step_jaxpr(setup, dataclasses.replace(base, recompute=rc))
+            plan = remat.plan_for_budget(measure, base.n_layer, request.budget, target=setup.target,
+                                         trace_step=trace)
+        else:
+            plan = remat.plan_for_budget(measure, base.n_layer, request.budget,
+                                         layer_bytes=activation_bytes(base, cfg.batch_size, cfg.sequence_length)[0])
     except ValueError as e:
         raise UsageError(f"{flag}: {e}") from None
     print(plan.table(), file=out)

@@ -70,6 +70,10 @@ FLAGS = (
     Flag("memory_budget", str, None, "with --recompute_method auto: the compiled peak per device to fit "
          "(arguments + outputs + temp - aliased of the train step), e.g. 12GiB, 512MiB or a number of bytes",
          "budget", metavar="SIZE", train_only=True),
+    Flag("recompute_plan", str, None, "a plan as the planner prints it (`plan:` line of --recompute_method auto, "
+         "`python -m remat_lm.bench.planner`): 'POLICY xN; POLICY xN ...', one run per group of layers, first layer "
+         "first, e.g. 'save_names:qkv,mlp_up x6; none x6'; sets every recompute setting", "layer_policies",
+         metavar="PLAN", train_only=True),
     Flag("recompute_num_layers", int, 1, "the N of --recompute_method uniform/block (1..n_layer); no other method "
          "takes it", "num_layers"),
     Flag("recompute_modules", str, None, "selective granularity: comma list of sub-modules to recompute, from "
@@ -307,6 +311,8 @@ def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
     """
     v = {**defaults(), **{k: values[k] for k in BY_NAME if k in values}}
     methods = tuple(m.strip() for m in str(v["recompute_method"]).split(","))
+    if v["recompute_plan"] is not None:
+        return [_plan_config(v)]
     if "auto" in methods or v["memory_budget"] is not None:
         return [("auto", _auto_request(v, methods, default_budget))]
     deepspeed = None
@@ -322,6 +328,25 @@ def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
         policy=v["remat_policy"], use_reentrant=v["use_reentrant"], segments=v["recompute_segments"],
         every=v["recompute_every"], cpu_checkpointing=v["cpu_checkpointing"], deepspeed=deepspeed,
         tensor_axis=tensor_axis, distribute_axis=distribute_axis)
+
+
+def _plan_config(v: dict) -> tuple:
+    """`--recompute_plan PLAN` → ("plan", RecomputeConfig) of its per-layer policies; every other
+    recompute flag is then an error naming it (the plan sets them all)."""
+    from remat.tagplan import parse_plan
+
+    for f in FLAGS:
+        if f.name in ("recompute_plan", "scan_layers") or v[f.name] == f.default:
+            continue
+        if f.name == "recompute_granularity" and v[f.name] == "full":
+            continue
+        raise ValueError(f"--recompute_plan sets every layer's recompute itself; drop --{f.name}")
+    try:
+        lp = parse_plan(v["recompute_plan"])
+    except ValueError as e:
+        raise ValueError(f"--recompute_plan: {e}") from None
+    from remat.tagplan import recompute_config
+    return ("plan", recompute_config(lp))
 
 
 def _auto_request(v: dict, methods: tuple, default_budget: int | None = None) -> AutoRecompute:
@@ -349,6 +374,8 @@ def _auto_request(v: dict, methods: tuple, default_budget: int | None = None) ->
         value = v[f.name]
         if f.name in fixed or value == f.default or (f.name == "recompute_granularity" and value == "full"):
             continue
+        if f.name == "scan_layers" and default_budget is not None:
+            continue   # with --target the planner prices time from the jaxpr, scans included
         why = ("XLA's cost analysis counts a scanned layer once, so the planner needs the loop layout"
                if f.name == "scan_layers" else "auto chooses the policy of every layer itself")
         raise ValueError(f"--recompute_method auto cannot be combined with --{f.name} ({why}); drop --{f.name}")
