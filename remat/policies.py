@@ -9,7 +9,7 @@ its fields name (`save_only_these_names`, `save_any_names_but_these`,
 `save_and_offload_only_these_names`, `nothing_saveable`, ...); the one local combinator is the
 dtype-preserving `bf16:<policy>` (`DtypePreserving`). Everywhere a policy is accepted, a JAX policy
 callable works as well as a name (reports call it "a JAX policy": what it saves is known only by
-tracing). `names()` lists what `get` accepts; the CLI's choices, the README's table and the tests'
+tracing). `names()` lists what `get` accepts; the CLI's choices, the policy table of docs/library.md and the tests'
 parametrization all derive from `REGISTRY`.
 
 Example:
@@ -538,7 +538,7 @@ def validate(policy) -> None:
 
 
 def table_markdown() -> str:
-    """The README's policy table, generated from the registry."""
+    """The policy table of docs/library.md, generated from the registry."""
     rows = ["| policy | what it does | as JAX's policies (`jax.checkpoint_policies.`) |", "|---|---|---|"]
     short = lambda p: describe(p).replace("jax.checkpoint_policies.", "")  # noqa: E731
     for k, e in REGISTRY.items():
@@ -547,5 +547,5 @@ def table_markdown() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # regenerate the README's table: python -m remat.policies
+if __name__ == "__main__":  # regenerate docs/library.md's policy table: python -m remat.policies
     print(table_markdown())
