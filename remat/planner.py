@@ -253,7 +253,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         lp = tuple(lp)
         if lp not in cache:
             cache[lp] = compiled_stats(compile_step(recompute_config(lp)))
-            say(f"measured {_describe(lp)}: peak {format_bytes(pk(cache[lp]))}")
+            say(f"measured {_tagplan.format_plan(lp)}: peak {format_bytes(pk(cache[lp]))}")
         return cache[lp]
 
     def pk(cm) -> int:
@@ -364,7 +364,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         failed.add(lp)
         over = got - budget
         internal -= over
-        notes.append(f"round {it}: {_describe(lp)} predicted {format_bytes(p_pred)} but compiled to "
+        notes.append(f"round {it}: {_tagplan.format_plan(lp)} predicted {format_bytes(p_pred)} but compiled to "
                      f"{format_bytes(got)}, {format_bytes(over)} over the budget; planning again with an internal "
                      f"budget of {format_bytes(internal)}")
     if chosen is None:
@@ -373,7 +373,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         chosen = min(fitting, key=lambda lp: (sum(table[c].flops for c in lp), pk(cache[lp])))
         chosen_pred = _predict(chosen, table, p_none)
         notes.append(f"no plan predicted to fit was verified within {max_iterations} round(s): using the cheapest "
-                     f"compiled plan that fits, {_describe(chosen)}")
+                     f"compiled plan that fits, {_tagplan.format_plan(chosen)}")
     elif iterations > 1:
         notes.append(f"refined: the plan fit in round {iterations}")
     cm = cache[chosen]
@@ -405,17 +405,6 @@ def _offload_raises(c, cm, measure, pk, L: int) -> str | None:
 
 def _predict(lp: tuple, table: dict, p_none: int) -> float:
     return p_none - sum(table[c].interior_freed for c in lp[:-1]) - table[lp[-1]].last_freed
-
-
-def _describe(lp: tuple) -> str:
-    """A compact name for a per-layer plan: '[full_remat x3, none x1]'."""
-    runs = []
-    for c in lp:
-        if runs and runs[-1][0] == c:
-            runs[-1][1] += 1
-        else:
-            runs.append([c, 1])
-    return "[" + ", ".join(f"{_name(c)} x{n}" for c, n in runs) + "]"
 
 
 def _result(lp, cands, table, budget, peak, predicted, cm, p_none, minimum, flops, iterations, compiles, notes, pk):

@@ -78,6 +78,7 @@ def test_remat_module_compiled_temp_falls_below_nn_remat():
     assert temp["full_remat"] < 0.8 * min(temp[None], temp["nn.remat"]), temp
 
 
+@pytest.mark.slow  # ~12 s; tests/test_linen_remat.py keeps Flax's static_argnums fast
 def test_remat_module_static_argnums_count_self_as_zero():
     with pytest.raises(ValueError, match="Flax counts `self` as argument 0"):
         rlinen.remat_module(Block, "full_remat", static_argnums=(0,))

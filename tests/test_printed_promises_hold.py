@@ -17,7 +17,7 @@ import pytest
 from remat.memory import MiB, compiled_stats, format_bytes
 from remat_lm.training import config_from_args, preflight, prepare
 from remat_lm.training.compile import compile_train_step
-from remat_lm.training.report import CPU_OFFLOAD, describe
+from remat_lm.training.report import CPU_OFFLOAD, run_summary
 from trainhelp import _main
 
 TINY = ["--preset", "tiny", "--val_every", "0", "--no-progress", "--num_iterations", "1"]
@@ -91,7 +91,7 @@ def test_cpu_checkpointing_summary_says_nothing_moves(capsys):
     lines = [l for l in out.splitlines() if CPU_OFFLOAD in l]
     assert len(lines) == 1 and lines[0].startswith("offload  ") and "--cpu_checkpointing" in lines[0], out
     # without offloading, or with it explained by the DeepSpeed notes, no such line
-    assert CPU_OFFLOAD not in describe(prepare(config_from_args(TINY + ["--activation_recompute"])))
+    assert CPU_OFFLOAD not in run_summary(prepare(config_from_args(TINY + ["--activation_recompute"])))
 
 
 def test_memory_report_counts_each_saved_value(capsys):

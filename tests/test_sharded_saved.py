@@ -24,7 +24,8 @@ def loss(ps, x, cfg):
     return jnp.mean(remat.apply_layers(lambda p, h, k: block(p, h), ps, x, cfg) ** 2)
 
 
-@pytest.mark.parametrize("reentrant", [pytest.param(False, marks=pytest.mark.slow), True])  # False: ~16-50 s
+@pytest.mark.slow  # ~20 s; tests/test_tensor_parallel.py keeps --distribute_saved_activations (the same shard_saved_axis) fast
+@pytest.mark.parametrize("reentrant", [False, True])  # False: ~16-50 s
 def test_saved_inputs_sharded_over_fsdp(reentrant):
     assert len(jax.devices()) >= 8, "tests/conftest.py sets 8 host devices"
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)

@@ -232,8 +232,9 @@ def test_huge_sparse_text_file_is_refused_before_reading(tmp_path):
 @pytest.mark.parametrize("flags", [["--batch_size", str(2**62)], ["--batch_size", str(10**20)],
                                    ["--batch_size", "1", "--grad_accum_steps", str(2**62)]])
 def test_batch_too_large_to_count_is_a_usage_error(flags, text_file):
-    """--batch_size 2^62 raised OverflowError while tracing (the element count passed int64)."""
-    with pytest.raises(UsageError, match="beyond what JAX can index"):
+    """--batch_size 2^62 raised OverflowError while tracing (the element count passed int64): each count
+    is bounded by what JAX indexes (int32), named in the message."""
+    with pytest.raises(UsageError, match=r"is out of range; use an integer in 1\.\.2147483647 \(JAX counts and indexes in int32\)"):
         prepare(config_from_args(BASE + ["--data", text_file] + flags))
 
 
