@@ -383,6 +383,7 @@ def test_bench_target_bad_input_exits_2_with_one_line(argv, words):
     assert last.startswith(f"python -m {argv[0]}: error: ") and words in last, last
 
 
+@pytest.mark.slow  # ~9 s; tests/test_target_peaks.py keeps the bench's compile for a GPU fast
 def test_policies_for_a_gpu_target_report_its_compiler_and_skip_timing():
     from targethelp import need
     need("cuda")

@@ -167,6 +167,7 @@ def _hlo(check):
     return re.sub(r"^HloModule \S+", "", text)
 
 
+@pytest.mark.slow  # ~6 s
 def test_determinism_check_costs_nothing_in_the_optimized_hlo():
     assert _hlo(True) == _hlo(False)
 

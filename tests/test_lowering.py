@@ -144,6 +144,7 @@ def test_cudnn_head_size_limit_is_jax_s():
     assert attention.resolve("auto", jnp.bfloat16, 256, platform="cuda") == "tiled"
 
 
+@pytest.mark.slow  # ~8 s; the Pallas core's lowering stays fast
 def test_pallas_core_gradients_equal_the_reference():
     # the kernel in Pallas' interpreter on CPU, GQA (4 query heads over 2 kv heads), float32
     B, T, H, K, D = 1, 128, 4, 2, 8

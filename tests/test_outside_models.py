@@ -334,6 +334,7 @@ class NNXBlk(nnx.Module):
 @pytest.mark.parametrize("cfg", [RecomputeConfig(), FULL,
                                  pytest.param(RecomputeConfig(granularity="full", method="uniform", num_layers=2),
                                               marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~6 s each; tests/test_nnx_stack_scan.py keeps scan against loop fast
 def test_nnx_stack_scan_matches_loop(cfg):
     make = lambda scan: rnnx.LayerStack([NNXBlk(nnx.Rngs(i)) for i in range(L)], cfg, scan=scan)  # noqa: E731
     key = jax.random.key(3)

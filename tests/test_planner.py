@@ -121,6 +121,7 @@ def test_plan_fits_and_beats_every_hand_setting(frac):
     assert len(plan.layer_policies) == L and plan.recompute_config().validate_for(L)
 
 
+@pytest.mark.slow  # ~55 s; the per-tag planner's fast cases stay fast
 def test_plans_are_not_just_a_hand_setting():
     """Somewhere in between, the planner finds a mixed plan strictly cheaper than every fitting hand setting."""
     strictly = []

@@ -72,7 +72,8 @@ def _plain_saved(cfg, scan=False):
 
 def _plain_params():
     # fast: every method with the default policy, every policy with method none; the rest slow
-    fast = lambda c: c.policy is None or c.method == "none"
+    # (offload_names with the slow set too: tests/test_offload_targets.py keeps offload fast)
+    fast = lambda c: (c.policy is None or c.method == "none") and not str(c.policy).startswith("offload_names")
     return [pytest.param(c, id=i, marks=() if fast(c) else pytest.mark.slow) for c, i in zip(SETTINGS, IDS)]
 
 
@@ -127,7 +128,7 @@ def _scan_params():
     # and core_attn run with `-m slow`
     # (of the selective presets only all three together: each alone is the same stack with fewer names)
     fast = lambda c: (c.policy is None and not c.use_reentrant and (c.num_layers == 2 or c.method == "none")
-                      and (c.granularity != "selective" or len(c.modules) == 3))
+                      and (c.granularity != "selective" or len(c.modules) == 3) and c.method != "block")
     return [pytest.param(c, id=IDS[SETTINGS.index(c)], marks=() if fast(c) else pytest.mark.slow) for c in SCAN_SETTINGS]
 
 
@@ -172,7 +173,7 @@ def _jit_params():
     # fast: one case per method, covering the loop and scan and both paths: none non-reentrant in the
     # loop, uniform (a remainder region) reentrant under scan, block non-reentrant under scan; the
     # rest slow (test_plain_functions runs every method on both paths eagerly)
-    picks = {("none", False, False), ("uniform", True, True), ("block", False, True)}
+    picks = {("none", False, False), ("uniform", True, True)}  # block under scan: with the slow set
     for c in JIT_SETTINGS:
         for scan in (False, True):
             fast = (c.method, c.use_reentrant, scan) in picks
@@ -216,6 +217,7 @@ def test_uniform_keeps_fewer_region_inputs_than_method_none():
         saved(RecomputeConfig(granularity="full")) < saved(RecomputeConfig())
 
 
+@pytest.mark.slow  # ~7 s; tests/test_models.py test_scan_matches_loop stays fast
 def test_loop_and_scan_layouts_initialize_the_same_weights():
     loop = _linen(RecomputeConfig()).init(KEY, X)["params"]
     scan = _linen(RecomputeConfig(granularity="full"), scan=True).init(KEY, X)["params"]["h"]
@@ -226,7 +228,7 @@ def test_loop_and_scan_layouts_initialize_the_same_weights():
 MIXED = RecomputeConfig(granularity="full", layers=remat.per_layer((None, "full_remat", "mlp", "core_attn+mlp")))
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])  # scan: ~11 s
 def test_per_layer_policies(scan):
     assert [s.checkpointed for s in remat.plan(L, MIXED)] == [False, True, True, True]
     assert rel_err(jax.grad(plain_loss)(PS, X, MIXED, scan), PLAIN_REF) <= 1e-5

@@ -154,6 +154,7 @@ def test_memory_report_gives_a_verdict_per_method(capsys, monkeypatch):
     assert out.rstrip().endswith(f"full/uniform/1 fits with {head}% headroom; full/block/1 does not fit")
 
 
+@pytest.mark.slow  # ~27 s (five XLA:GPU compiles); tests/test_planner.py keeps the per-tag planner's pieces fast
 def test_auto_budget_defaults_to_the_targets_memory(capsys):
     """--recompute_method auto with --target and no --memory_budget: the budget is the target's
     memory_limit (no remat fits it here, so the plan recomputes nothing); without a target the flag is

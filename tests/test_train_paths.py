@@ -198,6 +198,7 @@ def test_input_beside_the_checkpoints_is_allowed(files, tmp_path):
 # inputs that cannot be read, or are too large; absurd sizes; a full disk
 
 
+@pytest.mark.slow  # ~7 s; the other unreadable-input cases stay fast
 def test_data_unreadable_by_the_user_exits_2(request, text_file):
     """chmod 000, run as nobody (as root every file is readable): PermissionError was a traceback."""
     d = pathlib.Path(tempfile.mkdtemp(prefix="remat-nobody-", dir="/tmp"))  # pytest's tmp is root's alone

@@ -183,6 +183,7 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, text_file):
     assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [1]
 
 
+@pytest.mark.slow  # ~10 s
 def test_grad_accumulation_matches_one_big_batch(text_file):
     """4 micro-batches of 2 == one batch of 8 made of the same rows (float32 summation order only)."""
     common = ["--preset", "tiny", "--num_iterations", "2", "--data", text_file, "--sequence_length", "32"] + QUIET
