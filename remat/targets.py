@@ -220,7 +220,7 @@ def _parse(name: str) -> Target:
         if not 1 <= n <= host:
             raise ValueError(f"target {name!r}: this host has {host} CPU device(s); use cpu or cpux1..cpux{host} "
                              f"(more CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-        spec = Spec("cpu", "cpu", "this host's CPU", _memory_available(), 0.0, {}, None)
+        spec = Spec("cpu", "cpu", "this host's CPU", host_memory_available() or 0, 0.0, {}, None)
         return Target("cpu" if n == host else f"cpux{n}", spec, n, "")
     if kind not in SPECS:
         raise ValueError(f"target {name!r} is not known; use one of {', '.join(names())}, with a count for "
@@ -243,8 +243,14 @@ def _parse(name: str) -> Target:
     return Target(kind if n == 1 and not m.group("topo") else f"{kind}:{dims}", spec, n, f"{spec.tpu}:{dims}")
 
 
-def _memory_available() -> int:
-    """This host's available RAM (MemAvailable), the `cpu` target's memory; 0 when unknown."""
+def host_memory_available() -> int | None:
+    """This host's available RAM in bytes (/proc/meminfo's MemAvailable), the `cpu` target's memory;
+    None where it cannot be read.
+
+    Example:
+      >>> (host_memory_available() or 1) > 0
+      True
+    """
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -255,7 +261,7 @@ def _memory_available() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return 0
+        return None
 
 
 def _gpu_config(spec: Spec) -> str | None:

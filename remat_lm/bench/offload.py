@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from remat import RecomputeConfig, targets
 from remat.memory import MiB, compiled_stats
 from remat_lm.argtypes import Parser, integer
+from remat_lm.bench import common
 from remat_lm.models import family
 
 NAMES = ("qkv", "mlp_up")  # what `offload_names` moves, and `save_names` keeps on the device
@@ -141,16 +142,9 @@ def verdicts(rows: dict, moved: dict) -> dict:
     return out
 
 
-def _target(name: str) -> str:
-    try:
-        return targets.get(name).name
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def main(argv=None) -> int:
     p = Parser(prog="python -m remat_lm.bench.offload", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="h200", type=_target, help="a remat.targets name: h200, a100-80g, v5e, ...")
+    p.add_argument("--target", default="h200", type=common.target_name, help="a remat.targets name: h200, a100-80g, v5e, ...")
     p.add_argument("--model", default="gpt2", choices=family.NAMES)
     p.add_argument("--preset", default="d12")
     p.add_argument("--batch", type=integer(1), default=8)

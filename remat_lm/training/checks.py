@@ -15,6 +15,7 @@ import stat
 import tempfile
 
 from remat.memory import format_bytes
+from remat.targets import host_memory_available
 from remat_lm.argtypes import UsageError
 
 # AdamW keeps the parameters, two moments and (transiently) the gradients, all float32.
@@ -142,18 +143,8 @@ def device_memory_limit(device) -> int | None:
 
 
 def host_available() -> int | None:
-    """Available host RAM in bytes: /proc/meminfo's MemAvailable (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    """Available host RAM in bytes (None where it cannot be read): `remat.targets.host_memory_available`."""
+    return host_memory_available()
 
 
 def check_model_size(n_params: int, fsdp: int, devices, limit: int | None = None, what: str | None = None) -> None:
