@@ -167,6 +167,7 @@ def test_stack_of_layers_without_parameters():
     assert rel_err(g, ref) <= 1e-5
 
 
+@pytest.mark.slow  # ~7 s; tests/test_linen_remat.py keeps mutable collections fast
 def test_stack_batch_stats_and_sow_under_remat():
     stack = rlinen.LayerStack(Normed, L, FULL)
     v = stack.init(KEY, X)

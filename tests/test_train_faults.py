@@ -311,6 +311,7 @@ def test_no_intact_step_is_a_usage_error(two_steps, tmp_path):
         _run(common + ["--num_iterations", "6", "--checkpoint_dir", d, "--resume"])
 
 
+@pytest.mark.slow  # ~8 s; the in-process unreadable-step cases stay fast
 def test_unreadable_steps_in_a_real_process_print_two_lines_and_exit_2(two_steps, tmp_path):
     """Both steps' array data truncated, in a real train.py process: the fallback warning and the
     error, nothing else. orbax's abandoned reads of the other arrays used to print a 60-line

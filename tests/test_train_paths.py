@@ -255,6 +255,7 @@ exec {python} {root}/train.py --data {data} --num_iterations 3 --log_jsonl {mnt}
 """
 
 
+@pytest.mark.slow  # ~10 s (a real tmpfs filled)
 def test_log_on_a_full_disk_exits_1_with_one_line(tmp_path, text_file):
     """A real full tmpfs (mounted in a user namespace): the first log write fails with ENOSPC, which
     was a 23-line OSError traceback."""

@@ -33,7 +33,7 @@ VARIANTS = {
 # Fast: GPT-2's uniform, scan and bf16 commands and LLaMA-3's uniform and selective ones; the rest
 # with the slow set (block and reentrant reach the same stack: test_models compares each with no
 # remat, test_first_loss_identical_for_more_settings runs reentrant under scan through train.py).
-FAST = {("gpt2", "uniform"), ("gpt2", "scan_layers"), ("llama3", "selective")}
+FAST = {("gpt2", "uniform"), ("llama3", "selective")}  # scan: tests/test_flag_to_program.py
 QUIET = ["--val_every", "0", "--no-progress"]
 # Most tests share these flags so that they share compilations with the acceptance runs.
 TINY = ["--preset", "tiny", "--num_iterations", "3"] + QUIET

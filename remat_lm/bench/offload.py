@@ -16,7 +16,6 @@ copy-starts to host memory in XLA's scheduled program, `late` those that start o
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 import sys
