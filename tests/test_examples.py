@@ -19,9 +19,10 @@ CASES = {  # example: (original, plain framework remat, the library's setting)
 }
 
 
-# nnx_gemma fast; the Linen and plain-JAX examples (~30 s each) with the slow set: tests/test_linen_remat.py and
-# tests/test_checkpoint_conformance.py keep remat_module and remat.checkpoint against the originals fast.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "nnx_gemma" else pytest.mark.slow) for n in CASES])
+# tests/test_linen_remat.py, tests/test_nnx_remat.py and tests/test_checkpoint_conformance.py keep remat_module,
+# remat.nnx and remat.checkpoint against the originals fast.
+@pytest.mark.slow  # ~10-30 s each; tests/test_outside_models.py keeps outside-style models fast
+@pytest.mark.parametrize("name", list(CASES))
 def test_example_adopts_remat(name):
     mod, orig, plain, lib = CASES[name]
     res = mod.measure(labels=(orig, plain, lib))

@@ -90,6 +90,7 @@ def test_full_logits_never_exist_in_forward_or_backward(model):
     assert positions(_cfg(model, loss_chunk=4)) == 4  # chunked: one chunk's logits at a time
 
 
+@pytest.mark.slow  # ~5 s
 def test_lm_head_logits_when_asked():
     cfg = _cfg("gpt2", loss_chunk=4)
     params = gpt2.init_params(cfg, jax.random.key(0))

@@ -28,7 +28,8 @@ def _snapshot(folder: pathlib.Path) -> dict:
             for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-@pytest.mark.parametrize("model", ["gpt2", pytest.param("llama3", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~25 s each; test_docs_img_is_written_only_on_request runs its settings cell fast
+@pytest.mark.parametrize("model", ["gpt2", "llama3"])
 def test_memory_explorer_runs_and_writes_plots(model, tmp_path, monkeypatch):
     """gpt2 with the default output folder (out/notebooks), llama3 with REMAT_NB_OUT: either way the
     README's figures in docs/img are not touched."""

@@ -67,7 +67,8 @@ def _reference_next_logits(full, params, cfg, seq):
     return np.asarray(full(params, jnp.asarray(padded)))[:, n - 1]
 
 
-@pytest.mark.parametrize("name,scan", [("gpt2", False), pytest.param("llama3", False, marks=pytest.mark.slow), ("llama3", True),
+@pytest.mark.parametrize("name,scan", [("gpt2", False), pytest.param("llama3", False, marks=pytest.mark.slow),
+                                       pytest.param("llama3", True, marks=pytest.mark.slow),
                                        pytest.param("gpt2", True, marks=pytest.mark.slow)],  # same layout code
                          ids=["gpt2-loop", "llama3-loop", "llama3-scan", "gpt2-scan"])
 def test_cached_logits_equal_full_forward_at_every_position(name, scan):

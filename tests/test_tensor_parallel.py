@@ -127,6 +127,7 @@ def test_gradients_match_one_device_matrix(model, mesh_name, remat_name):
     _check(model, mesh_name, remat_name)
 
 
+@pytest.mark.slow  # ~6 s
 def test_no_sequence_parallel_keeps_activations_whole():
     """--no-sequence_parallel: same gradients; the row-parallel outputs are all-reduced, nothing is
     gathered along T (the sequence-parallel layout is what made those gathers)."""
