@@ -492,6 +492,9 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
     `jax.remat` do; `@remat.checkpoint` and `@functools.partial(remat.checkpoint, policy=...)`
     decorate). The options are keyword-only and never shared with `fn`'s own keyword arguments:
     call the result as `remat.checkpoint(fn, policy=...)(*args, **kwargs)`.
+    `torch.utils.checkpoint`'s form runs at once: `remat.checkpoint(fn, *args, use_reentrant=..., **kwargs)`
+    is `remat.checkpoint(fn, use_reentrant=...)(*args, **kwargs)` (there, a keyword named like an
+    option is the option; use the first form for a function taking such a keyword).
 
     As in JAX: arguments are pytrees whose array leaves and Python scalars are traced (a Python
     `bool` is a tracer inside `fn`: use `static_argnums` for control flow), `static_argnums` /
@@ -546,18 +549,19 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
       >>> jax.jvp(checkpoint(jnp.sin), (1.0,), (1.0,))[1]   # forward mode, as jax.checkpoint
       Array(0.5403023, dtype=float32, weak_type=True)
     """
-    if args or unknown:
-        what = f"keyword argument(s) {sorted(unknown)}" if unknown else f"{len(args)} argument(s) after the function"
+    if unknown and not args:
         raise TypeError(
             f"remat.checkpoint(fn, **options) returns the rematerialized function, as jax.checkpoint does; it was "
-            f"given {what}. Call the result: remat.checkpoint(fn, policy=...)(*args, **kwargs). Options: "
-            f"{', '.join(_OPTIONS)}")
+            f"given keyword argument(s) {sorted(unknown)}, which are not options. Call the result with them: "
+            f"remat.checkpoint(fn, policy=...)(*args, **kwargs). Options: {', '.join(_OPTIONS)}")
     opts = dict(prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums,
                 static_argnames=static_argnames, use_reentrant=use_reentrant, determinism_check=determinism_check,
                 name=name, tie_to_cotangent=tie_to_cotangent, shard_saved=shard_saved,
                 offload_saved=tuple(offload_saved))
     if fn is None:
         return functools.partial(checkpoint, **opts)
+    if args:  # torch.utils.checkpoint's form: run now; keywords that are not options go to fn
+        return checkpoint(fn, **opts)(*args, **unknown)
     if not callable(fn):
         raise TypeError(f"remat.checkpoint: expected a function, got {type(fn).__name__} {fn!r}")
     check_region(use_reentrant, policy, determinism_check)  # the rules RecomputeConfig also applies

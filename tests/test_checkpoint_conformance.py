@@ -48,11 +48,15 @@ def test_returns_a_function_and_decorates_like_jax_checkpoint():
         close(jax.grad(fn)(W, X), jax.grad(f)(W, X))
 
 
-def test_the_old_immediate_call_is_refused_naming_the_form():
-    with pytest.raises(TypeError, match=r"remat.checkpoint\(fn, policy=...\)\(\*args, \*\*kwargs\)"):
-        ck(f, W, X)
-    with pytest.raises(TypeError, match="keyword argument"):
-        ck(f, train=False)
+def test_the_torch_form_runs_at_once_and_equals_the_wrapped_function():
+    # torch.utils.checkpoint(fn, *args, use_reentrant=...): both paths, values and gradients
+    for reentrant in (False, True):
+        close(ck(f, W, X, use_reentrant=reentrant), ck(f, use_reentrant=reentrant)(W, X))
+        close(jax.grad(lambda w: ck(f, w, X, use_reentrant=reentrant).sum())(W), jax.grad(lambda w: f(w, X).sum())(W))
+    g = lambda w, x, scale=1.0: f(w, x) * scale  # noqa: E731
+    close(ck(g, W, X, scale=2.0), 2.0 * f(W, X))  # a keyword that is not an option goes to the function
+    with pytest.raises(TypeError, match=r"not options.*remat.checkpoint\(fn, policy=...\)\(\*args, \*\*kwargs\)"):
+        ck(f, train=False)  # no arguments: a typo'd option is not silently dropped
 
 
 def test_a_function_parameter_named_like_an_option_receives_its_value():
