@@ -3,7 +3,7 @@
 Example:
     >>> import jax.numpy as jnp, remat
     >>> cfg = remat.RecomputeConfig(granularity="full", method="uniform", num_layers=2)
-    >>> [tuple(s) for s in remat.plan(4, cfg)]
+    >>> [tuple(s) for s in cfg.split(4)]
     [(0, 2, True), (2, 4, True)]
     >>> layer = lambda w, x: jnp.tanh(x @ w)
     >>> remat.checkpoint(layer, use_reentrant=True)(jnp.eye(4), jnp.ones((2, 4))).shape
@@ -13,14 +13,14 @@ from remat import names, policies
 from remat.check import CheckpointError
 from remat.checkpoint import checkpoint
 from remat.config import RecomputeConfig
-from remat.plan import Segment, plan
+from remat.regions import Segment
 from remat import regions
 from remat.regions import block, count, every, per_layer, segments, uniform
-from remat.planner import BudgetPlan, plan_for_budget
+from remat.plan.planner import BudgetPlan, plan_for_budget
 from remat.stack import apply_layers
 from remat import memory
 
 __all__ = ["BudgetPlan", "CheckpointError", "RecomputeConfig", "Segment", "apply_layers", "block", "checkpoint",
-           "count", "every", "memory", "names", "per_layer", "plan", "plan_for_budget", "policies", "regions",
+           "count", "every", "memory", "names", "per_layer", "plan_for_budget", "policies", "regions",
            "segments", "uniform"]
 __version__ = "0.1.0"

@@ -251,6 +251,25 @@ class RecomputeConfig:
             self.layers.check(n_layers)
         return self
 
+    def split(self, n_layers: int) -> tuple["_regions.Segment", ...]:
+        """Which layers form which regions: segments tiling 0..n_layers in order (checked with
+        `validate_for`). Recompute off is one plain segment; no layer spec is a region per layer.
+
+        Example:
+          >>> RecomputeConfig(granularity="full", method="uniform", num_layers=3).split(8)[0]
+          Segment(start=0, stop=3, checkpointed=True)
+          >>> [tuple(s) for s in RecomputeConfig(granularity="full", layers=_regions.every(2)).split(5)]
+          [(0, 1, True), (1, 2, False), (2, 3, True), (3, 4, False), (4, 5, True)]
+        """
+        if not is_int(n_layers) or n_layers < 1:
+            raise ValueError(f"n_layers={n_layers!r} must be a positive int")
+        self.validate_for(n_layers)
+        if not self.enabled:
+            return (_regions.Segment(0, n_layers, False),)
+        if self.layers is None:
+            return tuple(_regions.Segment(i, i + 1, True) for i in range(n_layers))
+        return self.layers.split(n_layers)
+
 
 class _Shown:
     """A value whose repr shows a policy callable as `remat.policies.describe` does (in a tuple too)."""

@@ -11,7 +11,7 @@ from remat import names as _names
 from remat import policies as _policies
 from remat.compiled import GiB, MiB, CompiledMemory, compiled_memory, compiled_stats, format_bytes  # noqa: F401
 from remat.config import RecomputeConfig
-from remat.plan import plan as _plan
+
 from remat.platform import (ACCELERATORS, PLATFORMS, building_for, host_platform,  # noqa: F401
                             lowered_for, target_platform)
 from remat.residuals import Residual, SavedResiduals, saved_residuals  # noqa: F401
@@ -55,7 +55,7 @@ def predict_saved(layer: LayerBytes, n_layers: int, cfg: RecomputeConfig, head: 
     if cfg.granularity == "none":
         return n_layers * layer.total + head
     total = head
-    for seg in _plan(n_layers, cfg):
+    for seg in cfg.split(n_layers):
         k = seg.stop - seg.start
         if not seg.checkpointed:
             total += k * layer.total

@@ -17,7 +17,7 @@ method `none`).
 Example:
     >>> import remat
     >>> cfg = remat.RecomputeConfig(granularity="full", layers=remat.segments((0, 2)))
-    >>> [tuple(s) for s in remat.plan(4, cfg)]
+    >>> [tuple(s) for s in cfg.split(4)]
     [(0, 2, True), (2, 4, False)]
     >>> cfg == remat.RecomputeConfig(granularity="full", layers=remat.segments("0-2"))
     True

@@ -4,7 +4,7 @@ This is the one place where layers are grouped into recompute regions; the Linen
 and plain-JAX users all call it.
 
 # NOTE: scan layout. With `scan=True` the parameters carry a leading layer axis. Segments from
-# `plan()` are split into runs of equal size and kind (for `uniform` N: ⌊L/N⌋ regions of N layers,
+# `RecomputeConfig.split` are split into runs of equal size and kind (for `uniform` N: ⌊L/N⌋ regions of N layers,
 # then one of L mod N), and each run is one `lax.scan` whose body is a region of `size` layers.
 # So every method keeps its meaning under scan, and the traced program grows with the number of
 # runs (at most 3 for the methods, 2 for `every=k`: a region and the k-1 plain layers after it are
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from remat.checkpoint import _Static, checkpoint
 from remat.config import RecomputeConfig
-from remat.plan import plan
+
 from remat.regions import Every
 
 
@@ -35,7 +35,7 @@ def _runs(n_layers: int, cfg: RecomputeConfig):
     segment is a group; layers outside regions are groups of one, except with `every=k`, where a
     region and the k-1 plain layers after it form one group, so the scan stays one run.
     """
-    segs = plan(n_layers, cfg)
+    segs = cfg.split(n_layers)
     units = []
     i = 0
     while i < len(segs):
@@ -104,7 +104,7 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
                           name=name, shard_saved=shard, offload_saved=offload)(*_constants_in((ps, h, ks) + tuple(args)))
 
     if not scan:
-        for s in plan(n_layers, cfg):
+        for s in cfg.split(n_layers):
             ps = list(params[s.start:s.stop])
             ks = None if keys is None else keys[s.start:s.stop]
             x = (ckpt(run, ps, x, ks, cfg.effective_policy(s.start), f"layers[{s.start}:{s.stop}]")

@@ -79,7 +79,7 @@ PLUGIN_BANNER = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
     r"|[IW]\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\."
     r"|(?:WARNING:jax_plugins\.xla_cuda12:)?cuda_plugin_extension is not found\.)\s*$")
-# What libtpu prints when it starts for a deviceless compile (`remat.targets` on a host without TPU
+# What libtpu prints when it starts for a deviceless compile (`remat.plan.targets` on a host without TPU
 # chips): its probe for a TPU VM's accelerator type and worker hostnames, which such a host has not,
 # and the source trace of that probe's error. Dropped by `quietly`.
 LIBTPU_BANNER = re.compile(

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from remat import RecomputeConfig, Segment, plan
+from remat import RecomputeConfig, Segment
 from remat.config import GRANULARITIES, METHODS
 
 
@@ -15,14 +15,14 @@ def per_layer(segs):
 
 
 def test_examples_from_the_issue():
-    assert plan(8, RecomputeConfig(granularity="full", method="uniform", num_layers=3)) == (
+    assert RecomputeConfig(granularity="full", method="uniform", num_layers=3).split(8) == (
         Segment(0, 3, True), Segment(3, 6, True), Segment(6, 8, True))
-    assert plan(8, RecomputeConfig(granularity="full", method="block", num_layers=3)) == (
+    assert RecomputeConfig(granularity="full", method="block", num_layers=3).split(8) == (
         Segment(0, 1, True), Segment(1, 2, True), Segment(2, 3, True), Segment(3, 8, False))
-    assert plan(4, RecomputeConfig()) == (Segment(0, 4, False),)
-    assert regions(plan(5, RecomputeConfig(granularity="full"))) == [(i, i + 1) for i in range(5)]
-    assert regions(plan(3, RecomputeConfig(granularity="selective"))) == [(0, 1), (1, 2), (2, 3)]
-    assert plan(4, RecomputeConfig(granularity="full", method="block", num_layers=4))[-1] == Segment(3, 4, True)
+    assert RecomputeConfig().split(4) == (Segment(0, 4, False),)
+    assert regions(RecomputeConfig(granularity="full").split(5)) == [(i, i + 1) for i in range(5)]
+    assert regions(RecomputeConfig(granularity="selective").split(3)) == [(0, 1), (1, 2), (2, 3)]
+    assert RecomputeConfig(granularity="full", method="block", num_layers=4).split(4)[-1] == Segment(3, 4, True)
 
 
 configs = st.one_of(
@@ -39,9 +39,9 @@ configs = st.one_of(
 def test_segments_tile_layers_and_follow_the_rules(n_layers, cfg):
     if cfg.method in ("uniform", "block") and cfg.num_layers > n_layers:
         with pytest.raises(ValueError, match=f"exceeds n_layer={n_layers}"):
-            plan(n_layers, cfg)
+            cfg.split(n_layers)
         return
-    segs = plan(n_layers, cfg)
+    segs = cfg.split(n_layers)
     # tiling: contiguous, in order, non-empty, covering 0..n_layers
     assert segs[0].start == 0 and segs[-1].stop == n_layers
     assert all(a.stop == b.start for a, b in zip(segs, segs[1:]))

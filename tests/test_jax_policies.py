@@ -16,7 +16,7 @@ import remat
 from remat import RecomputeConfig, memory, names as N, policies
 from remat import linen as rlinen, nnx as rnnx
 from remat.config import RecomputeConfigError
-from remat.planner import plan_for_budget
+from remat.plan.planner import plan_for_budget
 from tinyblocks import B, C, T, LinenBlock, NNXBlock, block, init_block, rel_err
 
 cp = jax.checkpoint_policies

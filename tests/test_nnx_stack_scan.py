@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from remat import RecomputeConfig, targets
+from remat import RecomputeConfig
+from remat.plan import targets
 from remat.memory import saved_residuals
 from remat import nnx as rnnx
 from targethelp import GPU, need

@@ -14,7 +14,8 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import remat
-from remat import RecomputeConfig, checkpoint, planner, policies
+from remat import RecomputeConfig, checkpoint, policies
+from remat.plan import planner
 from remat.memory import CompiledMemory, MiB, building_for, lowered_for
 from remat_lm.bench import offload as B
 from tests.targethelp import GPU, TPU, need

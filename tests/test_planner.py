@@ -24,7 +24,7 @@ from remat_lm.models import gpt2
 from remat_lm.models.memory_model import activation_bytes
 from remat import RecomputeConfig
 from remat.memory import CompiledMemory
-from remat.planner import compiled_stats, format_bytes, plan_for_budget
+from remat.plan.planner import compiled_stats, format_bytes, plan_for_budget
 from remat_lm.argtypes import parse_size
 from remat_lm.training.config import UsageError, config_from_args
 
@@ -47,12 +47,12 @@ def _canonical(rc: RecomputeConfig) -> RecomputeConfig:
     test_hand_settings_compile_like_their_per_layer_form): selective c = c on every layer, block N =
     full on the first N layers, uniform 1 = full. Uniform N > 1 (multi-layer regions) stays as is."""
     if rc.granularity == "selective":
-        return remat.planner.recompute_config(("+".join(rc.modules),) * L)
+        return remat.plan.planner.recompute_config(("+".join(rc.modules),) * L)
     if rc.granularity == "full" and not isinstance(rc.layers, remat.regions.PerLayer) and rc.policy is None and not rc.use_reentrant:
         if rc.method == "block":
-            return remat.planner.recompute_config(("full_remat",) * rc.num_layers + (None,) * (L - rc.num_layers))
+            return remat.plan.planner.recompute_config(("full_remat",) * rc.num_layers + (None,) * (L - rc.num_layers))
         if rc.method == "none" or rc.num_layers == 1:
-            return remat.planner.recompute_config(("full_remat",) * L)
+            return remat.plan.planner.recompute_config(("full_remat",) * L)
     return rc
 
 
@@ -301,17 +301,17 @@ def test_bench_helpers():
 
     hs = bp.hand_settings(4)
     assert {"full", "uniform 2", "uniform 4", "block 1", "block 3", "selective core_attn+mlp+norm"} <= set(hs)
-    assert hs["block 2"] == remat.planner.recompute_config(("full_remat", "full_remat", None, None))
+    assert hs["block 2"] == remat.plan.planner.recompute_config(("full_remat", "full_remat", None, None))
     a = 'HloModule m\n\nFileNames\n1 "a.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="x"}\n}'
     b = 'HloModule m\n\nFileNames\n1 "b.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="y"}\n}'
     assert bp._fingerprint(a) == bp._fingerprint(b) != bp._fingerprint(a.replace("f32", "s32"))
 
 
 # ------------------------------------------------------------------------------------------------
-# The planner per tag (target=...): remat.cost, remat.tagplan, remat.planner.front, --recompute_plan
+# The planner per tag (target=...): remat.plan.cost, remat.plan.tagplan, remat.plan.planner.front, --recompute_plan
 
-from remat import cost as _cost
-from remat import tagplan
+from remat.plan import cost as _cost
+from remat.plan import tagplan
 
 
 def test_plan_text_round_trip_and_bad_text():
@@ -403,10 +403,10 @@ def test_front_on_cpu_fits_every_budget_and_is_monotone():
     each plan's text parses back to the program that was compiled."""
     cs, ts, compiled = _tiny_scan()
     measured: dict = {}
-    f0 = remat.planner.front(cs, ts, L, [], target="cpu", measured=measured)
+    f0 = remat.plan.planner.front(cs, ts, L, [], target="cpu", measured=measured)
     hi = measured[(None,) * L].peak_estimate
     budgets = [int(f0.model.p_full + k * (hi - f0.model.p_full) / 3) for k in (1, 2)]
-    f = remat.planner.front(cs, ts, L, budgets, target="cpu", model=f0.model, measured=measured)
+    f = remat.plan.planner.front(cs, ts, L, budgets, target="cpu", model=f0.model, measured=measured)
     steps = [p.predicted_step_s for p in f.plans]
     assert all(p.compiled_peak <= p.budget for p in f.plans)
     assert steps[1] <= steps[0] and steps[0] <= f0.model.predict(("full_remat",) * L)[1]
@@ -414,7 +414,7 @@ def test_front_on_cpu_fits_every_budget_and_is_monotone():
         rc = tagplan.recompute_config(tagplan.parse_plan(p.text, L))
         assert compiled_stats(cs(rc)).peak_estimate == p.compiled_peak
     with pytest.raises(ValueError, match="below the minimum"):
-        remat.planner.front(cs, ts, L, [f0.model.p_full // 2], target="cpu", model=f0.model, measured=measured)
+        remat.plan.planner.front(cs, ts, L, [f0.model.p_full // 2], target="cpu", model=f0.model, measured=measured)
 
 
 @pytest.mark.slow  # 9 XLA:GPU compilations: 250 s on the shared 2-core machine
@@ -423,7 +423,7 @@ def test_front_on_h200():
     from targethelp import need
 
     need("cuda")
-    import remat.targets as rt
+    import remat.plan.targets as rt
 
     cfg, params, idx, tgt = _scan_data()
     t = rt.get("h200")
@@ -435,7 +435,7 @@ def test_front_on_h200():
     cs = lambda rc: rt.compiled_memory(fn(rc), params, target=t)
     ts = lambda rc: jax.jit(fn(rc)).trace(params).jaxpr
     measured: dict = {}
-    f0 = remat.planner.front(cs, ts, L, [], target=t, measured=measured)
+    f0 = remat.plan.planner.front(cs, ts, L, [], target=t, measured=measured)
     hi = measured[(None,) * L].peak_estimate
     b = int((f0.model.p_full + hi) / 2)
     plan = remat.plan_for_budget(cs, L, b, target=t, trace_step=ts)

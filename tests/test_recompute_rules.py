@@ -170,7 +170,7 @@ def test_the_regions_are_one_value(spec, megatron, n, regions):
         assert (by_spec.method, by_spec.num_layers) == (megatron["method"], megatron["num_layers"])
     else:
         assert (by_spec.method, by_spec.num_layers) == ("none", 1)
-    assert [(s.start, s.stop) for s in remat.plan(n, by_spec) if s.checkpointed] == regions
+    assert [(s.start, s.stop) for s in by_spec.split(n) if s.checkpointed] == regions
     # dataclasses.replace passes every field back: the repeated spellings agree, so it works...
     assert dataclasses.replace(by_spec, offload_inputs=True).layers == spec
     # ...and a change of granularity that the spec cannot follow is refused, not dropped

@@ -34,7 +34,7 @@ full = lambda **kw: RecomputeConfig(granularity="full", **kw)
     (full(layers=remat.count(4)), 6, [(0, 2, True), (2, 4, True), (4, 5, True), (5, 6, True)]),
 ])
 def test_plan(cfg, n, want):
-    assert remat.plan(n, cfg) == tuple(Segment(*w) for w in want)
+    assert cfg.split(n) == tuple(Segment(*w) for w in want)
 
 
 @pytest.mark.parametrize("build,needle", [
@@ -65,7 +65,7 @@ def test_bad_settings_name_the_field_and_what_is_valid(build, needle):
 ])
 def test_validate_for_the_depth(cfg, needle):
     with pytest.raises(ValueError) as e:
-        remat.plan(L, cfg)
+        cfg.split(L)
     assert needle in str(e.value)
 
 

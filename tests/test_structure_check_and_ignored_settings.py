@@ -13,7 +13,7 @@ import pytest
 
 import remat
 import train
-from remat import RecomputeConfig, apply_layers, plan
+from remat import RecomputeConfig, apply_layers
 from remat.config import RecomputeConfigError
 from remat_lm.training.config import UsageError, config_from_args
 
@@ -208,7 +208,7 @@ def test_values_of_the_wrong_type_are_refused_not_reinterpreted(kwargs, match):
 
 def test_plan_refuses_a_bool_as_the_layer_count():
     with pytest.raises(ValueError, match="n_layers=True"):
-        plan(True, RecomputeConfig(granularity="full"))
+        RecomputeConfig(granularity="full").split(True)
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -1,5 +1,5 @@
 """The compiled-peak claims on the compilers users train with: XLA:GPU for an H200 and XLA:TPU for a
-v5e, each compiling (not running) the gradient with no device (remat.targets, through
+v5e, each compiling (not running) the gradient with no device (remat.plan.targets, through
 remat_lm.bench.peaks). tests/test_peak.py makes the same claims on XLA:CPU at the reference shape.
 
 Tiny GPT-2 (4 layers, C=64, 2 heads, T=128, B=4, vocabulary 256; float32 unless named) so that a
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from remat import targets
+from remat.plan import targets
 from remat.memory import MiB, building_for, compiled_stats
 from remat_lm.bench import common, peaks
 from remat_lm.models import attention as A

@@ -14,7 +14,7 @@ import pytest
 
 from remat_lm.models import gpt2, llama3
 from remat_lm.models.parallel import ShardingConfig
-from remat import RecomputeConfig, memory, plan
+from remat import RecomputeConfig, memory
 from remat_lm.training import sharding as sh
 from remat_lm.training.config import TrainConfig, UsageError
 
@@ -166,7 +166,7 @@ def _distributed_temp(mesh_shape, n_layer=8, batch=8, seq=64):
             # 1/(data x fsdp) of it that its batch rows make (the same rows on every tensor shard).
             saved = memory.saved_residuals(lambda p: mod.loss_fn(p, cfg, idx, idx), params)
             inputs = [r for r in saved.rows if r.shape == (batch, seq, cfg.n_embd)]
-            regions = [s for s in plan(n_layer, rc) if s.checkpointed]
+            regions = [s for s in rc.split(n_layer) if s.checkpointed]
             assert len(inputs) >= len(regions)  # each region's input, plus ln_f's
             per_device = inputs[0].bytes // (mesh_shape["data"] * mesh_shape["fsdp"])
             saved_inputs = (len(regions) - 1) * per_device  # see the test's docstring

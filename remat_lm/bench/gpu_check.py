@@ -193,7 +193,7 @@ def analytic(a, recompute_kwargs) -> dict:
     import jax.numpy as jnp
 
     from remat_lm.models import gpt2, memory_model
-    from remat import RecomputeConfig, plan, policies, regions
+    from remat import RecomputeConfig, policies, regions
     from remat.memory import predict_saved
 
     cfg = _model_config(a, recompute_kwargs)
@@ -211,7 +211,7 @@ def analytic(a, recompute_kwargs) -> dict:
     head_rows = min(cfg.loss_chunk, T) if cfg.loss_chunk else T
     head = head_rows * cfg.padded_vocab_size * (4 + 4 + itemsize)
     layer_total = memory_model.activation_bytes(cfg, 2, T)[0].total - memory_model.activation_bytes(cfg, 1, T)[0].total
-    segs = [sg for sg in plan(L, cfg.recompute) if sg.checkpointed] if cfg.recompute.enabled else []
+    segs = [sg for sg in cfg.recompute.split(L) if sg.checkpointed] if cfg.recompute.enabled else []
     full_layers = [sg.stop - sg.start for sg in segs] if cfg.recompute.granularity == "full" else []
     region = max(full_layers, default=0) * layer_total
     flops = gpt2.flops_per_token(cfg, T) + (2 * cfg.padded_vocab_size * C if cfg.loss_chunk else 0)

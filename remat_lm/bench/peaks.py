@@ -39,7 +39,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from remat import RecomputeConfig, targets  # noqa: E402
+from remat import RecomputeConfig  # noqa: E402
+from remat.plan import targets
 from remat.memory import MiB, compiled_stats  # noqa: E402
 from remat_lm.argtypes import Parser, integer  # noqa: E402
 from remat_lm.bench import common, offload  # noqa: E402

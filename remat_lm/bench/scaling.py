@@ -22,7 +22,7 @@ t=1 of the same setting. On CPU the 8 "devices" share the same cores, so a step-
 collectives' and partitioning's overhead, not a speed-up.
 
 `--target NAME` compiles the peaks for that accelerator (its first t devices of an 8-device target:
-h200x8, v5e:2x4) with its compiler and no device (`remat.targets`); the timed steps then do not run.
+h200x8, v5e:2x4) with its compiler and no device (`remat.plan.targets`); the timed steps then do not run.
 
 d12 has 12 heads: with t=8 XLA splits the 768 attention features 96 per device, inside heads
 (train.py refuses that mesh: `remat_lm.training.sharding.check_tensor`); the row is marked.
@@ -44,7 +44,8 @@ import numpy as np
 from remat_lm.bench import common
 from remat_lm.bench.common import MiB, fmt, interleaved_ms, machine, markdown_table, median, publish, cli
 from remat_lm.models import gpt2
-from remat import RecomputeConfig, targets
+from remat import RecomputeConfig
+from remat.plan import targets
 from remat.memory import building_for
 from remat_lm.argtypes import Parser, integer
 from remat_lm.training import sharding as sh

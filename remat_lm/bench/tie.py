@@ -4,7 +4,7 @@
     python -m remat_lm.bench.tie                               # cpu, h200, v5e (~6 min on 2 cores)
     python -m remat_lm.bench.tie --targets h200 --json tie.json
 
-Compile only (`remat.targets.compiled_memory`); nothing runs. Needs the `targets` extra for the GPU
+Compile only (`remat.plan.targets.compiled_memory`); nothing runs. Needs the `targets` extra for the GPU
 and TPU columns. The library ties only where a column shows the tie lowering temp
 (`remat.checkpoint.tie_needed`).
 """
@@ -17,7 +17,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from remat import RecomputeConfig, targets
+from remat import RecomputeConfig
+from remat.plan import targets
 from remat.checkpoint import tie_needed
 from remat_lm.argtypes import Parser, run as run_cli
 from remat_lm.bench.common import REFERENCE_BATCH, reference_config, write_json
@@ -73,7 +74,7 @@ def report(rows) -> str:
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m remat_lm.bench.tie", description=__doc__.split("\n\n")[0])
-    p.add_argument("--targets", default="cpu,h200,v5e", help="comma list of remat.targets names")
+    p.add_argument("--targets", default="cpu,h200,v5e", help="comma list of remat.plan.targets names")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     a = p.parse_args(argv)
     try:

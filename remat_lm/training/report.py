@@ -118,7 +118,7 @@ def run_summary(setup, compiled=None) -> str:
     """A summary of the run (printed at the start and by --dry_run)."""
     cfg, m = setup.cfg, setup.mcfg
     rc = m.recompute
-    segs = remat.plan(m.n_layer, rc) if rc.enabled else ()
+    segs = rc.split(m.n_layer) if rc.enabled else ()
     regions = sum(1 for s in segs if s.checkpointed)
     lines = [
         f"model    {cfg.model} {cfg.preset if setup.init_params is None else 'from ' + str(cfg.init_from)}: "

@@ -1,6 +1,6 @@
-"""`--target NAME`: build the run's programs for an accelerator (`remat.targets`), present or not.
+"""`--target NAME`: build the run's programs for an accelerator (`remat.plan.targets`), present or not.
 
-`resolve(cfg)` gives the run's `remat.targets.Target` (None without `--target`) and whether its
+`resolve(cfg)` gives the run's `remat.plan.targets.Target` (None without `--target`) and whether its
 devices are compile-only ones (`deviceless`: this host has not got them) or this host's own (the
 host is the target: training works as without the flag). Everything the run compiles is then built
 for it (`building(setup)`: `remat.memory.building_for(platform)` and the mesh), the preflight
@@ -28,16 +28,16 @@ import re
 import jax
 
 import remat
-from remat import targets as remat_targets
+from remat.plan import targets as remat_targets
 from remat_lm import argtypes
 from remat_lm.argtypes import UsageError
 
-# A TPU's device_kind as JAX reports it on a TPU VM, per remat.targets spec kind.
+# A TPU's device_kind as JAX reports it on a TPU VM, per remat.plan.targets spec kind.
 _TPU_KINDS = {"v5e": ("tpu v5 lite", "tpu v5e"), "v5p": ("tpu v5p", "tpu v5"), "v6e": ("tpu v6 lite", "tpu v6e")}
 
 
 def get(name: str) -> remat_targets.Target:
-    """`remat.targets.get(name)`, its ValueError as a UsageError naming `--target` and the valid names."""
+    """`remat.plan.targets.get(name)`, its ValueError as a UsageError naming `--target` and the valid names."""
     try:
         return remat_targets.get(name)
     except ValueError as e:
@@ -124,7 +124,7 @@ def resolve(cfg) -> tuple[remat_targets.Target | None, bool]:
 
 def devices(t: remat_targets.Target) -> list:
     """`t`'s compile-only devices, with the compilers' start-up banner dropped from stderr; a missing
-    compiler is a UsageError naming the install (`remat.targets.TargetUnavailable`)."""
+    compiler is a UsageError naming the install (`remat.plan.targets.TargetUnavailable`)."""
     try:
         return argtypes.quietly(t.devices)
     except remat_targets.TargetUnavailable as e:
@@ -158,7 +158,7 @@ def building(setup):
 
 class Refused(MemoryError):
     """The target's compiler refused a program too large for its memory (XLA:TPU's RESOURCE_EXHAUSTED):
-    one line naming the compiler and its words (`remat.targets.compile`'s), `needed` (bytes, the
+    one line naming the compiler and its words (`remat.plan.targets.compile`'s), `needed` (bytes, the
     compiler's figure, or None) and `flops` (the program's matmul FLOPs per device, or None)."""
 
     def __init__(self, message: str, needed: int | None, flops: float | None = None):

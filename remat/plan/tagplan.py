@@ -1,7 +1,7 @@
 """The planner per tag: save on the device, offload to host or recompute each tagged activation of
 each layer, under a budget on the target's compiled peak, at the least predicted step time.
 
-`remat.plan_for_budget(..., target=..., trace_step=...)` and `remat.planner.front` use it. The
+`remat.plan_for_budget(..., target=..., trace_step=...)` and `remat.plan.planner.front` use it. The
 caller hands in two model-specific hooks: `compile_step(recompute_config)` (the target's compiler's
 `CompiledMemory` of the train step) and `trace_step(recompute_config)` (its jaxpr, not compiled).
 docs/planner.md states the cost model, the solver and what they assume.
@@ -10,7 +10,7 @@ Plans print as one line, `POLICY xN; POLICY xN; ...` (runs of equal layers, firs
 e.g. `save_names:mlp_up,qkv x5; none x7`; `parse_plan` reads that line back.
 
 # NOTE: the model. Per layer and tag t (bytes b_t per device, recompute share r_t seconds, both
-# from the layer's traced forward, remat.cost): saving t costs a·b_t of the compiled peak,
+# from the layer's traced forward, remat.plan.cost): saving t costs a·b_t of the compiled peak,
 # offloading it a_off·b_t plus its host-link time, recomputing it r_t. A layer that is
 # rematerialized at all also reruns its untagged elementwise work u; a layer that is not (`none`)
 # keeps everything, m_none of the peak. Peak(plan) = peak(full) + Σ_layers m(layer's choice),
@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from remat import cost as _cost
+from remat.plan import cost as _cost
 from remat import memory as _memory
 from remat import names as _names
 from remat import policies as _policies

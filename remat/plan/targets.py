@@ -10,11 +10,11 @@ and compiles `fn` for it with no device present and returns XLA's own answer
 
 Example:
     >>> import jax, jax.numpy as jnp, remat
-    >>> t = remat.targets.get("h200")
+    >>> t = remat.plan.targets.get("h200")
     >>> t.platform, t.count, remat.memory.format_bytes(t.memory)
     ('cuda', 1, '141.00 GiB')
     >>> x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
-    >>> remat.targets.compiled_memory(lambda x: jnp.sin(x @ x).sum(), x, target="h200").argument
+    >>> remat.plan.targets.compiled_memory(lambda x: jnp.sin(x @ x).sum(), x, target="h200").argument
     2097152
 
 # NOTE: how a deviceless compile works. The compilers ship in `jax[cuda12]` (the `jax-cuda12-plugin`
@@ -167,7 +167,7 @@ class Target:
 
 
 def table_markdown() -> str:
-    """The targets as a Markdown table (docs/targets.md holds it; `python -m remat.targets` prints it)."""
+    """The targets as a Markdown table (docs/targets.md holds it; `python -m remat.plan.targets` prints it)."""
     rows = ["| name | compiler | device | memory per device | memory bandwidth | dense bf16 | host link |",
             "|---|---|---|---|---|---|---|"]
     for s in SPECS.values():

@@ -2,7 +2,7 @@
 
 With `target=` and `trace_step=` it plans per tag instead: each tagged activation of each layer
 saved, offloaded or recomputed at the least predicted step time on the target (`front`, below;
-the model and solver are remat.tagplan's, the time model remat.cost's; docs/planner.md). What
+the model and solver are remat.plan.tagplan's, the time model remat.plan.cost's; docs/planner.md). What
 follows describes the preset planner (no target).
 
 The library stays model-agnostic: the caller hands in `compile_step(recompute_config)`, which
@@ -45,10 +45,10 @@ import numpy as np
 
 from remat import memory as _memory
 from remat import policies as _policies
-from remat import tagplan as _tagplan
+from remat.plan import tagplan as _tagplan
 from remat.config import RecomputeConfig
 from remat.regions import per_layer
-from remat.memory import compiled_stats, format_bytes  # noqa: F401  (re-exported: remat.planner.compiled_stats)
+from remat.memory import compiled_stats, format_bytes  # noqa: F401  (re-exported: remat.plan.planner.compiled_stats)
 
 # Candidate settings: None (not rematerialized), selective presets, and full_remat (nothing saved).
 DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", _policies.NOTHING)
@@ -203,9 +203,9 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
       layer_bytes: the analytic bytes of one layer (`remat_lm.models.memory_model.activation_bytes`), only
         for the saved-bytes column of the table.
       log: called with one line per compilation (progress), e.g. `print`.
-      target, trace_step: plan per tag for a `remat.targets` target (name or Target): every tagged
+      target, trace_step: plan per tag for a `remat.plan.targets` target (name or Target): every tagged
         activation of every layer saved, offloaded or recomputed, at the least predicted step time
-        on the target (remat.tagplan, docs/planner.md); `trace_step(recompute_config)` returns the
+        on the target (remat.plan.tagplan, docs/planner.md); `trace_step(recompute_config)` returns the
         train step's jaxpr. `candidates` and `layer_bytes` are then not used.
     Returns:
       BudgetPlan; `.table()` prints it, `.recompute_config()` applies it.
@@ -419,12 +419,12 @@ def _result(lp, cands, table, budget, peak, predicted, cm, p_none, minimum, flop
 
 
 # ------------------------------------------------------------------------------------------------
-# The tag planner's front (target=...): remat.tagplan's model, solved per budget, every plan compiled.
+# The tag planner's front (target=...): remat.plan.tagplan's model, solved per budget, every plan compiled.
 
 @dataclasses.dataclass(frozen=True)
 class Front:
     """Plans for increasing budgets (`plans`, one BudgetPlan per budget, monotone: a larger budget
-    never has a slower predicted step), the calibrated `model` (remat.tagplan.Model) and every
+    never has a slower predicted step), the calibrated `model` (remat.plan.tagplan.Model) and every
     compiled plan (`measured`: per-layer policies -> CompiledMemory)."""
     plans: tuple
     model: _tagplan.Model
@@ -443,7 +443,7 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
         jax.stages.Compiled) / the step's jaxpr.
       n_layers: layers in the stack.
       budgets: bounds on the compiled peak, planned in increasing order.
-      target: a `remat.targets` name or Target (its roofline prices time; None: this host's CPU).
+      target: a `remat.plan.targets` name or Target (its roofline prices time; None: this host's CPU).
       known: {per-layer policies: CompiledMemory} of plans compiled already (e.g. the baselines):
         a known plan that fits and is predicted faster than the solver's answer is taken instead.
       model, measured: a calibrated Model and its compiled plans, to share between calls.
@@ -453,7 +453,7 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
         f = front(compile_step, trace_step, 12, ["6GiB", "8GiB"], target="h200")
         [p.text for p in f.plans]
     """
-    from remat import targets as _targets
+    from remat.plan import targets as _targets
 
     if peak not in PEAKS:
         raise ValueError(f"peak={peak!r} is not valid; use one of {', '.join(PEAKS)}")
