@@ -5,7 +5,7 @@ import contextlib
 
 import jax
 
-# NOTE: the attention core (remat_lm/models/attention.py) and the cotangent tie (remat/checkpoint.py `_tie`)
+# NOTE: the attention core (remat_lm/models/attention.py) and the offload fence (remat/checkpoint.py `_fence`)
 # differ per platform, and both are chosen while tracing, before XLA knows the lowering platforms.
 # `jax.lax.platform_dependent` would defer the choice to lowering, but differentiating it keeps the
 # residuals of every branch (a `cond`'s residuals are the union over branches, zero-filled where a
@@ -42,7 +42,7 @@ def target_platform() -> str:
 @contextlib.contextmanager
 def building_for(platform: str):
     """Trace for `platform` (cpu | cuda | rocm | tpu): the platform-dependent pieces (attention
-    core, cotangent tie) take that platform's form, whatever this host is."""
+    core, offload fence) take that platform's form, whatever this host is."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform={platform!r} is not valid; use one of {', '.join(PLATFORMS)}")
     with _TARGET(platform):

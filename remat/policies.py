@@ -37,7 +37,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import Recompute
 
-from remat import _compat
 from remat import names as N
 
 cp = jax.checkpoint_policies
@@ -448,7 +447,7 @@ def warn_untagged(policy, fn, args, region: str) -> None:
     trace = jax.extend.core.find_top_trace(())
     said = (describe(policy), tuple(sorted(found)))
     try:
-        seen = _WARNED.setdefault(trace, set()) if _compat.ad_mode() != "eager" else set()
+        seen = _WARNED.setdefault(trace, set())
     except TypeError:  # a trace that cannot be weakly referenced: warn every region
         seen = set()
     if said in seen:

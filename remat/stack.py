@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from remat.checkpoint import _Static, checkpoint
+from remat.checkpoint import checkpoint
 from remat.config import RecomputeConfig
 
 from remat.regions import Every
@@ -94,14 +94,18 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
     offload = (1,) if cfg.offload_inputs else ()  # the carried activation, in pinned host memory
 
     def ckpt(fn, ps, h, ks, policy, name):
-        # NOTE: leaves that are no arrays (a Python bool such as `deterministic`, the layer index
-        # riding with its key) stay constants of the region, as a plain loop of layers sees them;
-        # `remat.checkpoint` itself traces Python scalars, as `jax.checkpoint` does.
+        # Leaves that are no arrays (a Python bool such as `deterministic`, the layer index riding
+        # with its key) stay constants of the region, as a plain loop of layers sees them.
+        leaves, tree = jax.tree.flatten((ps, h, ks) + tuple(args))
+        keep = [_is_array(l) for l in leaves]
+
         def region(*a):
-            return fn(*_constants_out(a))
+            it = iter(jax.tree.leaves(a))
+            return fn(*jax.tree.unflatten(tree, [next(it) if k else l for l, k in zip(leaves, keep)]))
+        masked = jax.tree.unflatten(tree, [l if k else None for l, k in zip(leaves, keep)])
         return checkpoint(region, use_reentrant=cfg.use_reentrant, policy=policy,
                           determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
-                          name=name, shard_saved=shard, offload_saved=offload)(*_constants_in((ps, h, ks) + tuple(args)))
+                          name=name, shard_inputs=shard, offload_inputs=offload)(*masked)
 
     if not scan:
         for s in cfg.split(n_layers):
@@ -150,16 +154,6 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
 
 def _is_array(leaf) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
-
-
-def _constants_in(tree):
-    """`tree` with every leaf that is no array marked as a constant of the region."""
-    return jax.tree.map(lambda l: l if _is_array(l) else _Static(l), tree)
-
-
-def _constants_out(tree):
-    return jax.tree.map(lambda l: l.value if isinstance(l, _Static) else l, tree,
-                        is_leaf=lambda l: isinstance(l, _Static))
 
 
 def _signature(module) -> str:

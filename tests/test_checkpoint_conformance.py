@@ -1,6 +1,6 @@
 """remat.checkpoint behaves as jax.checkpoint: each behavior JAX's own remat tests check, checked here
-against the library's default path (on this CPU host: the cotangent tie) and, where it differs,
-against `jax.checkpoint` itself.
+against the library's default path (which is `jax.checkpoint` with the policy resolved) and, where
+the library adds to it, against `jax.checkpoint` itself.
 
 Areas: call form and options; forward, reverse and higher-order AD (also through jit, vmap, scan,
 while_loop and cond); custom_jvp/custom_vjp inside; policies and names; static arguments and
@@ -149,12 +149,12 @@ def test_a_policy_saves_what_jax_checkpoint_saves():
     for pol in (jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names("a"),
                 jax.checkpoint_policies.nothing_saveable):
         ours = memory.saved_residuals(jax.checkpoint(g, policy=pol), W, X).total
-        assert memory.saved_residuals(ck(g, policy=pol, tie_to_cotangent=False), W, X).total == ours
+        assert memory.saved_residuals(ck(g, policy=pol), W, X).total == ours
         close(jax.grad(ck(g, policy=pol))(W, X), jax.grad(g)(W, X))
 
 
 def test_jax_remat_markers_are_kept_for_reports_and_name_stacks(capsys):
-    g = ck(lambda x: jnp.sin(jnp.sin(x)), tie_to_cotangent=False)
+    g = ck(lambda x: jnp.sin(jnp.sin(x)))
     assert "remat2[" in str(jax.make_jaxpr(g)(1.0))  # JAX's own remat primitive
     print_saved_residuals(g, 1.0)
     assert "from the argument" in capsys.readouterr().out
@@ -242,7 +242,10 @@ def test_reentrant_forward_mode_names_the_option():
         jax.jvp(ck(jnp.sin, use_reentrant=True), (1.0,), (1.0,))
 
 
-def test_non_jax_leaves_are_constants_not_errors():
-    assert float(ck(lambda x, tag: x * len(tag))(2.0, "abc")) == 6.0
-    with pytest.raises(TypeError):
-        jax.checkpoint(lambda x, tag: x * len(tag))(2.0, "abc")  # JAX refuses a str argument
+def test_non_jax_leaves_are_refused_as_jax_refuses_them():
+    f = lambda x, tag: x * len(tag)  # noqa: E731
+    with pytest.raises(TypeError, match="not a valid JAX type"):
+        ck(f)(2.0, "abc")
+    with pytest.raises(TypeError, match="not a valid JAX type"):
+        jax.checkpoint(f)(2.0, "abc")
+    assert float(ck(f, static_argnums=1)(2.0, "abc")) == 6.0

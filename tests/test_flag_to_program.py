@@ -5,8 +5,9 @@ that TrainConfig (the path `train.py` and `--dry_run` take) must
   - save for the backward the bytes the analytic model predicts for the setting the flags mean
     (`remat_lm.models.memory_model.activation_bytes` + `remat.memory.predict_saved`, within 1%; for policies
     the model does not cover, what the library saves for that setting built directly);
-  - need the XLA temp of the same train step compiled by hand (`remat_lm.training.step.make_train_step` on
-    the model config built directly, with the expected RecomputeConfig).
+  - need the XLA temp of the same train step built directly (`remat_lm.training.step.make_train_step` on
+    the model config built directly, with the expected RecomputeConfig). The compiled temps are XLA:GPU's
+    for an H200 (`--target h200`, compiled deviceless), where users train.
 The expected RecomputeConfig of each case is written out here, not derived from the flags.
 
 # NOTE: these tests can fail. With the recompute setting dropped on its way to the model
@@ -23,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import targethelp
+
 from remat_lm.models import memory_model
 import remat
 from remat import RecomputeConfig as R
@@ -37,7 +40,7 @@ from remat_lm.training.step import make_train_step
 # optimizer state, decide XLA's temp (at batch 2 every setting compiles to the same temp).
 BASE = ["--model", "gpt2", "--preset", "tiny", "--n_layer", "4", "--n_embd", "32", "--n_head", "2",
         "--sequence_length", "16", "--batch_size", "32", "--num_iterations", "2", "--val_every", "0",
-        "--no-progress", "--no-preflight"]
+        "--no-progress", "--no-preflight", "--target", "h200", "--dry_run"]
 FULL = R(granularity="full")
 CASES = {  # name: (flags, the RecomputeConfig they mean, scan_layers)
     "none": ([], R(), False),
@@ -91,6 +94,7 @@ def _temp_by_hand(setup, mcfg) -> int:
 
 @pytest.fixture(scope="module")
 def prepared(data):
+    targethelp.need("cuda")
     """{case: (the prepared Setup, saved bytes of its model config)}: train.py's path up to the model."""
     out = {}
     for name, (flags, _, _) in CASES.items():
@@ -129,9 +133,11 @@ def test_compiled_temp_is_the_settings(prepared, name):
     assert _temp(setup) == _temp(setup, _expected(setup, name)), name
 
 
-def test_compile_path_is_the_step(prepared):
-    """remat_lm.training.compile's program is the train step itself: the same temp as the step jitted by hand."""
-    setup, _ = prepared["uniform2"]
+def test_compile_path_is_the_step_on_xla_cpu(data):
+    """remat_lm.training.compile's program is the train step itself: the same temp as the step jitted by
+    hand on this host (XLA:CPU: jax.jit here compiles for the host)."""
+    flags, rc, _ = CASES["uniform2"]
+    setup = prepare(config_from_args(BASE[:-3] + ["--data", data] + flags))
     assert _temp(setup) == _temp_by_hand(setup, _expected(setup, "uniform2"))
 
 
@@ -157,7 +163,7 @@ def test_dry_run_compiles_the_same_program(data):
     """`--dry_run` (train.py's path through `run`) reports and compiles the setting the flags mean."""
     flags, rc, _ = CASES["uniform2"]
     out = io.StringIO()
-    result = run(config_from_args(BASE + ["--data", data, "--dry_run"] + flags), out=out)
+    result = run(config_from_args(BASE + ["--data", data] + flags), out=out)
     assert result.stopped == "dry_run" and result.setup.mcfg.recompute == rc
     assert "remat    full/uniform/2 (2 recompute regions, policy full_remat)" in out.getvalue()
 

@@ -65,7 +65,7 @@ def _blocks(policy=None, offload=(), n=3, reentrant=False):
     def loss(ws, x):
         h = x
         for w in ws:
-            h = (checkpoint(layer, policy=policy, offload_saved=offload, use_reentrant=reentrant)(w, h)
+            h = (checkpoint(layer, policy=policy, offload_inputs=offload, use_reentrant=reentrant)(w, h)
                  if policy or offload else layer(w, h))
         return jnp.sum(jnp.sin(h))
     ks = jax.random.split(jax.random.key(0), 2 * n + 1)
@@ -76,7 +76,7 @@ def _blocks(policy=None, offload=(), n=3, reentrant=False):
 
 @pytest.mark.parametrize("kw", [dict(policy="offload_names:mlp_up"), dict(policy="full_remat", offload=(1,)),
                                 dict(offload=(1,), reentrant=True)],
-                         ids=["offload_names", "offload_saved", "offload_saved-reentrant"])
+                         ids=["offload_names", "offload_inputs", "offload_inputs-reentrant"])
 def test_fenced_gradients_equal_no_remat(kw):
     # built for cuda (fence and join in the program), run here: float32 gradients as without remat
     loss, ws, x = _blocks(**kw)
