@@ -1,36 +1,21 @@
-"""The forward-vs-recompute check: CheckpointError and trace-time aval comparison.
+"""The forward-vs-recompute check of the reentrant path: CheckpointError, aval, program and value comparison.
 
-The rules of `determinism_check` (`remat.checkpoint` and `RecomputeConfig`; the one statement of
-them, which `remat.config.check_region` enforces): only the reentrant path (`use_reentrant=True`)
-traces the region again, so only it can recompute something else than the forward ran;
-`jax.checkpoint` traces once and recomputes that program.
-- None (default): the check that applies: on the reentrant path the recomputation's output shapes,
-  dtypes and shardings against the forward's, at trace time; nothing on `jax.checkpoint`.
+The rules of `determinism_check` (`remat.checkpoint` and `RecomputeConfig`; `remat.config.check_region`
+enforces them): only the reentrant path (`use_reentrant=True`) traces the region again, so only it
+can recompute something else than the forward ran; `jax.checkpoint` traces once.
+- None (default): on the reentrant path, the recomputation's output shapes, dtypes and shardings
+  against the forward's, at trace time (free at run time); nothing on `jax.checkpoint`.
 - False: no check.
-- With `use_reentrant=True` only (refused elsewhere, never silently ignored): True (that same
-  check), `"structure"` (also the traced programs, `fingerprint`; the backward differentiates the
-  forward's own program) or `"values"` (debugging, costs memory: the forward's outputs are kept and
-  compared with the recomputed values at run time, CheckpointError above
+- With `use_reentrant=True` only: True (that same check), `"structure"` (also the traced programs,
+  `fingerprint`; the backward differentiates the forward's own program) or `"values"` (the forward's
+  outputs kept and compared with the recomputed values at run time, above
   `remat.checkpoint.VALUES_RTOL`).
 
-# NOTE: why this costs nothing at run time. The forward emits, for every output leaf, a zero-size
-# array `zeros((0,) + shape, dtype)` as an extra residual. Its aval carries the forward's shape and
-# dtype into the backward, where the recomputation's avals are compared at trace time; the arrays
-# themselves are never read, so XLA removes them (the optimized HLO is the same with the check on
-# and off: tests/test_checkpoint.py). Shardings (explicit-axes meshes) are compared from the
-# avals' `.sharding` the same way.
-#
-# NOTE: `"structure"` also compares the traced programs of both traces (`fingerprint`): every
-# operation in order with its parameters, the wiring between them, every shape and dtype, every
-# literal value (`x * 2.0`) and every closed-over constant array's value (by digest). So a changed
-# op, shape, dtype, constant or wiring raises, even when the outputs' avals stay the same. What it
-# cannot see: the value of a closed-over tracer of an enclosing trace (e.g. an array computed inside
-# an outer `jax.jit` and closed over; only its shape and dtype), and what a nested custom_vjp's
-# Python backward or a callback does when run (functions are compared by name). The traces are the
-# ones that run (`trace`): the forward evaluates the program it fingerprinted (the same equations,
-# so the same compiled program), and the backward differentiates that same saved program, after a
-# fresh trace was found equal to it. So with "structure" the gradient is the gradient of the forward
-# that ran, or CheckpointError is raised; never a gradient of some other program.
+Example:
+    >>> import jax.numpy as jnp
+    >>> closed, tree, run = trace(lambda x: x * 2.0, jnp.ones(2))
+    >>> fingerprint(closed, tree) == fingerprint(*trace(lambda x: x * 2.0, jnp.ones(2))[:2])
+    True
 """
 from __future__ import annotations
 
@@ -40,6 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 import numpy as np
+
+__all__ = ["CheckpointError", "aval_text", "compare_outputs", "compare_structure", "compare_values",
+           "fingerprint", "fingerprint_outputs", "trace"]
 
 
 class CheckpointError(RuntimeError):
@@ -184,8 +172,7 @@ def trace(fn, *args):
     program once a fresh trace was found equal to it, so the gradient is always the gradient of the
     forward that ran.
     """
-    # NOTE: a fresh wrapper per call: make_jaxpr caches traces per function object, and a cached trace
-    # would compare the forward's program with itself (it did, under lax.scan, before this wrapper).
+    # a fresh wrapper per call: make_jaxpr caches traces per function object
     closed, shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
     tree = jax.tree.structure(shape)
 
@@ -193,12 +180,6 @@ def trace(fn, *args):
         return jax.tree.unflatten(tree, jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(a)))
 
     return closed, tree, run
-
-
-def jaxpr_fingerprint(fn, *args) -> tuple:
-    """`fingerprint` of a fresh trace of `fn(*args)`."""
-    closed, tree, _ = trace(fn, *args)
-    return fingerprint(closed, tree)
 
 
 def compare_structure(region: str, fwd: tuple, rec: tuple) -> None:

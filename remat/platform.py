@@ -5,14 +5,8 @@ import contextlib
 
 import jax
 
-# NOTE: the attention core (remat_lm/models/attention.py) and the offload fence (remat/checkpoint.py `_fence`)
-# differ per platform, and both are chosen while tracing, before XLA knows the lowering platforms.
-# `jax.lax.platform_dependent` would defer the choice to lowering, but differentiating it keeps the
-# residuals of every branch (a `cond`'s residuals are the union over branches, zero-filled where a
-# branch has none), so a cuDNN program would also allocate the tiled core's. Instead the platform
-# is explicit: `building_for(platform)` names it while tracing (`lowered_for` does), and without it
-# the host's own backend is the target, as when train.py runs on the machine it trains on. The
-# target is a `jax.make_user_context`, part of JAX's trace and jit cache keys.
+__all__ = ["ACCELERATORS", "PLATFORMS", "building_for", "host_platform", "lowered_for", "target_platform"]
+
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 ACCELERATORS = ("cuda", "rocm", "tpu")
 # a jit-cache-sensitive context: the same function traced for two platforms is traced twice

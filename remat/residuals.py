@@ -1,7 +1,9 @@
 """What `jax.vjp` keeps for the backward pass (`saved_residuals`), grouped by tag.
 
-# NOTE: `saved_residuals` wraps JAX's internal `saved_residuals` (jax 0.10 exports only
-# `print_saved_residuals`), imported by `remat._compat`, the one module touching JAX internals.
+Example:
+    >>> import jax.numpy as jnp
+    >>> saved_residuals(lambda x: jnp.sin(jnp.sin(x)), jnp.ones(3)).total
+    24
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import numpy as np
 from remat import policies as _policies  # noqa: F401  (the doctest uses it)
 from remat._compat import saved_residuals as _jax_saved_residuals
 from remat.compiled import MiB
+
+__all__ = ["Residual", "SavedResiduals", "saved_residuals"]
 
 _NAMED = re.compile(r"named '([^']+)'")
 

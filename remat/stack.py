@@ -3,12 +3,11 @@
 This is the one place where layers are grouped into recompute regions; the Linen and NNX helpers
 and plain-JAX users all call it.
 
-# NOTE: scan layout. With `scan=True` the parameters carry a leading layer axis. Segments from
-# `RecomputeConfig.split` are split into runs of equal size and kind (for `uniform` N: ⌊L/N⌋ regions of N layers,
-# then one of L mod N), and each run is one `lax.scan` whose body is a region of `size` layers.
-# So every method keeps its meaning under scan, and the traced program grows with the number of
-# runs (at most 3 for the methods, 2 for `every=k`: a region and the k-1 plain layers after it are
-# one scanned group), not with depth. Explicit `segments` give one run per distinct segment shape.
+Example:
+    >>> import jax.numpy as jnp
+    >>> apply_layers(lambda w, h, k: jnp.tanh(h @ w), [jnp.eye(2)] * 3, jnp.ones((1, 2)),
+    ...              RecomputeConfig(granularity="full")).shape
+    (1, 2)
 """
 from __future__ import annotations
 
@@ -25,6 +24,8 @@ from remat.checkpoint import checkpoint
 from remat.config import RecomputeConfig
 
 from remat.regions import Every
+
+__all__ = ["apply_layers"]
 
 
 def _runs(n_layers: int, cfg: RecomputeConfig):
