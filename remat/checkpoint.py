@@ -19,7 +19,7 @@ whose backward re-traces the function under `jax.vjp`, checked against the forwa
 # decides what is saved; the reentrant path ties too); built for cuda or tpu the region is plain
 # `jax.checkpoint` (`tie_needed`).
 #
-# NOTE: offload. A region that keeps residuals in host memory (`offload_saved`, or a policy that
+# NOTE: offload. A region that keeps residuals in host memory (`offload_inputs`, or a policy that
 # offloads) is, built for an accelerator, fenced: its output waits for its copies to host memory
 # (`_fence`) and its input cotangents leave its backward together (`_join`). Without both, XLA:GPU's
 # latency-hiding scheduler starts each copy to host only just before the copy back, and fills the
@@ -256,16 +256,16 @@ def _reentrant(flat_fn, dyn, *, name: str, determinism_check, storage=None, firs
     return region(*dyn)
 
 
-def _storage(dyn, dyn_arg, shard_saved, offload_saved=()):
-    """{dyn index: (move while saved, move back for the recomputation)} for `shard_saved` arguments
-    (a resharding) and `offload_saved` arguments (to pinned host memory and back)."""
+def _storage(dyn, dyn_arg, shard_inputs, offload_inputs=()):
+    """{dyn index: (move while saved, move back for the recomputation)} for `shard_inputs` arguments
+    (a resharding) and `offload_inputs` arguments (to pinned host memory and back)."""
     out = {}
     for i, a in enumerate(dyn_arg):
-        if shard_saved and a in shard_saved:
-            saved, full = shard_saved[a]
+        if shard_inputs and a in shard_inputs:
+            saved, full = shard_inputs[a]
             out[i] = (functools.partial(_shard_store, spec=saved),
                       functools.partial(jax.lax.with_sharding_constraint, shardings=full))
-        elif a in offload_saved and _is_inexact(dyn[i]):
+        elif a in offload_inputs and _is_inexact(dyn[i]):
             out[i] = (functools.partial(jax.device_put, device=jax.memory.Space.Host),
                       functools.partial(jax.device_put, device=jax.memory.Space.Device))
     return out
@@ -478,13 +478,13 @@ def _tied_jvp(flat_fn, dyn, *, policy, prevent_cse):
 # --- the public function ------------------------------------------------------------------------
 
 _OPTIONS = ("prevent_cse", "policy", "static_argnums", "static_argnames", "use_reentrant", "determinism_check",
-            "name", "tie_to_cotangent", "shard_saved", "offload_saved")
+            "name", "tie_to_cotangent", "shard_inputs", "offload_inputs")
 
 
 def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[bool] | Any = True, policy=None,
                static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
                use_reentrant: bool = False, determinism_check: bool | str | None = None, name: str | None = None,
-               tie_to_cotangent: bool | None = None, shard_saved=None, offload_saved: Sequence[int] = (),
+               tie_to_cotangent: bool | None = None, shard_inputs=None, offload_inputs: Sequence[int] = (),
                **unknown):
     """`fn` rematerialized: `jax.checkpoint`'s semantics and signature, plus the library's options.
 
@@ -523,14 +523,14 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
         cotangent, so XLA cannot schedule it early and the compiled peak really falls (see the
         NOTE above). None (default): where the target's compiler needs it (`tie_needed`: XLA:CPU
         only; on cuda and tpu this is plain `jax.checkpoint`, except for an offloading policy,
-        which is fenced as `offload_saved` says); True/False force it (False: no fence). The tie
+        which is fenced as `offload_inputs` says); True/False force it (False: no fence). The tie
         applies only where there is a backward to order: forward mode is plain `jax.checkpoint`.
-      shard_saved: {argument index: (saved spec, recompute spec)}: keep those region inputs sharded
+      shard_inputs: {argument index: (saved spec, recompute spec)}: keep those region inputs sharded
         as `saved` (e.g. along the sequence over an `fsdp` axis) between the forward and the
         backward, and reshard them to `recompute` spec (an all-gather) before recomputing, as
         Megatron's distribute_saved_activations does. Needs a mesh context (`jax.set_mesh`).
         Reverse mode only.
-      offload_saved: argument indices whose floating inputs are kept in pinned host memory between
+      offload_inputs: argument indices whose floating inputs are kept in pinned host memory between
         the forward and the backward and copied back before recomputing (DeepSpeed's
         cpu_checkpointing). On CPU, host and device memory are the same: it compiles and moves
         nothing. Built for a GPU or TPU an offloading region (this, or a policy that offloads) is
@@ -556,8 +556,8 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
             f"remat.checkpoint(fn, policy=...)(*args, **kwargs). Options: {', '.join(_OPTIONS)}")
     opts = dict(prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums,
                 static_argnames=static_argnames, use_reentrant=use_reentrant, determinism_check=determinism_check,
-                name=name, tie_to_cotangent=tie_to_cotangent, shard_saved=shard_saved,
-                offload_saved=tuple(offload_saved))
+                name=name, tie_to_cotangent=tie_to_cotangent, shard_inputs=shard_inputs,
+                offload_inputs=tuple(offload_inputs))
     if fn is None:
         return functools.partial(checkpoint, **opts)
     if args:  # torch.utils.checkpoint's form: run now; keywords that are not options go to fn
@@ -713,21 +713,21 @@ def _cse_flags(prevent_cse, args, kwargs, static_leaf):
 
 
 def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_argnums, static_argnames, prevent_cse,
-         name, tie_to_cotangent, shard_saved, offload_saved):
+         name, tie_to_cotangent, shard_inputs, offload_inputs):
     region = name or getattr(fn, "__name__", None) or type(fn).__name__
     n = len(args)
     if not all(-n <= d < n for d in static_argnums):
         raise ValueError(f"the `static_argnums` argument to `remat.checkpoint` can only take integer values greater "
                          f"than or equal to `-len(args)` and less than `len(args)`, but got {static_argnums}, while "
                          f"`len(args)` = {n}")
-    for what, idx in (("shard_saved", list(shard_saved or ())), ("offload_saved", list(offload_saved))):
+    for what, idx in (("shard_inputs", list(shard_inputs or ())), ("offload_inputs", list(offload_inputs))):
         bad = [i for i in idx if not -n <= i < n]
         if bad:
             raise ValueError(f"{what} entry {bad[0]} is out of range for {n} argument(s)")
     static = {d % n for d in static_argnums}
     # NOTE: a pytree callable (Equinox/NNX module) carries its weights as leaves: it becomes argument
     # 0 of `_call`, so its weights are region inputs. Argument indices the caller gives
-    # (static_argnums, shard_saved, offload_saved) keep counting `args` from 0 and are shifted here.
+    # (static_argnums, shard_inputs, offload_inputs) keep counting `args` from 0 and are shifted here.
     owner, shift = fn, 0
     if not isinstance(fn, type) and _has_arrays(fn):
         args, fn, shift, owner = (fn,) + tuple(args), _call, 1, _call
@@ -776,11 +776,11 @@ def _run(fn, args, kwargs, *, use_reentrant, policy, determinism_check, static_a
     if not isinstance(cse, bool):
         cse = (False,) * nh + cse
 
-    shard = {i % n + shift: v for i, v in shard_saved.items()} if shard_saved else None
-    storage = _storage(dyn, dyn_arg, shard, {i % n + shift for i in offload_saved})
+    shard = {i % n + shift: v for i, v in shard_inputs.items()} if shard_inputs else None
+    storage = _storage(dyn, dyn_arg, shard, {i % n + shift for i in offload_inputs})
     storage = {i + nh: v for i, v in storage.items()}
     if storage and not use_reentrant and tie_to_cotangent is False:
-        raise ValueError("shard_saved and offload_saved move the saved inputs inside the backward, which only the "
+        raise ValueError("shard_inputs and offload_inputs move the saved inputs inside the backward, which only the "
                          "tied or reentrant forms have: drop tie_to_cotangent=False (or pass use_reentrant=True)")
     _policies.warn_untagged(policy, body, inputs, region)  # as given: a registry name reads as that name
     policy = _policies.resolve(policy)

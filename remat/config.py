@@ -49,7 +49,7 @@ class RecomputeConfig:
         and `layers=remat.block(n)`.)
       num_layers: the N of `uniform`/`block` (any other method takes only the default, 1).
       policy: what a region saves: a `remat.policies` name or a JAX policy callable (e.g.
-        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); default `full_remat` (nothing,
+        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); default `nothing_saveable` (nothing,
         `jax.checkpoint_policies.nothing_saveable`) for granularity `full` and the `modules` preset
         for `selective`. Not with `modules` (a policy replaces the preset), `use_reentrant` or
         granularity `none`.
@@ -60,7 +60,7 @@ class RecomputeConfig:
       determinism_check: what to compare between the forward and the recomputation: None (default,
         the check that applies), False, or with `use_reentrant=True` True, `"structure"`, `"values"`
         (the rules: `remat.check`).
-      shard_saved_axis: a mesh axis name: each region keeps its input (B, T, C) sharded along T over
+      shard_inputs: a mesh axis name: each region keeps its input (B, T, C) sharded along T over
         that axis between forward and backward and all-gathers it before recomputing (Megatron's
         distribute_saved_activations). Granularity `full` (as in Megatron), not with
         `offload_inputs`. Needs a mesh context (`jax.set_mesh`).
@@ -87,7 +87,7 @@ class RecomputeConfig:
     modules: tuple[str, ...] | None = None
     use_reentrant: bool = False
     determinism_check: Union[bool, str, None] = None
-    shard_saved_axis: str | None = None
+    shard_inputs: str | None = None
     offload_inputs: bool = False
     layers: _regions.Layers | None = None
 
@@ -139,23 +139,23 @@ class RecomputeConfig:
                          "with {use_reentrant!n}, or drop {use_reentrant!n}", use_reentrant=True, granularity=g)
         check_region(self.use_reentrant, self.policy, self.determinism_check, self.enabled)
         self._resolve_layers(method_layers)
-        axis = self.shard_saved_axis
+        axis = self.shard_inputs
         if axis is not None:
             if not isinstance(axis, str):
-                raise refuse("{recompute shard_saved_axis} must be a mesh axis name (a str)", shard_saved_axis=axis,
+                raise refuse("{recompute shard_inputs} must be a mesh axis name (a str)", shard_inputs=axis,
                              valid="a mesh axis name")
             if g == "none":
-                raise refuse("{recompute shard_saved_axis} needs recompute on: it keeps the inputs of whole-layer "
-                             "recompute regions, so it needs {granularity=full}", shard_saved_axis=axis,
+                raise refuse("{recompute shard_inputs} needs recompute on: it keeps the inputs of whole-layer "
+                             "recompute regions, so it needs {granularity=full}", shard_inputs=axis,
                              granularity=g, valid="granularity 'full'")
             if g != "full":
-                raise refuse(f"{{recompute shard_saved_axis}} keeps the inputs of whole-layer recompute regions: it "
+                raise refuse(f"{{recompute shard_inputs}} keeps the inputs of whole-layer recompute regions: it "
                              f"needs {{granularity=full}}, not {lit(g)} (as Megatron's distribute_saved_activations)",
-                             shard_saved_axis=axis, granularity=g, valid="granularity 'full'")
+                             shard_inputs=axis, granularity=g, valid="granularity 'full'")
             if self.offload_inputs:
-                raise refuse("{recompute shard_saved_axis!n} and {offload_inputs!n} both decide where region inputs "
+                raise refuse("{recompute shard_inputs!n} and {offload_inputs!n} both decide where region inputs "
                               "wait (sharded over a mesh axis, or in host memory); pass only one",
-                             shard_saved_axis=axis, offload_inputs=True)
+                             shard_inputs=axis, offload_inputs=True)
 
     def _check_ignored(self):
         """Refuse a setting that the granularity (or another setting) would ignore, naming both."""

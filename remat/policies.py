@@ -47,7 +47,7 @@ OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 # The policy that saves nothing inside a region (jax.checkpoint_policies.nothing_saveable). It was
 # called "full" until that word meant both a granularity and a policy; "full" is now only the
 # granularity, and the old policy name is refused with a message naming this one.
-NOTHING = "full_remat"
+NOTHING = "nothing_saveable"
 RENAMED = {"full": NOTHING}
 
 
@@ -348,7 +348,7 @@ class ByName:
 def by_name(policy) -> ByName | None:
     """What a name-based registry policy (`save_names:`, the selective presets, `offload_names:`,
     `custom:`, also inside `bf16:`) saves and offloads by tag; None for any other policy (by
-    operation: `dots`, `full_remat`; a JAX policy or a callable of your own).
+    operation: `dots`, `nothing_saveable`; a JAX policy or a callable of your own).
 
     Example:
       >>> by_name("core_attn").saves("attn_probs"), by_name("core_attn").saves("qkv")
@@ -366,7 +366,7 @@ def by_op(policy) -> str | None:
     `dots_no_batch`; None otherwise.
 
     Example:
-      >>> by_op("full_remat"), by_op(jax.checkpoint_policies.everything_saveable), by_op("core_attn")
+      >>> by_op("nothing_saveable"), by_op(jax.checkpoint_policies.everything_saveable), by_op("core_attn")
       ('nothing', 'everything', None)
     """
     policy = resolve(policy)
@@ -485,13 +485,13 @@ def get(name: str) -> Policy:
     """Return the `Policy` for a registry name.
 
     Args:
-      name: a plain name (`full_remat`, `core_attn`, ...), a '+'-combination of selective modules
+      name: a plain name (`nothing_saveable`, `core_attn`, ...), a '+'-combination of selective modules
         (`core_attn+mlp`), or an argument form (`save_names:qkv,mlp_up`, `offload_names:mlp_up`,
         `bf16:<policy>`).
     Example:
       >>> get("core_attn+mlp") is get("core_attn+mlp")   # cached: jit sees one policy
       True
-      >>> get("full_remat")(jax.lax.sin_p) is jax.checkpoint_policies.nothing_saveable(jax.lax.sin_p)
+      >>> get("nothing_saveable")(jax.lax.sin_p) is jax.checkpoint_policies.nothing_saveable(jax.lax.sin_p)
       True
     """
     if not isinstance(name, str) or not name:

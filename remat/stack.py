@@ -88,9 +88,9 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
         return h
 
     shard = None
-    if cfg.shard_saved_axis:  # the carried activation (argument 1 of `run`/`run_stacked`) is (B, T, C)
+    if cfg.shard_inputs:  # the carried activation (argument 1 of `run`/`run_stacked`) is (B, T, C)
         U = P.UNCONSTRAINED
-        shard = {1: (P(U, cfg.shard_saved_axis, U), P(U, None, U))}
+        shard = {1: (P(U, cfg.shard_inputs, U), P(U, None, U))}
     offload = (1,) if cfg.offload_inputs else ()  # the carried activation, in pinned host memory
 
     def ckpt(fn, ps, h, ks, policy, name):
@@ -101,7 +101,7 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
             return fn(*_constants_out(a))
         return checkpoint(region, use_reentrant=cfg.use_reentrant, policy=policy,
                           determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
-                          name=name, shard_saved=shard, offload_saved=offload)(*_constants_in((ps, h, ks) + tuple(args)))
+                          name=name, shard_inputs=shard, offload_inputs=offload)(*_constants_in((ps, h, ks) + tuple(args)))
 
     if not scan:
         for s in cfg.split(n_layers):

@@ -61,7 +61,7 @@ def test_flags_change_what_the_train_step_keeps(tmp_path):
 
 def test_cpu_checkpointing_puts_region_inputs_in_host_memory_in_the_traced_step():
     cfg = config_from_args(["--activation_recompute", "--cpu_checkpointing"])
-    assert cfg.recompute.offload_inputs and cfg.recompute_configs()[0][0] == "full/none+offload"
+    assert cfg.recompute.offload_inputs and cfg.recompute_configs()[0][0] == "full/none+offload_inputs"
     fam = family("gpt2")
     mcfg = fam.config("tiny", recompute=cfg.recompute)
     params = fam.init_params(mcfg, jax.random.PRNGKey(0))
@@ -76,7 +76,7 @@ def test_deepspeed_block_maps_and_reports_every_key(tmp_path):
                           "profile": True}, train_batch_size=8, zero_optimization={"stage": 1})
     cfg = config_from_args(["--deepspeed_config", path])
     rc = cfg.recompute
-    assert (rc.granularity, rc.layers, rc.offload_inputs, rc.shard_saved_axis) == ("full", remat.count(3), True, None)
+    assert (rc.granularity, rc.layers, rc.offload_inputs, rc.shard_inputs) == ("full", remat.count(3), True, None)
     notes = "\n".join(cfg.deepspeed_notes())
     for key in deepspeed.KEYS:
         assert key in notes
@@ -85,7 +85,7 @@ def test_deepspeed_block_maps_and_reports_every_key(tmp_path):
     # with a tensor axis (the library's own mapping): distributed saved activations
     ds = deepspeed.load(path)
     assert RecomputeConfig(granularity="full", **{**ds.recompute_kwargs("tensor"), "offload_inputs": False}
-                           ).shard_saved_axis == "tensor"
+                           ).shard_inputs == "tensor"
 
 
 def _exit2(argv, capsys, tmp_path):
@@ -165,4 +165,4 @@ def test_library_flags_function_labels():
     labels = [recompute_configs(activation_recompute=True, segments="0-3,3-5")[0][0],
               recompute_configs(activation_recompute=True, every=2, cpu_checkpointing=True)[0][0],
               recompute_configs(deepspeed=ds)[0][0]]
-    assert labels == ["full/segments/0-3,3-5", "full/every/2+offload", "full/regions/2"]
+    assert labels == ["full/segments/0-3,3-5", "full/every/2+offload_inputs", "full/regions/2"]

@@ -1,6 +1,6 @@
 """JAX's own policies everywhere: a `jax.checkpoint_policies` callable is accepted wherever a
 registry name is and keeps exactly the same bytes; reports print it readably; the old policy name
-`full` is refused naming `full_remat`; JAX internals are imported by remat/_compat.py (and JAX's cuDNN
+`full` is refused naming `nothing_saveable`; JAX internals are imported by remat/_compat.py (and JAX's cuDNN
 module by remat_lm/models/attention.py) only."""
 import os
 import pathlib
@@ -179,20 +179,20 @@ def test_the_planner_takes_jax_policy_candidates():
 
 
 def test_the_old_policy_name_full_is_refused_naming_full_remat():
-    assert policies.NOTHING == "full_remat" and policies.get("full_remat") == policies.Policy("nothing")
-    assert policies.describe(policies.get("full_remat")) == "jax.checkpoint_policies.nothing_saveable"
+    assert policies.NOTHING == "nothing_saveable" and policies.get("nothing_saveable") == policies.Policy("nothing")
+    assert policies.describe(policies.get("nothing_saveable")) == "jax.checkpoint_policies.nothing_saveable"
     assert "full" not in policies.names()
     for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, policy="full")(X),
                  lambda: rlinen.remat_module(LinenBlock, "full")):
-        with pytest.raises(ValueError, match="policy 'full' is now called 'full_remat'"):
+        with pytest.raises(ValueError, match="policy 'full' is now called 'nothing_saveable'"):
             call()
-    with pytest.raises(RecomputeConfigError, match="now called 'full_remat'") as e:
+    with pytest.raises(RecomputeConfigError, match="now called 'nothing_saveable'") as e:
         RecomputeConfig(granularity="full", policy="full")
     assert e.value.fields == ("policy",)
-    with pytest.raises(RecomputeConfigError, match=r"per_layer policy \[1\]: .*now called 'full_remat'"):
+    with pytest.raises(RecomputeConfigError, match=r"per_layer policy \[1\]: .*now called 'nothing_saveable'"):
         RecomputeConfig(granularity="full", layers=remat.per_layer((None, "full")))
     # the granularity keeps its name
-    assert RecomputeConfig(granularity="full").effective_policy() == "full_remat"
+    assert RecomputeConfig(granularity="full").effective_policy() == "nothing_saveable"
 
 
 def test_jax_internals_are_imported_in_two_known_places_only():

@@ -80,8 +80,8 @@ def _region_copy_backs(platform):
     w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
 
     def loss(c, w, x):
-        h = checkpoint(lambda w, x: jnp.tanh(x @ w), offload_saved=(1,))(w, x)
-        h = checkpoint(lambda w, x: jnp.tanh(x @ w), offload_saved=(1,))(w, h)
+        h = checkpoint(lambda w, x: jnp.tanh(x @ w), offload_inputs=(1,))(w, x)
+        h = checkpoint(lambda w, x: jnp.tanh(x @ w), offload_inputs=(1,))(w, h)
         return c * jnp.sin(h).sum()
 
     return L.copy_backs(lowered_for(jax.grad(loss, argnums=1), platform, 1.0, w, x).as_text())

@@ -4,7 +4,7 @@ exactly the same combinations of recompute settings, because the CLI only maps f
 The grid (648 settings) is every combination of a granularity, which layers are regions (method and
 num_layers, segments, every, DeepSpeed's number_checkpoints, and two of them at once), what a region
 saves (policy, modules, use_reentrant) and where region inputs wait (offload_inputs,
-shard_saved_axis), each built through the Python API and through train.py's parser in-process, with
+shard_inputs), each built through the Python API and through train.py's parser in-process, with
 two spellings of the granularity (configs only: nothing is compiled; about 2 s). train.py has no flag
 for determinism_check; its rule is checked on the library's two entry points below.
 """
@@ -32,8 +32,8 @@ LAYERS = (dict(), dict(num_layers=2), dict(method="uniform", num_layers=2), dict
 SAVES = (dict(), dict(policy="dots"), dict(modules="mlp"), dict(modules="mlp", policy="dots"),
          dict(use_reentrant=True), dict(use_reentrant=True, policy="dots"))
 # where region inputs wait
-WAITS = (dict(), dict(offload_inputs=True), dict(shard_saved_axis="tensor"),
-         dict(offload_inputs=True, shard_saved_axis="tensor"))
+WAITS = (dict(), dict(offload_inputs=True), dict(shard_inputs="tensor"),
+         dict(offload_inputs=True, shard_inputs="tensor"))
 
 
 def grid():
@@ -61,7 +61,7 @@ def argv(kw: dict, ds_path: str, spelled: bool) -> list:
         out.append("--cpu_checkpointing")
     if "regions" in values:
         out += ["--deepspeed_config", ds_path]
-    if "shard_saved_axis" in kw:
+    if "shard_inputs" in kw:
         out += ["--distribute_saved_activations", "--mesh", "tensor=2", "--no-sequence_parallel"]
     return out
 
@@ -89,7 +89,7 @@ def cli(parser, args):
 
 
 # The flag that sets each field in the grid's argv (the library's error names the field).
-FLAG_OF = {**FIELD_FLAGS, "regions": "--deepspeed_config", "shard_saved_axis": "--distribute_saved_activations"}
+FLAG_OF = {**FIELD_FLAGS, "regions": "--deepspeed_config", "shard_inputs": "--distribute_saved_activations"}
 
 
 def test_library_and_train_py_accept_and_refuse_the_same_settings(tmp_path):

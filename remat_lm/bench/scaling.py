@@ -10,7 +10,7 @@ fall through tensor/sequence parallelism) for t = 1, 2, 4, 8. Settings per t:
   - `none`: no remat; `full`: full remat (each layer a region), both with sequence parallelism;
   - `full, no SP`: full remat, activations between attention and MLP whole on every device;
   - `full, no SP, distributed`: that plus distributed saved activations (region inputs split
-    along T over tensor, `RecomputeConfig.shard_saved_axis="tensor"`), Megatron's pair.
+    along T over tensor, `RecomputeConfig.shard_inputs="tensor"`), Megatron's pair.
 The LM head and loss run in chunks of T/8 positions (`loss_chunk`): otherwise the (B, T, V) float32
 logits (1.5 GiB at d12, whole on every device without sequence parallelism) set every peak and hide
 what tensor parallelism and the recompute settings change.
@@ -55,7 +55,7 @@ SETTINGS = {  # name: (recompute, sequence parallel)
     "none": (RecomputeConfig(), True),
     "full": (RecomputeConfig(granularity="full"), True),
     "full, no SP": (RecomputeConfig(granularity="full"), False),
-    "full, no SP, distributed": (RecomputeConfig(granularity="full", shard_saved_axis="tensor"), False),
+    "full, no SP, distributed": (RecomputeConfig(granularity="full", shard_inputs="tensor"), False),
 }
 PEAK_SHAPE = dict(preset="d12", seq=1024, batch=8, overrides=dict(loss_chunk=128))
 SMALL_SHAPE = dict(preset="d12", seq=256, batch=8, overrides=dict(n_layer=4, n_embd=256, n_head=8, loss_chunk=64))

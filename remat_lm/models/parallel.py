@@ -16,7 +16,7 @@ c_fc, c_fc2: the output axis; row-parallel c_proj: the input axis). XLA inserts 
 #   - between the blocks' pieces (norms, residual adds, dropout) an activation (B, T, C) is
 #     P(batch, tensor, None) with sequence parallelism (`sequence=True`), else P(batch, None, None);
 #     so is the embedding output entering the first block. Left free, sharding propagation may
-#     pick another layout for it: with distributed saved activations (remat `shard_saved`, whose
+#     pick another layout for it: with distributed saved activations (remat `shard_inputs`, whose
 #     store first splits the region input along C) XLA computed it split along C and all-gathered
 #     it, whole, for the first block's forward (tests/test_tensor_parallel.py);
 #   - q, k, v, the attention context and the MLP hidden (B, T, F) are P(batch, None, tensor):

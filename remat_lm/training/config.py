@@ -355,7 +355,7 @@ class TrainConfig(RecomputeFlags):
 
     def _check_distribute(self) -> None:
         """UsageError when the mesh leaves --distribute_saved_activations nothing to split (what it
-        needs of the recompute settings is RecomputeConfig's rule for `shard_saved_axis`)."""
+        needs of the recompute settings is RecomputeConfig's rule for `shard_inputs`)."""
         flag = "--distribute_saved_activations"
         if self.tensor_size <= 1:
             raise UsageError(f"{flag} splits each region's saved input over the mesh's tensor axis, but --mesh "

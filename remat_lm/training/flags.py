@@ -112,7 +112,7 @@ RecomputeFlags.__module__ = __name__
 # The flag that sets each RecomputeConfig field, for error messages (two come from --deepspeed_config).
 FIELD_FLAGS = {**{f.field: f"--{f.name}" for f in FLAGS if f.field},
                "regions": "--deepspeed_config number_checkpoints",
-               "shard_saved_axis": "--deepspeed_config partition_activations"}
+               "shard_inputs": "--deepspeed_config partition_activations"}
 
 
 # Text flags that hold numbers: ASCII digits only (int() would misread or reject '²'), named in the error.
@@ -180,7 +180,7 @@ def granularity(activation_recompute: bool, recompute_granularity: str | None, *
 
 
 # Fields set by an on/off flag: named without a value (`--distribute_saved_activations`, not its axis).
-_SWITCHES = ("use_reentrant", "offload_inputs", "shard_saved_axis")
+_SWITCHES = ("use_reentrant", "offload_inputs", "shard_inputs")
 
 
 def _field_of(name: str, value) -> str:
@@ -235,7 +235,7 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
     `--recompute_every` and `--cpu_checkpointing`; `deepspeed` is a `remat_lm.training.deepspeed.DeepSpeedCheckpointing`
     (`--deepspeed_config`), which turns recompute on at granularity full; `tensor_axis` is the mesh's
     tensor-parallel axis, if any, for its `partition_activations`; `distribute_axis` is the axis
-    train.py's `--distribute_saved_activations` splits region inputs over (its `shard_saved_axis`).
+    train.py's `--distribute_saved_activations` splits region inputs over (its `shard_inputs`).
     """
     g = granularity(activation_recompute, recompute_granularity,
                     regions=deepspeed is not None or segments is not None or every is not None)
@@ -265,11 +265,11 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
         if deepspeed.cpu_checkpointing and not cpu_checkpointing:
             flags["offload_inputs"] = "--deepspeed_config cpu_checkpointing"
     if distribute_axis is not None:
-        if base.get("shard_saved_axis") is not None:
+        if base.get("shard_inputs") is not None:
             raise ValueError("--distribute_saved_activations and --deepspeed_config partition_activations ask for the "
                              "same thing; pass only one")
-        base["shard_saved_axis"] = distribute_axis
-        flags["shard_saved_axis"] = "--distribute_saved_activations"
+        base["shard_inputs"] = distribute_axis
+        flags["shard_inputs"] = "--distribute_saved_activations"
     takes_n = [m for m in methods if m in ("uniform", "block")]
     out = []
     for m in methods:
