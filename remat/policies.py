@@ -44,11 +44,8 @@ cp = jax.checkpoint_policies
 
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
-# The policy that saves nothing inside a region (jax.checkpoint_policies.nothing_saveable). It was
-# called "full" until that word meant both a granularity and a policy; "full" is now only the
-# granularity, and the old policy name is refused with a message naming this one.
+# The policy that saves nothing inside a region, named as JAX names it ("full" is a granularity).
 NOTHING = "nothing_saveable"
-RENAMED = {"full": NOTHING}
 
 
 def _wide_float(prim, avals, params) -> bool:
@@ -498,21 +495,18 @@ def get(name: str) -> Policy:
         raise ValueError(f"policy must be a non-empty name or a JAX policy callable; valid names: "
                          f"{', '.join(names())}")
     head, sep, arg = name.partition(":")
-    if head in RENAMED:
-        raise ValueError(f"policy {head!r} is now called {RENAMED[head]!r} (save nothing inside a region, "
-                         f"jax.checkpoint_policies.nothing_saveable); 'full' names only the granularity")
     if head == "bf16" and sep:
         return dataclasses.replace(get(arg), dtype="bf16")
     if head in _NEEDS_ARG:
         if not sep or not arg:
             raise ValueError(f"policy {name!r} needs an argument: {REGISTRY[head].template}")
         return REGISTRY[head].factory(arg)
-    if sep:
+    if sep and head in REGISTRY:
         raise ValueError(f"policy {head!r} takes no argument (got {name!r})")
     if "+" in name:
         return selective(tuple(p.strip() for p in name.split("+")))
-    if name not in REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(names())} "
+    if head not in REGISTRY:
+        raise ValueError(f"unknown policy {head!r}; valid: {', '.join(names())} "
                          f"(selective modules combine with '+', e.g. core_attn+mlp)")
     return REGISTRY[name].factory()
 

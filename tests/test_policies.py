@@ -27,8 +27,8 @@ def test_names_cover_the_required_policies_and_all_resolve():
 @pytest.mark.parametrize("bad,needle", [
     ("nope", "unknown policy 'nope'"), ("save_names", "needs an argument"),
     ("save_names:", "needs an argument"), ("save_names:qkv,bogus", "bogus"),
-    ("everything:qkv", "takes no argument"), ("full", "now called 'nothing_saveable'"),
-    ("full:qkv", "now called 'nothing_saveable'"), ("core_attn+bogus", "bogus"), ("", "non-empty"),
+    ("everything:qkv", "takes no argument"), ("full", "unknown policy 'full'"),
+    ("full:qkv", "unknown policy 'full'"), ("core_attn+bogus", "bogus"), ("", "non-empty"),
     ("bf16:nope", "unknown policy 'nope'"),
 ])
 def test_bad_policy_names_say_what_is_valid(bad, needle):
