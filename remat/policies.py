@@ -40,6 +40,10 @@ from jax.ad_checkpoint import Recompute
 from remat import _compat
 from remat import names as N
 
+__all__ = ["NOTHING", "Policy", "DtypePreserving", "ByName", "Entry", "REGISTRY", "UntaggedRegionWarning", "get",
+           "resolve", "validate", "names", "examples", "describe", "by_name", "by_op", "offloads", "device_twin",
+           "selective", "region_tags", "warn_untagged", "table_markdown"]
+
 cp = jax.checkpoint_policies
 
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
@@ -428,12 +432,8 @@ class UntaggedRegionWarning(UserWarning):
 
 
 def warn_untagged(policy, fn, args, region: str) -> None:
-    """Warn when `policy` saves or offloads by tag and `fn(*args)` tags none of those names.
-
-    # NOTE: a name-based policy saves nothing in a region without its tags, so a selective preset
-    # on a model that does not call `checkpoint_name` silently becomes full remat. The check traces
-    # the region once more (only for name-based policies) and names what is missing.
-    """
+    """Warn when `policy` saves or offloads by tag and `fn(*args)` tags none of those names (then the
+    region saves nothing: full remat). Traces the region once more, for name-based policies only."""
     wanted = by_name(policy)
     if wanted is None or (wanted.save is not None and not wanted.save | wanted.offload):
         return

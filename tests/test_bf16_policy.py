@@ -52,7 +52,7 @@ def _inside_regions(model, policy, T=64):
 
 def _cases():
     # Every policy at one tile (T=64) and at two; at two tiles only `everything` (the case that
-    # showed the extra slices and pads, issue 20) stays in the fast set.
+    # showed the extra slices and pads) stays in the fast set.
     fast_at_two = {"everything"}
     return [pytest.param(model, policy, T, marks=() if T == TS[0] or policy in fast_at_two else pytest.mark.slow)
             for model in MODELS for policy in policies.examples() for T in TS]

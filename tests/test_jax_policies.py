@@ -143,7 +143,7 @@ def test_reports_print_a_jax_policy_readably():
     assert f"policy={shown}," in repr(RecomputeConfig(granularity="full", policy=pol))
     assert f"layers=per_layer((None, {shown}, 'mlp'))" in repr(
         RecomputeConfig(granularity="full", layers=remat.per_layer((None, pol, "mlp"))))
-    with pytest.raises(RecomputeConfigError, match=r"policy=jax\.checkpoint_policies\.dots_saveable has no effect"):
+    with pytest.raises(RecomputeConfigError, match=r"policy: jax\.checkpoint_policies\.dots_saveable has no effect"):
         RecomputeConfig(policy=cp.dots_saveable)
     with pytest.warns(policies.UntaggedRegionWarning, match=r"policy jax\.checkpoint_policies\.save_only_these_names"):
         remat.checkpoint(lambda x: jnp.sin(x) * 2, policy=policies.get("save_names:qkv,mlp_up"))(X)

@@ -107,8 +107,8 @@ def test_library_and_train_py_accept_and_refuse_the_same_settings(tmp_path):
                 differ.append(f"{kw}: library {'accepts' if err is None else f'refuses ({err})'}, train.py "
                               f"{'accepts' if msg is None else f'refuses ({msg})'}")
             elif err is not None:
-                assert "\n" not in msg and "='" not in msg, msg  # one line, in flag words (no granularity='none')
-                fields = [err.settings[f].field if f == "layers" else f for f in err.fields]
+                assert "\n" not in msg and msg.startswith("--"), msg  # one line, led by a flag
+                fields = [err.value.field if err.field == "layers" else err.field, *err.fields[1:]]
                 flags = [FLAG_OF[f] for f in fields if f in FLAG_OF]
                 # it names a flag of the setting the library refused (or train.py's own rule fired
                 # first: a DeepSpeed block means granularity full)
@@ -138,6 +138,7 @@ def test_determinism_check_is_accepted_exactly_where_it_applies(granularity):
         if can_reenter and not applies:
             assert err.field == "determinism_check" and err.value == check, err
             assert ("use_reentrant=True" in str(err)) == (granularity != "none"), err
+            assert str(err).startswith("determinism_check: "), err
         if granularity == "full":  # remat.checkpoint: the same rule for one region
             try:
                 remat.checkpoint(jnp.sin, use_reentrant=reentrant, determinism_check=check)(x)
@@ -174,7 +175,7 @@ def test_the_regions_are_one_value(spec, megatron, n, regions):
     # dataclasses.replace passes every field back: the repeated spellings agree, so it works...
     assert dataclasses.replace(by_spec, offload_inputs=True).layers == spec
     # ...and a change of granularity that the spec cannot follow is refused, not dropped
-    with pytest.raises(RecomputeConfigError, match="granularity='full'"):
+    with pytest.raises(RecomputeConfigError, match="applies to granularity full only"):
         dataclasses.replace(by_spec, granularity="selective")
     # two choices of the regions are refused
     with pytest.raises(RecomputeConfigError, match="pass only one") as e:
@@ -182,26 +183,29 @@ def test_the_regions_are_one_value(spec, megatron, n, regions):
     assert e.value.fields[0] == "layers"
 
 
-def test_a_region_spec_validates_itself_with_structured_fields():
+def test_a_region_spec_validates_itself_naming_its_field():
     with pytest.raises(RecomputeConfigError) as e:
         remat.every(0)
-    assert (e.value.field, e.value.value, e.value.valid) == ("every", 0, "an integer >= 1")
+    assert (e.value.field, e.value.value) == ("every", 0)
+    assert str(e.value) == "every: must be an integer >= 1 (got 0): every k-th layer is a region"
     with pytest.raises(RecomputeConfigError) as e:
         RecomputeConfig(granularity="full", layers=remat.uniform(4)).validate_for(3)
-    assert (e.value.field, e.value.value, e.value.valid) == ("num_layers", 4, "1..3")
+    assert (e.value.field, e.value.value, e.value.message) == ("num_layers", 4, "4 exceeds n_layer=3; use 1..3")
     with pytest.raises(RecomputeConfigError, match="not a region spec"):
         RecomputeConfig(granularity="full", layers=2)
-    with pytest.raises(RecomputeConfigError, match="granularity='full' only"):
+    with pytest.raises(RecomputeConfigError, match="applies to granularity full only"):
         RecomputeConfig(layers=remat.uniform(2))
 
 
-def test_the_cli_words_an_error_from_its_fields_not_its_text():
+def test_the_cli_puts_the_flags_of_the_fields_before_the_library_message():
     with pytest.raises(RecomputeConfigError) as e:
         RecomputeConfig(granularity="full", method="uniform", num_layers=2, layers=remat.every(2))
     err = e.value
-    assert err.fields[:2] == ("layers", "method") and err.settings["method"] == "uniform"
-    assert str(err).startswith("recompute layers=every(2) and method='uniform' each say which layers are regions")
-    assert flag_error(err).startswith("--recompute_every 2 and --recompute_method uniform each say")
-    # another vocabulary, from the same fields
-    shout = err.render(lambda name, value, with_value: name.upper() + (f":{value}" if with_value else ""))
-    assert shout.startswith("LAYERS:every(2) and METHOD:uniform each say")
+    assert err.fields == ("layers", "method") and err.value == remat.every(2)
+    assert str(err) == "layers: every(2) and method uniform each say which layers are regions; pass only one"
+    assert flag_error(err) == ("--recompute_every and --recompute_method: every(2) and method uniform each say "
+                               "which layers are regions; pass only one")
+    with pytest.raises(RecomputeConfigError) as e:
+        remat.uniform(0)
+    assert flag_error(e.value) == ("--recompute_num_layers: must be >= 1 (got 0): the number of layers per region "
+                                   "of method uniform")

@@ -271,10 +271,11 @@ def test_distribute_saved_activations_flag_changes_compiled_step():
     (dict(activation_recompute=True), "has none; add tensor=N"),
     (dict(mesh="tensor=1", activation_recompute=True), "has none; add tensor=N"),
     (dict(mesh="tensor=2", activation_recompute=True), "add --no-sequence_parallel"),
-    (dict(mesh="tensor=2", sequence_parallel=False), "needs --recompute_granularity full"),
+    (dict(mesh="tensor=2", sequence_parallel=False),
+     "--distribute_saved_activations: has no effect with recompute off"),
     (dict(mesh="tensor=2", sequence_parallel=False, recompute_granularity="selective"), "not selective"),
     (dict(mesh="tensor=2", sequence_parallel=False, activation_recompute=True, cpu_checkpointing=True),
-     "--cpu_checkpointing both decide"),
+     "--distribute_saved_activations and --cpu_checkpointing: 'tensor' keeps region inputs sharded"),
 ])
 def test_distribute_saved_activations_usage_errors(kw, match):
     with pytest.raises(UsageError, match=match):
