@@ -7,9 +7,10 @@ from typing import Callable, Union
 from remat import names as _names
 from remat import policies as _policies
 from remat import regions as _regions
-from remat import errors as _errors
-from remat.errors import RecomputeConfigError, is_int, lit, refuse
-from remat.regions import parse_segments  # noqa: F401  (its home was here)
+from remat.errors import RecomputeConfigError, is_int, show
+
+__all__ = ["RecomputeConfig", "RecomputeConfigError", "check_region", "GRANULARITIES", "METHODS",
+           "DETERMINISM_CHECKS"]
 
 GRANULARITIES = ("none", "full", "selective")
 METHODS = ("none", "uniform", "block")
@@ -18,22 +19,25 @@ DETERMINISM_CHECKS = (None, True, False, "structure", "values")
 
 def check_region(use_reentrant: bool, policy, determinism_check, enabled: bool = True) -> None:
     """The rules for one recompute region's options, shared by `RecomputeConfig` and
-    `remat.checkpoint` (one copy of the rules). Raises RecomputeConfigError."""
+    `remat.checkpoint`. Raises RecomputeConfigError."""
     if not isinstance(use_reentrant, bool):
-        raise refuse("{use_reentrant} must be True or False", use_reentrant=use_reentrant, valid=(True, False))
+        raise RecomputeConfigError("use_reentrant", f"must be True or False (got {use_reentrant!r})", use_reentrant)
     if use_reentrant and policy is not None:
-        raise refuse("{use_reentrant} saves only the inputs, so {policy} has no effect; drop the {policy!n} or "
-                     "{use_reentrant!n}", use_reentrant=use_reentrant, policy=policy)
+        raise RecomputeConfigError(
+            "use_reentrant", f"the reentrant path saves only the inputs, so policy {show(policy)} has no "
+            "effect; drop the policy or use_reentrant", use_reentrant, also=("policy",))
     if not (determinism_check is None or isinstance(determinism_check, bool)
             or determinism_check in ("structure", "values")):
-        raise refuse("{determinism_check} is not valid; use None (the check that applies), True, False, "
-                     "'structure' or 'values'", determinism_check=determinism_check, valid=DETERMINISM_CHECKS)
+        raise RecomputeConfigError(
+            "determinism_check", f"{determinism_check!r} is not valid; use None (the check that applies), "
+            "True, False, 'structure' or 'values'", determinism_check)
     # determinism_check's rules: remat/check.py's docstring.
     if determinism_check not in (None, False) and enabled and not use_reentrant:
-        raise refuse("{determinism_check} needs {use_reentrant=True} (jax.checkpoint traces once and recomputes "
-                     "that same program, so only the reentrant path, which traces again, can differ); add "
-                     "{use_reentrant=True} or leave {determinism_check!n} unset",
-                     determinism_check=determinism_check, use_reentrant=use_reentrant, valid=(None, False))
+        raise RecomputeConfigError(
+            "determinism_check", f"{determinism_check!r} needs use_reentrant=True (jax.checkpoint traces once "
+            "and recomputes that same program, so only the reentrant path, which traces again, can differ); "
+            "add use_reentrant=True or leave determinism_check unset", determinism_check,
+            also=("use_reentrant",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,7 @@ class RecomputeConfig:
         and `layers=remat.block(n)`.)
       num_layers: the N of `uniform`/`block` (any other method takes only the default, 1).
       policy: what a region saves: a `remat.policies` name or a JAX policy callable (e.g.
-        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); default `full_remat` (nothing,
+        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); default `nothing_saveable` (nothing,
         `jax.checkpoint_policies.nothing_saveable`) for granularity `full` and the `modules` preset
         for `selective`. Not with `modules` (a policy replaces the preset), `use_reentrant` or
         granularity `none`.
@@ -60,7 +64,7 @@ class RecomputeConfig:
       determinism_check: what to compare between the forward and the recomputation: None (default,
         the check that applies), False, or with `use_reentrant=True` True, `"structure"`, `"values"`
         (the rules: `remat.check`).
-      shard_saved_axis: a mesh axis name: each region keeps its input (B, T, C) sharded along T over
+      shard_inputs: a mesh axis name: each region keeps its input (B, T, C) sharded along T over
         that axis between forward and backward and all-gathers it before recomputing (Megatron's
         distribute_saved_activations). Granularity `full` (as in Megatron), not with
         `offload_inputs`. Needs a mesh context (`jax.set_mesh`).
@@ -87,7 +91,7 @@ class RecomputeConfig:
     modules: tuple[str, ...] | None = None
     use_reentrant: bool = False
     determinism_check: Union[bool, str, None] = None
-    shard_saved_axis: str | None = None
+    shard_inputs: str | None = None
     offload_inputs: bool = False
     layers: _regions.Layers | None = None
 
@@ -98,33 +102,34 @@ class RecomputeConfig:
             object.__setattr__(self, "modules", tuple(self.modules))
         g, m, n = self.granularity, self.method, self.num_layers
         if g not in GRANULARITIES:
-            raise refuse(f"{{recompute granularity}} is not valid; use one of {', '.join(GRANULARITIES)}",
-                         granularity=g, valid=GRANULARITIES)
+            raise RecomputeConfigError("granularity", f"{g!r} is not valid; use one of {', '.join(GRANULARITIES)}", g)
         if m not in METHODS:
-            raise refuse(f"{{recompute method}} is not valid; use one of {', '.join(METHODS)}", method=m,
-                         valid=METHODS)
+            raise RecomputeConfigError("method", f"{m!r} is not valid; use one of {', '.join(METHODS)}", m)
         if not is_int(n):
-            raise refuse("{recompute num_layers} must be an int", num_layers=n, valid="an int >= 1")
+            raise RecomputeConfigError("num_layers", f"must be an int >= 1 (got {n!r})", n)
         method_layers = {"uniform": _regions.uniform, "block": _regions.block}[m](n) if m != "none" else None
         if g == "none" and m != "none":
-            raise refuse("{recompute method} was given but {granularity} turns recompute off; set "
-                         "{granularity=full} or drop the {method!n}", method=m, granularity=g)
+            raise RecomputeConfigError(
+                "method", f"{m} has no effect with granularity none (recompute is off); set granularity "
+                "full or drop the method", m)
         if g == "selective" and m != "none":
-            raise refuse("{recompute method} applies to {granularity=full} only; selective recompute acts inside "
-                         "every layer: use {method=none}", method=m, granularity=g)
+            raise RecomputeConfigError(
+                "method", f"{m} applies to granularity full only; selective recompute acts inside every "
+                "layer: leave method none", m)
         if m == "none" and n != 1:
-            raise refuse("{recompute num_layers} is the N of {method=uniform} or {method=block}, and {method} would "
-                         "ignore it; choose one of those methods, or leave {num_layers=1} (the default)",
-                         num_layers=n, method=m, valid=(1,))
+            raise RecomputeConfigError(
+                "num_layers", f"{n} is the N of method uniform or block, which method none would ignore; "
+                "choose one of those methods, or leave num_layers 1 (the default)", n, also=("method",))
         for flag in ("use_reentrant", "offload_inputs"):
             if not isinstance(getattr(self, flag), bool):
-                raise refuse(f"{{recompute {flag}}} must be True or False", **{flag: getattr(self, flag)},
-                             valid=(True, False))
+                raise RecomputeConfigError(
+                    flag, f"must be True or False (got {getattr(self, flag)!r})", getattr(self, flag))
         if self.modules is not None:
             unknown = [x for x in self.modules if x not in _names.MODULES]
             if unknown or not self.modules:
-                raise refuse(f"{{recompute modules}}: unknown {lit(unknown or 'empty list')}; valid modules: "
-                             f"{', '.join(_names.MODULES)}", modules=self.modules, valid=_names.MODULES)
+                raise RecomputeConfigError(
+                    "modules", f"unknown {unknown or 'empty list'}; valid modules: "
+                    f"{', '.join(_names.MODULES)}", self.modules)
         self._check_ignored()
         if g == "selective" and self.modules is None:
             object.__setattr__(self, "modules", ("core_attn",))
@@ -132,56 +137,52 @@ class RecomputeConfig:
             try:
                 _policies.validate(self.policy)
             except ValueError as e:
-                raise refuse(f"{{recompute policy}}: {lit(e)}", policy=self.policy) from None
+                raise RecomputeConfigError("policy", str(e), self.policy) from None
         if self.use_reentrant and g == "selective":
-            raise refuse("{use_reentrant} cannot be combined with {granularity}: the reentrant path saves only "
-                         "each region's inputs, so selective saving means nothing there; use {granularity=full} "
-                         "with {use_reentrant!n}, or drop {use_reentrant!n}", use_reentrant=True, granularity=g)
+            raise RecomputeConfigError(
+                "use_reentrant", "cannot be combined with granularity selective: the reentrant path saves "
+                "only each region's inputs, so selective saving means nothing there; use granularity full "
+                "with use_reentrant, or drop use_reentrant", True)
         check_region(self.use_reentrant, self.policy, self.determinism_check, self.enabled)
         self._resolve_layers(method_layers)
-        axis = self.shard_saved_axis
+        axis = self.shard_inputs
         if axis is not None:
             if not isinstance(axis, str):
-                raise refuse("{recompute shard_saved_axis} must be a mesh axis name (a str)", shard_saved_axis=axis,
-                             valid="a mesh axis name")
-            if g == "none":
-                raise refuse("{recompute shard_saved_axis} needs recompute on: it keeps the inputs of whole-layer "
-                             "recompute regions, so it needs {granularity=full}", shard_saved_axis=axis,
-                             granularity=g, valid="granularity 'full'")
+                raise RecomputeConfigError("shard_inputs", f"must be a mesh axis name (a str), not {axis!r}", axis)
             if g != "full":
-                raise refuse(f"{{recompute shard_saved_axis}} keeps the inputs of whole-layer recompute regions: it "
-                             f"needs {{granularity=full}}, not {lit(g)} (as Megatron's distribute_saved_activations)",
-                             shard_saved_axis=axis, granularity=g, valid="granularity 'full'")
+                raise RecomputeConfigError(
+                    "shard_inputs", f"keeps the inputs of whole-layer recompute regions, so it needs "
+                    f"granularity full, not {g} (as Megatron's distribute_saved_activations)", axis)
             if self.offload_inputs:
-                raise refuse("{recompute shard_saved_axis!n} and {offload_inputs!n} both decide where region inputs "
-                              "wait (sharded over a mesh axis, or in host memory); pass only one",
-                             shard_saved_axis=axis, offload_inputs=True)
+                raise RecomputeConfigError(
+                    "shard_inputs", f"{axis!r} keeps region inputs sharded over a mesh axis, and "
+                    "offload_inputs keeps them in host memory; pass only one", axis, also=("offload_inputs",))
 
     def _check_ignored(self):
         """Refuse a setting that the granularity (or another setting) would ignore, naming both."""
         g = self.granularity
-        shown_modules = None if self.modules is None else ",".join(self.modules)
         if g == "none":
             dc = self.determinism_check
-            policy = None if self.policy is None else _Shown(self.policy)
-            given = [(f, v) for f, v in (("policy", policy), ("modules", shown_modules),
+            given = [(f, v) for f, v in (("policy", self.policy), ("modules", self.modules),
                                          ("use_reentrant", True if self.use_reentrant else None),
                                          ("determinism_check", None if dc is False else dc),
                                          ("offload_inputs", True if self.offload_inputs else None))
                      if v is not None]
             if given:
                 field, value = given[0]
-                raise refuse(f"{{recompute {field}}} has no effect with {{granularity}} (recompute is off); set "
-                             f"{{granularity=full}} (or 'selective'), or drop {{{field}!n}}",
-                             **{field: value}, granularity=g)
+                raise RecomputeConfigError(
+                    field, f"{show(value)} has no effect with granularity none (recompute is off); set "
+                    f"granularity full (or selective), or drop {field}", value)
         if g == "full" and self.modules is not None:
-            raise refuse("{recompute modules} applies to {granularity=selective} only; {granularity} recomputes whole "
-                         "layers: choose what a region saves with a {policy!n}, or use {granularity=selective}",
-                         modules=shown_modules, granularity=g)
+            raise RecomputeConfigError(
+                "modules", f"{','.join(self.modules)} applies to granularity selective only; granularity full "
+                "recomputes whole layers: choose what a region saves with a policy, or use granularity "
+                "selective", self.modules)
         if g == "selective" and self.modules is not None and self.policy is not None:
-            raise refuse(f"{{recompute policy}} replaces the selective preset, so {{modules}} would be ignored; pass "
-                         f"one of them (e.g. {{policy={'+'.join(self.modules)}}} is that preset)",
-                         modules=shown_modules, policy=self.policy)
+            raise RecomputeConfigError(
+                "policy", f"{show(self.policy)} replaces the selective preset, so modules "
+                f"{','.join(self.modules)} would be ignored; pass one of them (policy "
+                f"{'+'.join(self.modules)!r} is that preset)", self.policy, also=("modules",))
 
     def _resolve_layers(self, method_layers) -> None:
         """Check `layers` (Megatron's method/num_layers may spell the same value) and fill in the other
@@ -190,36 +191,38 @@ class RecomputeConfig:
         if layers is None:
             layers = method_layers
         elif not isinstance(layers, _regions.Layers):
-            raise refuse("{layers} is not a region spec; use remat.uniform(n), remat.block(n), remat.every(k), "
-                         "remat.segments(...), remat.count(n) or remat.per_layer(...)", layers=layers,
-                         valid="a remat.regions spec")
+            raise RecomputeConfigError(
+                "layers", f"{layers!r} is not a region spec; use remat.uniform(n), remat.block(n), "
+                "remat.every(k), remat.segments(...), remat.count(n) or remat.per_layer(...)", layers)
         elif method_layers is not None and method_layers != layers:
-            raise refuse("{recompute layers} and {method} each say which layers are regions; pass only one",
-                         layers=layers, method=self.method)
+            raise RecomputeConfigError(
+                "layers", f"{layers!r} and method {self.method} each say which layers are regions; pass only "
+                "one", layers, also=("method",))
         if layers is None:
             return
         if g != "full":
-            raise refuse("{recompute layers} applies to {granularity=full} only; with {granularity} "
-                         + ("recompute is off" if g == "none" else "each layer is a region"),
-                         layers=layers, granularity=g, valid="granularity 'full'")
+            raise RecomputeConfigError(
+                "layers", f"{layers!r} applies to granularity full only; with granularity {g} "
+                + ("recompute is off" if g == "none" else "each layer is a region"), layers)
         if isinstance(layers, _regions.PerLayer):
             if self.use_reentrant or self.policy is not None:
-                raise refuse("{recompute layers} (one policy per layer) needs no {policy!n} and no "
-                             "{use_reentrant!n}: it already says what every layer does", layers=layers,
-                             policy=self.policy, use_reentrant=self.use_reentrant)
+                raise RecomputeConfigError(
+                    "layers", "per_layer (one policy per layer) needs no policy and no use_reentrant: it "
+                    "already says what every layer does", layers,
+                    also=("use_reentrant",) if self.use_reentrant else ("policy",))
             for i, p in enumerate(layers.policies):
                 if p is not None:
                     try:
                         _policies.validate(p)
                     except ValueError as e:
-                        raise refuse(f"{{layers!n}} per_layer policy [{i}]: {lit(e)}", layers=layers) from None
+                        raise RecomputeConfigError("layers", f"per_layer policy [{i}]: {e}", layers) from None
         object.__setattr__(self, "layers", layers)
         if isinstance(layers, (_regions.Uniform, _regions.Block)):
             object.__setattr__(self, "method", "uniform" if isinstance(layers, _regions.Uniform) else "block")
             object.__setattr__(self, "num_layers", layers.n)
 
     def __repr__(self):  # a policy callable shown as the JAX expression that builds it (policies.describe)
-        shown = (f"{f.name}={_show(getattr(self, f.name))}" for f in dataclasses.fields(self) if f.repr)
+        shown = (f"{f.name}={show(getattr(self, f.name))}" for f in dataclasses.fields(self) if f.repr)
         return f"{type(self).__name__}({', '.join(shown)})"
 
     @property
@@ -245,7 +248,7 @@ class RecomputeConfig:
           RecomputeConfig(granularity='full', method='block', num_layers=2, ...)
           >>> RecomputeConfig(granularity="full", method="block", num_layers=5).validate_for(4)
           Traceback (most recent call last):
-          remat.errors.RecomputeConfigError: recompute_num_layers=5 exceeds n_layer=4...
+          remat.errors.RecomputeConfigError: num_layers: 5 exceeds n_layer=4; use 1..4
         """
         if self.layers is not None:
             self.layers.check(n_layers)
@@ -270,17 +273,3 @@ class RecomputeConfig:
             return tuple(_regions.Segment(i, i + 1, True) for i in range(n_layers))
         return self.layers.split(n_layers)
 
-
-class _Shown:
-    """A value whose repr shows a policy callable as `remat.policies.describe` does (in a tuple too)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __repr__(self):
-        return _show(self.value)
-
-
-def _show(value) -> str:
-    """repr(value), with policy callables (also inside a tuple) as the JAX expression that builds them."""
-    return _errors.show_policy(value)

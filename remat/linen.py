@@ -205,7 +205,7 @@ def remat_module(target, variables=True, rngs=True, concrete: bool = False, prev
       ...     @nn.compact
       ...     def __call__(self, x, deterministic):
       ...         return x + nn.Dropout(0.1, deterministic=deterministic)(nn.Dense(8)(x))
-      >>> Block = remat_module(MyBlock, policy="full_remat", static_argnums=(2,))  # self, x, deterministic
+      >>> Block = remat_module(MyBlock, policy="nothing_saveable", static_argnums=(2,))  # self, x, deterministic
       >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 8)), True)
       >>> Block().apply(variables, jnp.ones((2, 8)), True).shape
       (2, 8)
@@ -218,8 +218,8 @@ def remat_module(target, variables=True, rngs=True, concrete: bool = False, prev
         recompute, variables = variables, True
         if recompute is None:
             return target
-    if (isinstance(variables, str) and (variables in _policies.RENAMED or _is_policy_name(variables))) or callable(variables):
-        # the library's earlier positional form, remat_module(Block, "full_remat"): no collection is
+    if (isinstance(variables, str) and (_is_policy_name(variables))) or callable(variables):
+        # the library's earlier positional form, remat_module(Block, "nothing_saveable"): no collection is
         # named like a policy, and Flax's collection filters are no callables
         if policy is not None:
             raise TypeError("remat_module: a policy given twice (positionally and as policy=)")

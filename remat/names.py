@@ -23,6 +23,9 @@ apply to it) or its own: `register("query", ...)` makes `save_names:query` (and 
 | `mlp_out`       | the MLP down projection (`c_proj`)                               |
 | `lm_head`       | the LM head's float32 logits (B,T,V), or one chunk's (B,N,V)     |
 """
+__all__ = ["BLOCK_INPUT", "LN_1", "QKV", "ATTN_PROBS", "ATTN_CONTEXT", "ATTN_OUT", "LN_2", "MLP_UP", "MLP_GATE",
+           "MLP_ACT", "MLP_OUT", "LM_HEAD", "ALL", "MODULES", "register", "known"]
+
 BLOCK_INPUT = "block_input"
 LN_1 = "ln_1"
 QKV = "qkv"

@@ -39,15 +39,16 @@ from jax.ad_checkpoint import Recompute
 
 from remat import names as N
 
+__all__ = ["NOTHING", "Policy", "DtypePreserving", "ByName", "Entry", "REGISTRY", "UntaggedRegionWarning", "get",
+           "resolve", "validate", "names", "examples", "describe", "by_name", "by_op", "offloads", "device_twin",
+           "selective", "region_tags", "warn_untagged", "table_markdown"]
+
 cp = jax.checkpoint_policies
 
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
-# The policy that saves nothing inside a region (jax.checkpoint_policies.nothing_saveable). It was
-# called "full" until that word meant both a granularity and a policy; "full" is now only the
-# granularity, and the old policy name is refused with a message naming this one.
-NOTHING = "full_remat"
-RENAMED = {"full": NOTHING}
+# The policy that saves nothing inside a region, named as JAX names it ("full" is a granularity).
+NOTHING = "nothing_saveable"
 
 
 def _wide_float(prim, avals, params) -> bool:
@@ -347,7 +348,7 @@ class ByName:
 def by_name(policy) -> ByName | None:
     """What a name-based registry policy (`save_names:`, the selective presets, `offload_names:`,
     `custom:`, also inside `bf16:`) saves and offloads by tag; None for any other policy (by
-    operation: `dots`, `full_remat`; a JAX policy or a callable of your own).
+    operation: `dots`, `nothing_saveable`; a JAX policy or a callable of your own).
 
     Example:
       >>> by_name("core_attn").saves("attn_probs"), by_name("core_attn").saves("qkv")
@@ -365,7 +366,7 @@ def by_op(policy) -> str | None:
     `dots_no_batch`; None otherwise.
 
     Example:
-      >>> by_op("full_remat"), by_op(jax.checkpoint_policies.everything_saveable), by_op("core_attn")
+      >>> by_op("nothing_saveable"), by_op(jax.checkpoint_policies.everything_saveable), by_op("core_attn")
       ('nothing', 'everything', None)
     """
     policy = resolve(policy)
@@ -430,12 +431,8 @@ class UntaggedRegionWarning(UserWarning):
 
 
 def warn_untagged(policy, fn, args, region: str) -> None:
-    """Warn when `policy` saves or offloads by tag and `fn(*args)` tags none of those names.
-
-    # NOTE: a name-based policy saves nothing in a region without its tags, so a selective preset
-    # on a model that does not call `checkpoint_name` silently becomes full remat. The check traces
-    # the region once more (only for name-based policies) and names what is missing.
-    """
+    """Warn when `policy` saves or offloads by tag and `fn(*args)` tags none of those names (then the
+    region saves nothing: full remat). Traces the region once more, for name-based policies only."""
     wanted = by_name(policy)
     if wanted is None or (wanted.save is not None and not wanted.save | wanted.offload):
         return
@@ -484,34 +481,31 @@ def get(name: str) -> Policy:
     """Return the `Policy` for a registry name.
 
     Args:
-      name: a plain name (`full_remat`, `core_attn`, ...), a '+'-combination of selective modules
+      name: a plain name (`nothing_saveable`, `core_attn`, ...), a '+'-combination of selective modules
         (`core_attn+mlp`), or an argument form (`save_names:qkv,mlp_up`, `offload_names:mlp_up`,
         `bf16:<policy>`).
     Example:
       >>> get("core_attn+mlp") is get("core_attn+mlp")   # cached: jit sees one policy
       True
-      >>> get("full_remat")(jax.lax.sin_p) is jax.checkpoint_policies.nothing_saveable(jax.lax.sin_p)
+      >>> get("nothing_saveable")(jax.lax.sin_p) is jax.checkpoint_policies.nothing_saveable(jax.lax.sin_p)
       True
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy must be a non-empty name or a JAX policy callable; valid names: "
                          f"{', '.join(names())}")
     head, sep, arg = name.partition(":")
-    if head in RENAMED:
-        raise ValueError(f"policy {head!r} is now called {RENAMED[head]!r} (save nothing inside a region, "
-                         f"jax.checkpoint_policies.nothing_saveable); 'full' names only the granularity")
     if head == "bf16" and sep:
         return dataclasses.replace(get(arg), dtype="bf16")
     if head in _NEEDS_ARG:
         if not sep or not arg:
             raise ValueError(f"policy {name!r} needs an argument: {REGISTRY[head].template}")
         return REGISTRY[head].factory(arg)
-    if sep:
+    if sep and head in REGISTRY:
         raise ValueError(f"policy {head!r} takes no argument (got {name!r})")
     if "+" in name:
         return selective(tuple(p.strip() for p in name.split("+")))
-    if name not in REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(names())} "
+    if head not in REGISTRY:
+        raise ValueError(f"unknown policy {head!r}; valid: {', '.join(names())} "
                          f"(selective modules combine with '+', e.g. core_attn+mlp)")
     return REGISTRY[name].factory()
 

@@ -28,7 +28,10 @@ import abc
 import dataclasses
 from typing import NamedTuple
 
-from remat.errors import is_int, lit, refuse, show, show_policy
+from remat.errors import RecomputeConfigError, is_int, show
+
+__all__ = ["Segment", "Layers", "Uniform", "Block", "Every", "Segments", "Count", "PerLayer", "uniform", "block",
+           "every", "segments", "count", "per_layer", "parse_segments"]
 
 
 class Segment(NamedTuple):
@@ -39,8 +42,8 @@ class Segment(NamedTuple):
 
 
 class Layers(abc.ABC):
-    """Base of the specs. `field` names the spec's value in its errors (`every=0`), which a command
-    line words as the flag that sets it (`--recompute_every 0`); `value()` is that value."""
+    """Base of the specs. `field` names the spec's value in its errors (`RecomputeConfigError.field`);
+    `value()` is that value."""
     field: str
 
     @abc.abstractmethod
@@ -63,19 +66,18 @@ class _Megatron(Layers):
 
     def __post_init__(self):
         if not is_int(self.n):
-            raise refuse("{recompute num_layers} must be an int", num_layers=self.n, valid="an int >= 1")
+            raise RecomputeConfigError("num_layers", f"must be an int >= 1 (got {self.n!r})", self.n)
         if self.n < 1:
-            raise refuse(f"{{recompute num_layers}} must be >= 1 with {{method={self.method}}} (the number of layers "
-                         "per region for uniform, of checkpointed layers for block)", num_layers=self.n,
-                         method=self.method, valid="an int >= 1")
+            what = "layers per region" if self.method == "uniform" else "checkpointed layers"
+            raise RecomputeConfigError("num_layers", f"must be >= 1 (got {self.n}): the number of {what} of method "
+                                       f"{self.method}", self.n)
 
     def __repr__(self):
         return f"{self.method}({self.n})"
 
     def check(self, n_layers):
         if self.n > n_layers:
-            raise refuse(f"{{recompute_num_layers}} exceeds n_layer={n_layers}; use 1..{n_layers}", num_layers=self.n,
-                         valid=f"1..{n_layers}")
+            raise RecomputeConfigError("num_layers", f"{self.n} exceeds n_layer={n_layers}; use 1..{n_layers}", self.n)
 
 
 class Uniform(_Megatron):
@@ -104,8 +106,8 @@ class Every(Layers):
 
     def __post_init__(self):
         if not is_int(self.k) or self.k < 1:
-            raise refuse("{recompute every} must be an integer >= 1 (every k-th layer is a region)",
-                         every=self.k, valid="an integer >= 1")
+            raise RecomputeConfigError("every", f"must be an integer >= 1 (got {self.k!r}): every k-th layer is a "
+                                       "region", self.k)
 
     def __repr__(self):
         return f"every({self.k})"
@@ -120,8 +122,7 @@ class Every(Layers):
 
     def check(self, n_layers):
         if self.k > n_layers:
-            raise refuse(f"{{recompute_every}} exceeds n_layer={n_layers}; use 1..{n_layers}", every=self.k,
-                         valid=f"1..{n_layers}")
+            raise RecomputeConfigError("every", f"{self.k} exceeds n_layer={n_layers}; use 1..{n_layers}", self.k)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -139,17 +140,17 @@ class Segments(Layers):
             try:
                 object.__setattr__(self, "ranges", tuple((a, b) for a, b in given))
             except (TypeError, ValueError):
-                raise refuse("{recompute segments} must be (start, stop) pairs, e.g. ((0, 3), (3, 5)) or '0-3,3-5'",
-                             segments=given, valid="(start, stop) pairs") from None
+                raise RecomputeConfigError("segments", f"must be (start, stop) pairs, e.g. ((0, 3), (3, 5)) or "
+                                           f"'0-3,3-5' (got {given!r})", given) from None
         if not self.ranges:
-            raise refuse("{recompute segments} is empty; give at least one (start, stop) range, e.g. '0-3'",
-                         segments=self.ranges, valid="at least one (start, stop) range")
+            raise RecomputeConfigError("segments", "is empty; give at least one (start, stop) range, e.g. '0-3'",
+                                       self.ranges)
         prev = 0
         for a, b in self.ranges:
             if not (is_int(a) and is_int(b)) or a < prev or b <= a:
-                raise refuse(f"{{recompute segments}}: ({a!r}, {b!r}) is not valid; segments are half-open layer "
-                             "ranges start-stop with start < stop, in increasing order and not overlapping, e.g. "
-                             "0-3,3-5", segments=self.ranges, valid="increasing, non-overlapping start-stop ranges")
+                raise RecomputeConfigError("segments", f"({a!r}, {b!r}) is not valid; segments are half-open layer "
+                                           "ranges start-stop with start < stop, in increasing order and not "
+                                           "overlapping, e.g. 0-3,3-5", self.ranges)
             prev = b
 
     def __repr__(self):
@@ -167,8 +168,8 @@ class Segments(Layers):
     def check(self, n_layers):
         stop = self.ranges[-1][1]
         if stop > n_layers:
-            raise refuse(f"{{recompute_segments}} reaches layer {stop} but n_layer={n_layers}; stops must be <= "
-                         f"{n_layers}", segments=self.ranges, valid=f"stops <= {n_layers}")
+            raise RecomputeConfigError("segments", f"{show(self.ranges)} reaches layer {stop} but n_layer={n_layers}; "
+                                       f"stops must be <= {n_layers}", self.ranges)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -180,8 +181,8 @@ class Count(Layers):
 
     def __post_init__(self):
         if not is_int(self.n) or self.n < 1:
-            raise refuse("{recompute regions} must be an integer >= 1 (the number of recompute regions)",
-                         regions=self.n, valid="an integer >= 1")
+            raise RecomputeConfigError("regions", f"must be an integer >= 1 (got {self.n!r}): the number of "
+                                       "recompute regions", self.n)
 
     def __repr__(self):
         return f"count({self.n})"
@@ -193,8 +194,8 @@ class Count(Layers):
 
     def check(self, n_layers):
         if self.n > n_layers:
-            raise refuse(f"{{recompute regions}} exceeds n_layer={n_layers}; use 1..{n_layers} (the region count: "
-                         "DeepSpeed's number_checkpoints)", regions=self.n, valid=f"1..{n_layers}")
+            raise RecomputeConfigError("regions", f"{self.n} exceeds n_layer={n_layers}; use 1..{n_layers} (the "
+                                       "number of regions: DeepSpeed's number_checkpoints)", self.n)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -208,20 +209,19 @@ class PerLayer(Layers):
         try:
             object.__setattr__(self, "policies", tuple(self.policies))
         except TypeError:
-            raise refuse("{layer_policies} must be a sequence of policies, one per layer (None: not "
-                         "rematerialized)", layer_policies=self.policies,
-                         valid="one policy (or None) per layer") from None
+            raise RecomputeConfigError("layer_policies", f"must be a sequence of policies, one per layer (None: not "
+                                       f"rematerialized), not {self.policies!r}", self.policies) from None
 
     def __repr__(self):
-        return f"per_layer({show_policy(self.policies)})"
+        return f"per_layer({show(self.policies)})"
 
     def split(self, n_layers):
         return tuple(Segment(i, i + 1, p is not None) for i, p in enumerate(self.policies))
 
     def check(self, n_layers):
         if len(self.policies) != n_layers:
-            raise refuse(f"{{layer_policies!n}} has {len(self.policies)} entries for n_layer={n_layers}; give one per "
-                         "layer", layer_policies=self.policies, valid=f"{n_layers} entries")
+            raise RecomputeConfigError("layer_policies", f"has {len(self.policies)} entries for n_layer={n_layers}; "
+                                       "give one per layer", self.policies)
 
 
 def uniform(n: int) -> Uniform:
@@ -297,8 +297,8 @@ def parse_segments(spec: str) -> tuple:
     for part in (p.strip() for p in spec.split(",")):
         a, dash, b = part.partition("-")
         if not dash or not _ascii_int(a) or not _ascii_int(b):
-            raise refuse(f"{{recompute segments}}: {lit(repr(part))} is not START-STOP; give half-open layer ranges, "
-                         "e.g. 0-3,3-5 (layers 0,1,2 and 3,4)", segments=spec, valid="START-STOP ranges")
+            raise RecomputeConfigError("segments", f"{part!r} is not START-STOP; give half-open layer ranges, e.g. "
+                                       "0-3,3-5 (layers 0,1,2 and 3,4)", spec)
         out.append((int(a), int(b)))
     return tuple(out)
 

@@ -89,9 +89,9 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
         return h
 
     shard = None
-    if cfg.shard_saved_axis:  # the carried activation (argument 1 of `run`/`run_stacked`) is (B, T, C)
+    if cfg.shard_inputs:  # the carried activation (argument 1 of `run`/`run_stacked`) is (B, T, C)
         U = P.UNCONSTRAINED
-        shard = {1: (P(U, cfg.shard_saved_axis, U), P(U, None, U))}
+        shard = {1: (P(U, cfg.shard_inputs, U), P(U, None, U))}
     offload = (1,) if cfg.offload_inputs else ()  # the carried activation, in pinned host memory
 
     def ckpt(fn, ps, h, ks, policy, name):

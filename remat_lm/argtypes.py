@@ -144,7 +144,7 @@ def config_label(rc) -> str:
 
     Examples: `none`; `selective core_attn+mlp`; `full/none` (every layer a region);
     `full/uniform/2`; `full/segments/0-3,3-5`; `full/every/2`; `full/regions/4`; `full/per-layer`
-    (`per_layer`), read from `rc.layers`; then `+offload` (offload_inputs), `+distributed` (shard_saved_axis) and
+    (`per_layer`), read from `rc.layers`; then `+offload_inputs` (offload_inputs), `+shard_inputs` (shard_inputs) and
     ` policy=dots`.
 
     Example:
@@ -160,8 +160,8 @@ def config_label(rc) -> str:
         label = "selective" + ("" if rc.policy else " " + "+".join(rc.modules))
     else:
         label = "full/" + _layers_label(rc.layers)
-    label += "+offload" if rc.offload_inputs else ""
-    label += "+distributed" if rc.shard_saved_axis is not None else ""
+    label += "+offload_inputs" if rc.offload_inputs else ""
+    label += "+shard_inputs" if rc.shard_inputs is not None else ""
     return label + (f" policy={rc.policy}" if rc.policy else "")
 
 

@@ -210,7 +210,7 @@ def test_cudnn_wrapper_names_its_residuals_and_keeps_gradients():
     saved = memory.saved_residuals(f, q, k, v)
     assert "attn_probs" in saved.by_name(), saved.table()
     assert all(r.name == "attn_probs" for r in saved.rows if r.kind not in ("argument", "constant")), saved.table()
-    for name, kept in (("core_attn", False), ("save_names:attn_probs", True), ("everything", True), ("full_remat", False)):
+    for name, kept in (("core_attn", False), ("save_names:attn_probs", True), ("everything", True), ("nothing_saveable", False)):
         s = memory.saved_residuals(jax.checkpoint(f, policy=policies.get(name)), q, k, v)
         assert ("attn_probs" in s.by_name()) == kept, (name, s.table())
     y0, g0 = _reference(q, k, v, dy, H, K)

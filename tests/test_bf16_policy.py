@@ -37,10 +37,10 @@ def _saved(model, policy, T=64):
 
 
 def _inside_regions(model, policy, T=64):
-    """The saved rows a policy adds to `full_remat` (which keeps only region inputs and what lies outside
+    """The saved rows a policy adds to `nothing_saveable` (which keeps only region inputs and what lies outside
     the regions: the head's float32 logits, the final norm's statistics)."""
     key = lambda r: (r.source, r.shape, r.dtype)
-    base = collections.Counter(key(r) for r in _saved(model, "full_remat", T).rows)
+    base = collections.Counter(key(r) for r in _saved(model, "nothing_saveable", T).rows)
     out = []
     for r in _saved(model, policy, T).rows:
         if base[key(r)]:
@@ -52,7 +52,7 @@ def _inside_regions(model, policy, T=64):
 
 def _cases():
     # Every policy at one tile (T=64) and at two; at two tiles only `everything` (the case that
-    # showed the extra slices and pads, issue 20) stays in the fast set.
+    # showed the extra slices and pads) stays in the fast set.
     fast_at_two = {"everything"}
     return [pytest.param(model, policy, T, marks=() if T == TS[0] or policy in fast_at_two else pytest.mark.slow)
             for model in MODELS for policy in policies.examples() for T in TS]

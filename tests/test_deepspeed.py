@@ -61,7 +61,7 @@ def test_flags_change_what_the_train_step_keeps(tmp_path):
 
 def test_cpu_checkpointing_puts_region_inputs_in_host_memory_in_the_traced_step():
     cfg = config_from_args(["--activation_recompute", "--cpu_checkpointing"])
-    assert cfg.recompute.offload_inputs and cfg.recompute_configs()[0][0] == "full/none+offload"
+    assert cfg.recompute.offload_inputs and cfg.recompute_configs()[0][0] == "full/none+offload_inputs"
     fam = family("gpt2")
     mcfg = fam.config("tiny", recompute=cfg.recompute)
     params = fam.init_params(mcfg, jax.random.PRNGKey(0))
@@ -76,7 +76,7 @@ def test_deepspeed_block_maps_and_reports_every_key(tmp_path):
                           "profile": True}, train_batch_size=8, zero_optimization={"stage": 1})
     cfg = config_from_args(["--deepspeed_config", path])
     rc = cfg.recompute
-    assert (rc.granularity, rc.layers, rc.offload_inputs, rc.shard_saved_axis) == ("full", remat.count(3), True, None)
+    assert (rc.granularity, rc.layers, rc.offload_inputs, rc.shard_inputs) == ("full", remat.count(3), True, None)
     notes = "\n".join(cfg.deepspeed_notes())
     for key in deepspeed.KEYS:
         assert key in notes
@@ -85,7 +85,7 @@ def test_deepspeed_block_maps_and_reports_every_key(tmp_path):
     # with a tensor axis (the library's own mapping): distributed saved activations
     ds = deepspeed.load(path)
     assert RecomputeConfig(granularity="full", **{**ds.recompute_kwargs("tensor"), "offload_inputs": False}
-                           ).shard_saved_axis == "tensor"
+                           ).shard_inputs == "tensor"
 
 
 def _exit2(argv, capsys, tmp_path):
@@ -105,7 +105,7 @@ BAD_BLOCKS = [
     ({"cpu_checkpointing": "yes"}, 'activation_checkpointing.cpu_checkpointing = "yes" must be true or false'),
     ({"number_checkpoints": 0}, "number_checkpoints = 0 must be a positive integer"),
     ({"number_checkpoints": True}, "number_checkpoints = true must be a positive integer"),
-    ({"number_checkpoints": 9}, "--deepspeed_config number_checkpoints 9 exceeds n_layer=2; use 1..2"),
+    ({"number_checkpoints": 9}, "--deepspeed_config number_checkpoints: 9 exceeds n_layer=2; use 1..2"),
     ({"contiguous_memory_optimization": True}, "contiguous_memory_optimization needs partition_activations"),
     ([1, 2], "\"activation_checkpointing\" must be an object"),
 ]
@@ -132,19 +132,22 @@ def test_bad_deepspeed_files_exit_2(text, needle, capsys, tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--recompute_granularity", "none", "--recompute_segments", "0-1"],
-     "--recompute_segments 0-1 needs recompute turned on; add --recompute_granularity full (not none)"),
-    (["--recompute_granularity", "none", "--recompute_every", "2"], "--recompute_every 2 needs recompute turned on"),
-    (["--cpu_checkpointing"], "--cpu_checkpointing needs recompute turned on"),
-    (["--activation_recompute", "--recompute_segments", "0-2,1-2"], "--recompute_segments 0-2,1-2: (1, 2) is not valid"),
-    (["--activation_recompute", "--recompute_segments", "0-5"], "--recompute_segments 0-5 reaches layer 5 but n_layer=2"),
+     "--recompute_segments: has no effect with recompute off; add --recompute_granularity full (not none)"),
+    (["--recompute_granularity", "none", "--recompute_every", "2"],
+     "--recompute_every: has no effect with recompute off"),
+    (["--cpu_checkpointing"], "--cpu_checkpointing: has no effect with recompute off"),
+    (["--activation_recompute", "--recompute_segments", "0-2,1-2"], "--recompute_segments: (1, 2) is not valid"),
+    (["--activation_recompute", "--recompute_segments", "0-5"],
+     "--recompute_segments: 0-5 reaches layer 5 but n_layer=2"),
     (["--activation_recompute", "--recompute_segments", "a-b"], "'a-b' is not START-STOP"),
-    (["--activation_recompute", "--recompute_every", "0"], "--recompute_every 0 must be an integer >= 1"),
-    (["--activation_recompute", "--recompute_every", "3"], "--recompute_every 3 exceeds n_layer=2; use 1..2"),
+    (["--activation_recompute", "--recompute_every", "0"], "--recompute_every: must be an integer >= 1 (got 0)"),
+    (["--activation_recompute", "--recompute_every", "3"], "--recompute_every: 3 exceeds n_layer=2; use 1..2"),
     (["--activation_recompute", "--recompute_every", "2", "--recompute_segments", "0-1"], "pass only one"),
     (["--activation_recompute", "--recompute_every", "2", "--recompute_method", "uniform"],
-     "--recompute_every 2 and --recompute_method uniform each say which layers are regions; pass only one"),
+     "--recompute_every and --recompute_method: every(2) and method uniform each say which "
+     "layers are regions; pass only one"),
     (["--recompute_granularity", "selective", "--recompute_every", "2"],
-     "--recompute_every 2 applies to --recompute_granularity full only"),
+     "--recompute_every: every(2) applies to granularity full only"),
     (["--recompute_method", "auto", "--memory_budget", "1GiB", "--cpu_checkpointing"],
      "auto cannot be combined with --cpu_checkpointing"),
 ])
@@ -165,4 +168,4 @@ def test_library_flags_function_labels():
     labels = [recompute_configs(activation_recompute=True, segments="0-3,3-5")[0][0],
               recompute_configs(activation_recompute=True, every=2, cpu_checkpointing=True)[0][0],
               recompute_configs(deepspeed=ds)[0][0]]
-    assert labels == ["full/segments/0-3,3-5", "full/every/2+offload", "full/regions/2"]
+    assert labels == ["full/segments/0-3,3-5", "full/every/2+offload_inputs", "full/regions/2"]

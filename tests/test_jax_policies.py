@@ -1,6 +1,6 @@
 """JAX's own policies everywhere: a `jax.checkpoint_policies` callable is accepted wherever a
-registry name is and keeps exactly the same bytes; reports print it readably; the old policy name
-`full` is refused naming `full_remat`; JAX internals are imported by remat/_compat.py (and JAX's cuDNN
+registry name is and keeps exactly the same bytes; reports print it readably; the policy that saves
+nothing is JAX's `nothing_saveable`; JAX internals are imported by remat/_compat.py (and JAX's cuDNN
 module by remat_lm/models/attention.py) only."""
 import os
 import pathlib
@@ -143,7 +143,7 @@ def test_reports_print_a_jax_policy_readably():
     assert f"policy={shown}," in repr(RecomputeConfig(granularity="full", policy=pol))
     assert f"layers=per_layer((None, {shown}, 'mlp'))" in repr(
         RecomputeConfig(granularity="full", layers=remat.per_layer((None, pol, "mlp"))))
-    with pytest.raises(RecomputeConfigError, match=r"policy=jax\.checkpoint_policies\.dots_saveable has no effect"):
+    with pytest.raises(RecomputeConfigError, match=r"policy: jax\.checkpoint_policies\.dots_saveable has no effect"):
         RecomputeConfig(policy=cp.dots_saveable)
     with pytest.warns(policies.UntaggedRegionWarning, match=r"policy jax\.checkpoint_policies\.save_only_these_names"):
         remat.checkpoint(lambda x: jnp.sin(x) * 2, policy=policies.get("save_names:qkv,mlp_up"))(X)
@@ -178,21 +178,20 @@ def test_the_planner_takes_jax_policy_candidates():
     assert "jax.checkpoint_policies.nothing_saveable" in plan.table()
 
 
-def test_the_old_policy_name_full_is_refused_naming_full_remat():
-    assert policies.NOTHING == "full_remat" and policies.get("full_remat") == policies.Policy("nothing")
-    assert policies.describe(policies.get("full_remat")) == "jax.checkpoint_policies.nothing_saveable"
+def test_the_policy_that_saves_nothing_is_named_as_jax_names_it():
+    assert policies.NOTHING == "nothing_saveable" and policies.get("nothing_saveable") == policies.Policy("nothing")
+    assert policies.describe(policies.get("nothing_saveable")) == "jax.checkpoint_policies.nothing_saveable"
+    # `full` is a granularity only, never a policy name
     assert "full" not in policies.names()
-    for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, policy="full")(X),
-                 lambda: rlinen.remat_module(LinenBlock, "full")):
-        with pytest.raises(ValueError, match="policy 'full' is now called 'full_remat'"):
+    for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, policy="full")(X)):
+        with pytest.raises(ValueError, match="unknown policy 'full'"):
             call()
-    with pytest.raises(RecomputeConfigError, match="now called 'full_remat'") as e:
+    with pytest.raises(RecomputeConfigError, match="unknown policy 'full'") as e:
         RecomputeConfig(granularity="full", policy="full")
-    assert e.value.fields == ("policy",)
-    with pytest.raises(RecomputeConfigError, match=r"per_layer policy \[1\]: .*now called 'full_remat'"):
+    assert e.value.field == "policy"
+    with pytest.raises(RecomputeConfigError, match=r"per_layer policy \[1\]: unknown policy 'full'"):
         RecomputeConfig(granularity="full", layers=remat.per_layer((None, "full")))
-    # the granularity keeps its name
-    assert RecomputeConfig(granularity="full").effective_policy() == "full_remat"
+    assert RecomputeConfig(granularity="full").effective_policy() == "nothing_saveable"
 
 
 def test_jax_internals_are_imported_in_two_known_places_only():

@@ -61,7 +61,7 @@ def test_unmodelled_policies_return_none():
 @pytest.mark.parametrize("model", list(BASES))
 def test_prediction_for_per_layer_policies(model):
     mod, base = BASES[model]
-    rc = R(granularity="full", layers=remat.per_layer((None, "mlp", "full_remat", "core_attn+norm")))
+    rc = R(granularity="full", layers=remat.per_layer((None, "mlp", "nothing_saveable", "core_attn+norm")))
     cfg = dataclasses.replace(base, recompute=rc)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                           jax.eval_shape(lambda: mod.init_params(cfg, jax.random.PRNGKey(0))))

@@ -403,14 +403,14 @@ def test_preset_shapes():
     ("gpt2", dict(dropout=1.0), "dropout"),
     ("gpt2", dict(n_layer=0), "n_layer=0"),
     ("gpt2", dict(recompute=RecomputeConfig(granularity="full", method="block", num_layers=3)),
-     "recompute_num_layers=3 exceeds n_layer=2; use 1..2"),
+     "num_layers: 3 exceeds n_layer=2; use 1..2"),
     ("gpt2", dict(recompute="full"), "RecomputeConfig"),
     ("llama3", dict(dtype="fp32"), "dtype='fp32'"),
     ("llama3", dict(n_kv_head=3), "n_kv_head=3 must divide n_head=4"),
     ("llama3", dict(n_embd=36, n_head=4), "even"),
     ("llama3", dict(norm_eps=0.0), "norm_eps"),
     ("llama3", dict(recompute=RecomputeConfig(granularity="full", method="uniform", num_layers=5)),
-     "recompute_num_layers=5 exceeds n_layer=2"),
+     "num_layers: 5 exceeds n_layer=2"),
 ])
 def test_config_validation(model, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -50,9 +50,9 @@ def _canonical(rc: RecomputeConfig) -> RecomputeConfig:
         return remat.plan.planner.recompute_config(("+".join(rc.modules),) * L)
     if rc.granularity == "full" and not isinstance(rc.layers, remat.regions.PerLayer) and rc.policy is None and not rc.use_reentrant:
         if rc.method == "block":
-            return remat.plan.planner.recompute_config(("full_remat",) * rc.num_layers + (None,) * (L - rc.num_layers))
+            return remat.plan.planner.recompute_config(("nothing_saveable",) * rc.num_layers + (None,) * (L - rc.num_layers))
         if rc.method == "none" or rc.num_layers == 1:
-            return remat.plan.planner.recompute_config(("full_remat",) * L)
+            return remat.plan.planner.recompute_config(("nothing_saveable",) * L)
     return rc
 
 
@@ -138,7 +138,7 @@ def test_budget_too_small_states_the_minimum():
     with pytest.raises(ValueError) as e:
         plan_for_budget(compile_grad, L, lo - 1)
     msg = str(e.value)
-    assert f"minimum of {format_bytes(lo, up=True)} ({lo:,} bytes" in msg and "(full_remat on every layer)" in msg
+    assert f"minimum of {format_bytes(lo, up=True)} ({lo:,} bytes" in msg and "(nothing_saveable on every layer)" in msg
     assert parse_size(format_bytes(lo, up=True).replace(" ", "")) >= lo
     assert "smaller micro-batch" in msg
 
@@ -170,7 +170,7 @@ def test_hand_settings_compile_like_their_per_layer_form():
 # The search itself, on a synthetic step (no compilation): exact against brute force, refinement.
 
 SYN = {None: (0, 0, 0.0), "norm": (30, 10, 1.0), "mlp": (55, 12, 4.0), "core_attn+mlp+norm": (60, 14, 4.5),
-       "full_remat": (90, 20, 9.0)}   # candidate: (interior bytes freed, last-layer bytes freed, FLOPs)
+       "nothing_saveable": (90, 20, 9.0)}   # candidate: (interior bytes freed, last-layer bytes freed, FLOPs)
 
 
 def _syn_step(penalty=0):
@@ -233,7 +233,7 @@ def test_parse_size():
     (["--recompute_method", "auto"], "needs --memory_budget SIZE"),
     (["--recompute_method", "auto", "--memory_budget", "12 parsecs"], "e.g. 12GiB"),
     (["--recompute_method", "auto,none", "--memory_budget", "1GiB", "--memory_report"], "auto alone"),
-    (["--recompute_method", "auto", "--memory_budget", "1GiB", "--remat_policy", "full_remat"], "drop --remat_policy"),
+    (["--recompute_method", "auto", "--memory_budget", "1GiB", "--remat_policy", "nothing_saveable"], "drop --remat_policy"),
     (["--recompute_method", "auto", "--memory_budget", "1GiB", "--scan_layers"], "drop --scan_layers"),
 ])
 def test_cli_usage_errors(args, match):
@@ -301,7 +301,7 @@ def test_bench_helpers():
 
     hs = bp.hand_settings(4)
     assert {"full", "uniform 2", "uniform 4", "block 1", "block 3", "selective core_attn+mlp+norm"} <= set(hs)
-    assert hs["block 2"] == remat.plan.planner.recompute_config(("full_remat", "full_remat", None, None))
+    assert hs["block 2"] == remat.plan.planner.recompute_config(("nothing_saveable", "nothing_saveable", None, None))
     a = 'HloModule m\n\nFileNames\n1 "a.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="x"}\n}'
     b = 'HloModule m\n\nFileNames\n1 "b.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="y"}\n}'
     assert bp._fingerprint(a) == bp._fingerprint(b) != bp._fingerprint(a.replace("f32", "s32"))
@@ -319,7 +319,7 @@ def test_plan_text_round_trip_and_bad_text():
     text = tagplan.format_plan(lp)
     assert text == "save_names:mlp_up,qkv x3; custom:qkv=device,mlp_up=offload x1; none x1"
     assert tagplan.parse_plan(text, 5) == lp
-    for bad, match in (("full_remat", "not 'POLICY xN'"), ("bogus x2", "bogus"), ("none x2", "covers 2 layers")):
+    for bad, match in (("nothing_saveable", "not 'POLICY xN'"), ("bogus x2", "bogus"), ("none x2", "covers 2 layers")):
         with pytest.raises(ValueError, match=match) as e:
             tagplan.parse_plan(bad, 3)
         assert "POLICY xN" in str(e.value) or "bogus" in str(e.value)
@@ -409,7 +409,7 @@ def test_front_on_cpu_fits_every_budget_and_is_monotone():
     f = remat.plan.planner.front(cs, ts, L, budgets, target="cpu", model=f0.model, measured=measured)
     steps = [p.predicted_step_s for p in f.plans]
     assert all(p.compiled_peak <= p.budget for p in f.plans)
-    assert steps[1] <= steps[0] and steps[0] <= f0.model.predict(("full_remat",) * L)[1]
+    assert steps[1] <= steps[0] and steps[0] <= f0.model.predict(("nothing_saveable",) * L)[1]
     for p in f.plans:
         rc = tagplan.recompute_config(tagplan.parse_plan(p.text, L))
         assert compiled_stats(cs(rc)).peak_estimate == p.compiled_peak
@@ -453,7 +453,7 @@ def test_recompute_plan_flag():
 
 
 def test_recompute_plan_cli_exit_2_one_line(text_file):
-    p = _train(["--recompute_plan", "full_remat"] + SMALL + ["--data", text_file])
+    p = _train(["--recompute_plan", "nothing_saveable"] + SMALL + ["--data", text_file])
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "POLICY xN" in lines[0], p.stderr
 

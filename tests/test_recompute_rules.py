@@ -4,7 +4,7 @@ exactly the same combinations of recompute settings, because the CLI only maps f
 The grid (648 settings) is every combination of a granularity, which layers are regions (method and
 num_layers, segments, every, DeepSpeed's number_checkpoints, and two of them at once), what a region
 saves (policy, modules, use_reentrant) and where region inputs wait (offload_inputs,
-shard_saved_axis), each built through the Python API and through train.py's parser in-process, with
+shard_inputs), each built through the Python API and through train.py's parser in-process, with
 two spellings of the granularity (configs only: nothing is compiled; about 2 s). train.py has no flag
 for determinism_check; its rule is checked on the library's two entry points below.
 """
@@ -32,8 +32,8 @@ LAYERS = (dict(), dict(num_layers=2), dict(method="uniform", num_layers=2), dict
 SAVES = (dict(), dict(policy="dots"), dict(modules="mlp"), dict(modules="mlp", policy="dots"),
          dict(use_reentrant=True), dict(use_reentrant=True, policy="dots"))
 # where region inputs wait
-WAITS = (dict(), dict(offload_inputs=True), dict(shard_saved_axis="tensor"),
-         dict(offload_inputs=True, shard_saved_axis="tensor"))
+WAITS = (dict(), dict(offload_inputs=True), dict(shard_inputs="tensor"),
+         dict(offload_inputs=True, shard_inputs="tensor"))
 
 
 def grid():
@@ -61,7 +61,7 @@ def argv(kw: dict, ds_path: str, spelled: bool) -> list:
         out.append("--cpu_checkpointing")
     if "regions" in values:
         out += ["--deepspeed_config", ds_path]
-    if "shard_saved_axis" in kw:
+    if "shard_inputs" in kw:
         out += ["--distribute_saved_activations", "--mesh", "tensor=2", "--no-sequence_parallel"]
     return out
 
@@ -89,7 +89,7 @@ def cli(parser, args):
 
 
 # The flag that sets each field in the grid's argv (the library's error names the field).
-FLAG_OF = {**FIELD_FLAGS, "regions": "--deepspeed_config", "shard_saved_axis": "--distribute_saved_activations"}
+FLAG_OF = {**FIELD_FLAGS, "regions": "--deepspeed_config", "shard_inputs": "--distribute_saved_activations"}
 
 
 def test_library_and_train_py_accept_and_refuse_the_same_settings(tmp_path):
@@ -107,8 +107,8 @@ def test_library_and_train_py_accept_and_refuse_the_same_settings(tmp_path):
                 differ.append(f"{kw}: library {'accepts' if err is None else f'refuses ({err})'}, train.py "
                               f"{'accepts' if msg is None else f'refuses ({msg})'}")
             elif err is not None:
-                assert "\n" not in msg and "='" not in msg, msg  # one line, in flag words (no granularity='none')
-                fields = [err.settings[f].field if f == "layers" else f for f in err.fields]
+                assert "\n" not in msg and msg.startswith("--"), msg  # one line, led by a flag
+                fields = [err.value.field if err.field == "layers" else err.field, *err.fields[1:]]
                 flags = [FLAG_OF[f] for f in fields if f in FLAG_OF]
                 # it names a flag of the setting the library refused (or train.py's own rule fired
                 # first: a DeepSpeed block means granularity full)
@@ -138,6 +138,7 @@ def test_determinism_check_is_accepted_exactly_where_it_applies(granularity):
         if can_reenter and not applies:
             assert err.field == "determinism_check" and err.value == check, err
             assert ("use_reentrant=True" in str(err)) == (granularity != "none"), err
+            assert str(err).startswith("determinism_check: "), err
         if granularity == "full":  # remat.checkpoint: the same rule for one region
             try:
                 remat.checkpoint(jnp.sin, use_reentrant=reentrant, determinism_check=check)(x)
@@ -174,7 +175,7 @@ def test_the_regions_are_one_value(spec, megatron, n, regions):
     # dataclasses.replace passes every field back: the repeated spellings agree, so it works...
     assert dataclasses.replace(by_spec, offload_inputs=True).layers == spec
     # ...and a change of granularity that the spec cannot follow is refused, not dropped
-    with pytest.raises(RecomputeConfigError, match="granularity='full'"):
+    with pytest.raises(RecomputeConfigError, match="applies to granularity full only"):
         dataclasses.replace(by_spec, granularity="selective")
     # two choices of the regions are refused
     with pytest.raises(RecomputeConfigError, match="pass only one") as e:
@@ -182,26 +183,29 @@ def test_the_regions_are_one_value(spec, megatron, n, regions):
     assert e.value.fields[0] == "layers"
 
 
-def test_a_region_spec_validates_itself_with_structured_fields():
+def test_a_region_spec_validates_itself_naming_its_field():
     with pytest.raises(RecomputeConfigError) as e:
         remat.every(0)
-    assert (e.value.field, e.value.value, e.value.valid) == ("every", 0, "an integer >= 1")
+    assert (e.value.field, e.value.value) == ("every", 0)
+    assert str(e.value) == "every: must be an integer >= 1 (got 0): every k-th layer is a region"
     with pytest.raises(RecomputeConfigError) as e:
         RecomputeConfig(granularity="full", layers=remat.uniform(4)).validate_for(3)
-    assert (e.value.field, e.value.value, e.value.valid) == ("num_layers", 4, "1..3")
+    assert (e.value.field, e.value.value, e.value.message) == ("num_layers", 4, "4 exceeds n_layer=3; use 1..3")
     with pytest.raises(RecomputeConfigError, match="not a region spec"):
         RecomputeConfig(granularity="full", layers=2)
-    with pytest.raises(RecomputeConfigError, match="granularity='full' only"):
+    with pytest.raises(RecomputeConfigError, match="applies to granularity full only"):
         RecomputeConfig(layers=remat.uniform(2))
 
 
-def test_the_cli_words_an_error_from_its_fields_not_its_text():
+def test_the_cli_puts_the_flags_of_the_fields_before_the_library_message():
     with pytest.raises(RecomputeConfigError) as e:
         RecomputeConfig(granularity="full", method="uniform", num_layers=2, layers=remat.every(2))
     err = e.value
-    assert err.fields[:2] == ("layers", "method") and err.settings["method"] == "uniform"
-    assert str(err).startswith("recompute layers=every(2) and method='uniform' each say which layers are regions")
-    assert flag_error(err).startswith("--recompute_every 2 and --recompute_method uniform each say")
-    # another vocabulary, from the same fields
-    shout = err.render(lambda name, value, with_value: name.upper() + (f":{value}" if with_value else ""))
-    assert shout.startswith("LAYERS:every(2) and METHOD:uniform each say")
+    assert err.fields == ("layers", "method") and err.value == remat.every(2)
+    assert str(err) == "layers: every(2) and method uniform each say which layers are regions; pass only one"
+    assert flag_error(err) == ("--recompute_every and --recompute_method: every(2) and method uniform each say "
+                               "which layers are regions; pass only one")
+    with pytest.raises(RecomputeConfigError) as e:
+        remat.uniform(0)
+    assert flag_error(e.value) == ("--recompute_num_layers: must be >= 1 (got 0): the number of layers per region "
+                                   "of method uniform")

@@ -38,17 +38,17 @@ def test_plan(cfg, n, want):
 
 
 @pytest.mark.parametrize("build,needle", [
-    (lambda: remat.segments("0-3,2-5"), "segments=0-3,2-5: (2, 5) is not valid"),
+    (lambda: remat.segments("0-3,2-5"), "segments: (2, 5) is not valid"),
     (lambda: remat.segments("3-1"), "start < stop"),
     (lambda: remat.segments("0-3;3-5"), "'0-3;3-5' is not START-STOP"),
     (lambda: remat.segments("²-3"), "'²-3' is not START-STOP"),  # '²'.isdigit() is True
     (lambda: remat.segments(), "empty"),
     (lambda: remat.segments((0, "a")), "is not valid"),
-    (lambda: RecomputeConfig(layers=remat.segments("0-3")), "applies to granularity='full' only"),
+    (lambda: RecomputeConfig(layers=remat.segments("0-3")), "applies to granularity full only"),
     (lambda: full(method="uniform", num_layers=2, layers=remat.every(2)), "pass only one"),
-    (lambda: RecomputeConfig(granularity="selective", layers=remat.every(2)), "applies to granularity='full' only"),
-    (lambda: remat.every(0), "every=0 must be an integer >= 1"),
-    (lambda: remat.count(-1), "regions=-1 must be an integer >= 1"),
+    (lambda: RecomputeConfig(granularity="selective", layers=remat.every(2)), "applies to granularity full only"),
+    (lambda: remat.every(0), "every: must be an integer >= 1 (got 0)"),
+    (lambda: remat.count(-1), "regions: must be an integer >= 1 (got -1)"),
     (lambda: full(layers=(0, 3)), "is not a region spec"),
 ])
 def test_bad_settings_name_the_field_and_what_is_valid(build, needle):
@@ -59,8 +59,8 @@ def test_bad_settings_name_the_field_and_what_is_valid(build, needle):
 
 @pytest.mark.parametrize("cfg,needle", [
     (full(layers=remat.segments("0-3,3-6")),
-     "recompute_segments=0-3,3-6 reaches layer 6 but n_layer=5; stops must be <= 5"),
-    (full(layers=remat.every(6)), "recompute_every=6 exceeds n_layer=5; use 1..5"),
+     "segments: 0-3,3-6 reaches layer 6 but n_layer=5; stops must be <= 5"),
+    (full(layers=remat.every(6)), "every: 6 exceeds n_layer=5; use 1..5"),
     (full(layers=remat.count(6)), "exceeds n_layer=5; use 1..5"),
 ])
 def test_validate_for_the_depth(cfg, needle):
@@ -100,8 +100,8 @@ def test_gradients_jitted():
 
 def test_scan_layout_of_every_k_is_one_scanned_group_not_one_run_per_layer():
     # a region and the k-1 plain layers after it are one group: two runs (the tail) for any depth
-    assert _runs(8, full(layers=remat.every(2))) == [(0, 4, ((1, True, "full_remat"), (1, False, None)))]
-    assert _runs(5, full(layers=remat.every(2))) == [(0, 2, ((1, True, "full_remat"), (1, False, None))), (4, 1, ((1, True, "full_remat"),))]
+    assert _runs(8, full(layers=remat.every(2))) == [(0, 4, ((1, True, "nothing_saveable"), (1, False, None)))]
+    assert _runs(5, full(layers=remat.every(2))) == [(0, 2, ((1, True, "nothing_saveable"), (1, False, None))), (4, 1, ((1, True, "nothing_saveable"),))]
     assert len(_runs(64, full(layers=remat.every(4)))) == 1
 
 

@@ -1,7 +1,7 @@
 """Sharded saved activations (Megatron's distribute_saved_activations) on 8 CPU devices.
 
 Mesh data=2 x fsdp=4 (Auto axes); the batch is sharded over `data`, so activations are replicated
-over `fsdp`. With `shard_saved_axis="fsdp"` each region keeps its input sharded along T over fsdp
+over `fsdp`. With `shard_inputs="fsdp"` each region keeps its input sharded along T over fsdp
 and all-gathers it before recomputing.
 """
 import re
@@ -24,7 +24,7 @@ def loss(ps, x, cfg):
     return jnp.mean(remat.apply_layers(lambda p, h, k: block(p, h), ps, x, cfg) ** 2)
 
 
-@pytest.mark.slow  # ~20 s; tests/test_tensor_parallel.py keeps --distribute_saved_activations (the same shard_saved_axis) fast
+@pytest.mark.slow  # ~20 s; tests/test_tensor_parallel.py keeps --distribute_saved_activations (the same shard_inputs) fast
 @pytest.mark.parametrize("reentrant", [False, True])  # False: ~16-50 s
 def test_saved_inputs_sharded_over_fsdp(reentrant):
     assert len(jax.devices()) >= 8, "tests/conftest.py sets 8 host devices"
@@ -34,7 +34,7 @@ def test_saved_inputs_sharded_over_fsdp(reentrant):
     with jax.set_mesh(mesh):
         x = jax.device_put(X, NamedSharding(mesh, P("data", None, None)))
         for axis in (None, "fsdp"):
-            cfg = remat.RecomputeConfig(granularity="full", use_reentrant=reentrant, shard_saved_axis=axis)
+            cfg = remat.RecomputeConfig(granularity="full", use_reentrant=reentrant, shard_inputs=axis)
             f = jax.jit(jax.grad(loss), static_argnums=2)
             compiled = f.lower(PS, x, cfg).compile()
             moved = re.findall(r"= \w+\[\d+,\d+,\d+\]\S* (?:all-gather|all-to-all|all-reduce)\(", compiled.as_text())
@@ -50,4 +50,4 @@ def test_saved_inputs_sharded_over_fsdp(reentrant):
 
 def test_shard_saved_axis_needs_recompute():
     with pytest.raises(ValueError, match="needs recompute on"):
-        remat.RecomputeConfig(shard_saved_axis="fsdp")
+        remat.RecomputeConfig(shard_inputs="fsdp")

@@ -69,7 +69,7 @@ def _tpu_no_vmem(rows: tuple, model: str = "gpt2", shape: tuple = ()) -> dict:
 # The slow tests' XLA:TPU rows, compiled in one fresh process with VMEM placement off.
 SLOW_ROWS = ("none", "full", "uniform 2", "block 2", "none scan", "full scan", "selective core_attn",
              "selective core_attn+mlp", "full offload bf16", "full + save_names offload bf16",
-             "full + offload_names offload bf16", "full sharded", "full + shard_saved_axis fsdp sharded")
+             "full + offload_names offload bf16", "full sharded", "full + shard_inputs fsdp sharded")
 
 
 def _tpu(*rows) -> dict:
@@ -262,7 +262,7 @@ def test_sharded_saved_inputs_per_compiler(target):
     each per device, less than the buffers of the all-to-all and gather that split and rebuild them
     (measured 4.30 vs 3.93 MiB; docs/BENCHMARKS.md, "peaks": at the reference shape XLA:GPU 0.43x)."""
     need(targets.get(target).platform)
-    rows = ("full sharded", "full + shard_saved_axis fsdp sharded")
+    rows = ("full sharded", "full + shard_inputs fsdp sharded")
     t = _tpu(*rows) if target == TPU else {r: temp(target, r) for r in rows}
     _mib(t)
     if target == GPU:

@@ -149,7 +149,7 @@ def test_model_runs_without_mesh_and_sharding_is_validated():
 
 
 def _distributed_temp(mesh_shape, n_layer=8, batch=8, seq=64):
-    """Per-device compiled temp of full remat without and with shard_saved_axis="tensor" (no sequence
+    """Per-device compiled temp of full remat without and with shard_inputs="tensor" (no sequence
     parallelism), and the per-device bytes of the saved region inputs (from saved_residuals).
 
     `batch` is the global batch (split over data x fsdp), `seq` the sequence length T.
@@ -157,7 +157,7 @@ def _distributed_temp(mesh_shape, n_layer=8, batch=8, seq=64):
     idx = np.zeros((batch, seq), np.int32)
     temps = {}
     for axis in (None, "tensor"):
-        rc = RecomputeConfig(granularity="full", shard_saved_axis=axis)
+        rc = RecomputeConfig(granularity="full", shard_inputs=axis)
         mod, cfg, params = _setup("gpt2", rc, n_layer=n_layer, n_embd=128, block_size=seq, loss_chunk=16)
         _, compiled = _grad(mod, cfg, params, mesh_shape, sequence=False, idx=idx, tgt=idx)
         temps[axis] = compiled.memory_analysis().temp_size_in_bytes
@@ -235,7 +235,7 @@ def test_distributed_saved_activations_on_data_fsdp_tensor_mesh():
     none along another axis: the models constrain the embedding output like the residual stream,
     else XLA computed the first region's input split along C, the first step of its store, and
     all-gathered it for the forward)."""
-    mod, cfg, params = _setup("gpt2", RecomputeConfig(granularity="full", shard_saved_axis="tensor"))
+    mod, cfg, params = _setup("gpt2", RecomputeConfig(granularity="full", shard_inputs="tensor"))
     mesh_shape = MESHES["d2f2t2"]
     ref, _ = _grad(mod, dataclasses.replace(cfg, recompute=REMAT["full"]), params)  # one device: no axis to split over
     got, compiled = _grad(mod, cfg, params, mesh_shape, sequence=False)
@@ -262,7 +262,7 @@ def test_distribute_saved_activations_flag_changes_compiled_step():
     out = {}
     for extra in ([], ["--distribute_saved_activations"]):
         setup = prepare(config_from_args(argv + extra))
-        assert setup.mcfg.recompute.shard_saved_axis == ("tensor" if extra else None)
+        assert setup.mcfg.recompute.shard_inputs == ("tensor" if extra else None)
         out[bool(extra)] = compile_train_step(setup).as_text().count(" all-to-all(")
     assert out[True] > out[False], out
 
@@ -271,10 +271,11 @@ def test_distribute_saved_activations_flag_changes_compiled_step():
     (dict(activation_recompute=True), "has none; add tensor=N"),
     (dict(mesh="tensor=1", activation_recompute=True), "has none; add tensor=N"),
     (dict(mesh="tensor=2", activation_recompute=True), "add --no-sequence_parallel"),
-    (dict(mesh="tensor=2", sequence_parallel=False), "needs --recompute_granularity full"),
+    (dict(mesh="tensor=2", sequence_parallel=False),
+     "--distribute_saved_activations: has no effect with recompute off"),
     (dict(mesh="tensor=2", sequence_parallel=False, recompute_granularity="selective"), "not selective"),
     (dict(mesh="tensor=2", sequence_parallel=False, activation_recompute=True, cpu_checkpointing=True),
-     "--cpu_checkpointing both decide"),
+     "--distribute_saved_activations and --cpu_checkpointing: 'tensor' keeps region inputs sharded"),
 ])
 def test_distribute_saved_activations_usage_errors(kw, match):
     with pytest.raises(UsageError, match=match):
@@ -285,10 +286,10 @@ def test_deepspeed_partition_activations_maps_to_tensor_axis(tmp_path):
     p = tmp_path / "ds.json"
     p.write_text('{"activation_checkpointing": {"partition_activations": true}}')
     on = _train_config(mesh="tensor=2", sequence_parallel=False, deepspeed_config=str(p))
-    assert on.recompute.shard_saved_axis == "tensor"
+    assert on.recompute.shard_inputs == "tensor"
     assert any("split along T over the 'tensor' axis" in n for n in on.deepspeed_notes())
     sp = _train_config(mesh="tensor=2", deepspeed_config=str(p))
-    assert sp.recompute.shard_saved_axis is None
+    assert sp.recompute.shard_inputs is None
     assert any("sequence parallelism already" in n for n in sp.deepspeed_notes())
 
 

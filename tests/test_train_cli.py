@@ -37,6 +37,8 @@ def text_file(tmp_path_factory):
 
 @pytest.mark.parametrize("args,match", [
     (["--recompute_method", "uniform"], "add --activation_recompute"),
+    (["--activation_recompute", "--recompute_method", "uniform", "--recompute_num_layers", "0"],
+     "train.py: error: --recompute_num_layers: must be >= 1 (got 0)"),
     (["--resume", "--checkpoint_dir", "{tmp}/empty"], "holds no complete checkpoint"),
 ])
 def test_usage_error_is_one_line_exit_2(args, match, tmp_path, text_file):

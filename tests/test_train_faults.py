@@ -59,8 +59,8 @@ def test_model_too_large_for_the_devices_is_a_usage_error(text_file, tmp_path):
 
 @pytest.mark.parametrize("flags, match", [
     (["--recompute_granularity", "full", "--recompute_method", "uniform", "--recompute_num_layers", "99"],
-     r"^--recompute_num_layers 99 exceeds n_layer=2; use 1\.\.2$"),
-    (["--recompute_granularity", "full", "--recompute_every", "5"], r"^--recompute_every 5 exceeds n_layer=2"),
+     r"^--recompute_num_layers: 99 exceeds n_layer=2; use 1\.\.2$"),
+    (["--recompute_granularity", "full", "--recompute_every", "5"], r"^--recompute_every: 5 exceeds n_layer=2"),
 ])
 def test_recompute_layers_beyond_the_model_are_named_by_flag(flags, match, text_file):
     """Only the model knows its layer count: the config's error reaches the user in flag words."""

@@ -50,7 +50,7 @@ from remat.config import RecomputeConfig
 from remat.regions import per_layer
 from remat.memory import compiled_stats, format_bytes  # noqa: F401  (re-exported: remat.plan.planner.compiled_stats)
 
-# Candidate settings: None (not rematerialized), selective presets, and full_remat (nothing saved).
+# Candidate settings: None (not rematerialized), selective presets, and nothing_saveable (nothing saved).
 DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", _policies.NOTHING)
 PEAKS = ("estimate", "temp")
 MAX_PLANS = 2_000_000  # compositions enumerated at most; beyond, layers are planned in equal groups
@@ -281,7 +281,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
             notes.append(dropped)
     if not uniform:
         raise ValueError("plan_for_budget: every remat candidate was dropped (" + "; ".join(notes) + "); "
-                         "add one that keeps its values on the device, e.g. full_remat")
+                         "add one that keeps its values on the device, e.g. nothing_saveable")
     best_c = min(uniform, key=lambda c: pk(uniform[c]))
     minimum = min(pk(uniform[best_c]), p_none)
     if budget < minimum:

@@ -55,8 +55,8 @@ def format_plan(layer_policies: Sequence) -> str:
     """The one-line text of a per-layer plan: runs of equal policies, `POLICY xN` joined by '; '.
 
     Example:
-      >>> format_plan(["full_remat", "full_remat", None])
-      'full_remat x2; none x1'
+      >>> format_plan(["nothing_saveable", "nothing_saveable", None])
+      'nothing_saveable x2; none x1'
     """
     runs = []
     for p in layer_policies:
@@ -79,8 +79,8 @@ def parse_plan(text: str, n_layers: int | None = None) -> tuple:
     `remat.policies` name (or `none`), the counts adding up to `n_layers` when given.
 
     Example:
-      >>> parse_plan("full_remat x2; none x1", 3)
-      ('full_remat', 'full_remat', None)
+      >>> parse_plan("nothing_saveable x2; none x1", 3)
+      ('nothing_saveable', 'nothing_saveable', None)
     """
     out = []
     for part in str(text).split(";"):
@@ -130,7 +130,7 @@ class Model:
     notes: tuple = ()
 
     def layer_choice(self, policy) -> dict | None:
-        """{tag: choice} of a policy (None for `none`); full_remat recomputes everything."""
+        """{tag: choice} of a policy (None for `none`); nothing_saveable recomputes everything."""
         if policy is None:
             return None
         if policy == _policies.NOTHING:

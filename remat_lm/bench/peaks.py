@@ -16,7 +16,7 @@ and the ratio to the row it is compared with (`base`). The rows, float32 unless 
   offload, bf16 (the bench's offload rows): full remat saving `qkv,mlp_up` on the device, offloading them
     (`offload_names`), and the layer inputs in host memory (`offload_inputs`), each against full;
   sharded saved inputs: full remat on 4 devices (h200x4, v5e:2x2, cpux4: mesh data=2 x fsdp=2, batch
-    over data), region inputs kept whole, then split along T over fsdp (`shard_saved_axis`).
+    over data), region inputs kept whole, then split along T over fsdp (`shard_inputs`).
 `--merge` prints the runs of several targets as one table, a column per compiler.
 
 # NOTE: XLA:TPU places small buffers in the TPU core's VMEM (128 MiB on a v5e) and its
@@ -89,7 +89,7 @@ def settings(platform: str, n_layer: int = common.REFERENCE["gpt2"]["n_layer"]) 
         out.append(Setting(name if name == "full" else f"full + {name}", "offload bf16", offload.SETTINGS[name],
                            "full offload bf16", bf16))
     out += [Setting("full", "sharded", FULL, "full sharded", mesh=True),
-            Setting("full + shard_saved_axis fsdp", "sharded", RecomputeConfig(granularity="full", shard_saved_axis="fsdp"),
+            Setting("full + shard_inputs fsdp", "sharded", RecomputeConfig(granularity="full", shard_inputs="fsdp"),
                     "full sharded", mesh=True)]
     return out
 

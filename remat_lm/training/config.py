@@ -36,6 +36,10 @@ from remat.plan import targets as remat_targets
 from remat_lm.argtypes import parse_size
 from remat_lm.training.flags import AutoRecompute
 
+__all__ = ["TrainConfig", "UsageError", "build_parser", "config_from_args", "usage_exit", "parse_mesh", "model_presets",
+           "MODELS", "DTYPES", "MESH_AXES", "TENSOR_AXIS", "DEFAULT_PRESET", "DEFAULT_PROMPT_TOKENS", "INT32_MAX",
+           "SEED_MAX", "SAMPLE_LENGTH_MAX", "PATH_FLAGS"]
+
 MODELS = model_family_names  # the model-family registry (remat_lm.models.family)
 DTYPES = ("float32", "bfloat16")
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -355,7 +359,7 @@ class TrainConfig(RecomputeFlags):
 
     def _check_distribute(self) -> None:
         """UsageError when the mesh leaves --distribute_saved_activations nothing to split (what it
-        needs of the recompute settings is RecomputeConfig's rule for `shard_saved_axis`)."""
+        needs of the recompute settings is RecomputeConfig's rule for `shard_inputs`)."""
         flag = "--distribute_saved_activations"
         if self.tensor_size <= 1:
             raise UsageError(f"{flag} splits each region's saved input over the mesh's tensor axis, but --mesh "

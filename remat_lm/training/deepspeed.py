@@ -4,7 +4,7 @@ The block's keys (DeepSpeed's defaults in brackets) and what each becomes here:
 
 | key | becomes |
 |---|---|
-| `partition_activations` [false] | `shard_saved_axis=<tensor axis>`: region inputs kept split along T over
+| `partition_activations` [false] | `shard_inputs=<tensor axis>`: region inputs kept split along T over
 |                                  | the tensor-parallel axis, all-gathered before recomputing; without a
 |                                  | tensor axis, or with sequence parallelism (which already splits them),
 |                                  | there is nothing to partition (a note says so) |
@@ -93,7 +93,7 @@ class DeepSpeedCheckpointing:
         if self.cpu_checkpointing:
             kw["offload_inputs"] = True
         if self.partition_activations and tensor_axis is not None:
-            kw["shard_saved_axis"] = tensor_axis
+            kw["shard_inputs"] = tensor_axis
         return kw
 
     def notes(self, tensor_axis: str | None = None, sequence_parallel: bool = False) -> list[str]:

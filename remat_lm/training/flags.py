@@ -1,17 +1,13 @@
 """The recompute flags of every command line (train.py, `python -m remat_lm.llmc verify`).
 
-One table, `FLAGS`, defines the vocabulary: each flag's name, type, default, help and the
-`RecomputeConfig` field it sets. `RecomputeFlags`, the dataclass `remat_lm.training.TrainConfig`
-inherits its recompute fields from, is generated from it, and `train.py` and `remat_lm.llmc verify`
-both generate their argparse flags from it (`argparse_kwargs`, `add_arguments`), so names, types,
-defaults, help and parsing are declared once. `from_flags` turns flag values into `RecomputeConfig`s (or an
-`AutoRecompute` request for `--recompute_method auto`). The settings are validated once, by
-`RecomputeConfig` (which also refuses every setting that another would make it ignore); this module
-only checks what a config cannot see (`--activation_recompute` against `--recompute_granularity`,
-`--deepspeed_config` against a granularity, two flags that set one field) and words a
-`RecomputeConfigError` in flags: it renders the error's template with the flag of each field
-(`flag_error`, reading `e.settings`, never the message text; a setting refused because recompute is
-off reads "needs recompute turned on; add --activation_recompute").
+`FLAGS` is the one table of the CLI's recompute vocabulary: each flag's name (Megatron's and
+DeepSpeed's spellings), type, default, help and the `RecomputeConfig` field it sets. The dataclass
+`RecomputeFlags` (`TrainConfig`'s base) and every parser's flags are generated from it;
+`FIELD_FLAGS` reads it backwards, field to flag, so a `RecomputeConfigError` becomes
+`--recompute_num_layers: must be >= 1 (got 0)` (`flag_error`). `from_flags` turns flag values into
+`RecomputeConfig`s (or an `AutoRecompute` request for `--recompute_method auto`); the settings are
+validated by `RecomputeConfig` alone, and this module checks only what a config cannot see (two
+flags for one field, a flag that implies a granularity).
 
 Example:
     >>> recompute_configs(activation_recompute=True, methods=("uniform",), num_layers=2)
@@ -32,7 +28,9 @@ from remat import policies
 import remat
 from remat.config import GRANULARITIES, METHODS, RecomputeConfig, RecomputeConfigError
 from remat.errors import is_int
-from remat.errors import library_word
+
+__all__ = ["Flag", "FLAGS", "BY_NAME", "FIELD_FLAGS", "RecomputeFlags", "AutoRecompute", "argparse_kwargs",
+           "add_arguments", "defaults", "granularity", "flag_error", "recompute_configs", "from_flags"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +107,11 @@ RecomputeFlags = dataclasses.make_dataclass("RecomputeFlags", [_field(f) for f i
 RecomputeFlags.__doc__ = "The recompute flags' values, one field per entry of `FLAGS` (TrainConfig's base)."
 RecomputeFlags.__module__ = __name__
 
-# The flag that sets each RecomputeConfig field, for error messages (two come from --deepspeed_config).
+# The flag that sets each RecomputeConfig field (or region spec's value), read from FLAGS; two come
+# from --deepspeed_config, and `shard_inputs` from train.py's --distribute_saved_activations.
 FIELD_FLAGS = {**{f.field: f"--{f.name}" for f in FLAGS if f.field},
                "regions": "--deepspeed_config number_checkpoints",
-               "shard_saved_axis": "--deepspeed_config partition_activations"}
+               "shard_inputs": "--distribute_saved_activations"}
 
 
 # Text flags that hold numbers: ASCII digits only (int() would misread or reject '²'), named in the error.
@@ -179,49 +178,26 @@ def granularity(activation_recompute: bool, recompute_granularity: str | None, *
     return recompute_granularity
 
 
-# Fields set by an on/off flag: named without a value (`--distribute_saved_activations`, not its axis).
-_SWITCHES = ("use_reentrant", "offload_inputs", "shard_saved_axis")
-
-
-def _field_of(name: str, value) -> str:
-    """The field whose flag sets `name=value`: a region spec (`layers`) is set by the flag of its kind
-    (`every(2)`: `--recompute_every`, `count(4)`: `--deepspeed_config number_checkpoints`)."""
-    return value.field if name == "layers" and isinstance(value, remat.regions.Layers) else name
-
-
-def flag_word(flags: Mapping[str, str] = FIELD_FLAGS):
-    """How a command line names a setting in an error (for `RecomputeConfigError.render`): the flag
-    of its field with the value as typed (`--recompute_every 2`, `--use_reentrant`,
-    `--recompute_segments 0-3,3-5`), or the flag alone. A field without a flag keeps the library's words."""
-    def word(name: str, value, with_value: bool) -> str:
-        if name == "layers" and isinstance(value, remat.regions.Layers):
-            name, value = value.field, value.value()
-        flag = flags.get(name)
-        if flag is None:
-            return library_word(name, value, with_value)
-        if not with_value or value is None or value is True or name in _SWITCHES:
-            return flag
-        if isinstance(value, tuple):  # segments ((0, 3), (3, 5)) or modules ("core_attn", "mlp")
-            value = ",".join(f"{p[0]}-{p[1]}" if isinstance(p, tuple) else str(p) for p in value)
-        return f"{flag} {value}"
-    return word
+def _flag_of(field: str, value, flags: Mapping[str, str]) -> str:
+    """The flag that sets `field` (a region spec in `layers` by the flag of its kind: `every(2)` is
+    `--recompute_every`); a field without a flag keeps its name."""
+    if field == "layers" and isinstance(value, remat.regions.Layers):
+        field = value.field
+    return flags.get(field, field)
 
 
 def flag_error(e: RecomputeConfigError, flags: Mapping[str, str] = FIELD_FLAGS) -> str:
-    """A RecomputeConfigError in flag words, rendered from its fields (`e.template`, `e.settings`):
-    `granularity='full'` reads `--recompute_granularity full`. Prefixed by the flags of its fields
-    when it does not start with one (always so for an error without a template).
+    """A RecomputeConfigError with the flags of its fields in front: `--recompute_every: must be ...`.
 
     Example:
       >>> try:
       ...     RecomputeConfig(granularity="full", layers=remat.every(0))
       ... except RecomputeConfigError as e:
       ...     flag_error(e)
-      '--recompute_every 0 must be an integer >= 1 (every k-th layer is a region)'
+      '--recompute_every: must be an integer >= 1 (got 0): every k-th layer is a region'
     """
-    msg = e.render(flag_word(flags))
-    named = [flags.get(_field_of(f, e.settings.get(f)), f) for f in e.fields]
-    return msg if any(msg.startswith(f) for f in named) else f"{' and '.join(named)}: {msg}"
+    named = [_flag_of(e.field, e.value, flags)] + [_flag_of(f, None, flags) for f in e.fields[1:]]
+    return f"{' and '.join(dict.fromkeys(named))}: {e.message}"
 
 
 def recompute_configs(*, activation_recompute: bool = False, recompute_granularity: str | None = None,
@@ -235,7 +211,7 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
     `--recompute_every` and `--cpu_checkpointing`; `deepspeed` is a `remat_lm.training.deepspeed.DeepSpeedCheckpointing`
     (`--deepspeed_config`), which turns recompute on at granularity full; `tensor_axis` is the mesh's
     tensor-parallel axis, if any, for its `partition_activations`; `distribute_axis` is the axis
-    train.py's `--distribute_saved_activations` splits region inputs over (its `shard_saved_axis`).
+    train.py's `--distribute_saved_activations` splits region inputs over (its `shard_inputs`).
     """
     g = granularity(activation_recompute, recompute_granularity,
                     regions=deepspeed is not None or segments is not None or every is not None)
@@ -264,12 +240,13 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
         base.update(deepspeed.recompute_kwargs(tensor_axis))
         if deepspeed.cpu_checkpointing and not cpu_checkpointing:
             flags["offload_inputs"] = "--deepspeed_config cpu_checkpointing"
+        if base.get("shard_inputs") is not None:
+            flags["shard_inputs"] = "--deepspeed_config partition_activations"
     if distribute_axis is not None:
-        if base.get("shard_saved_axis") is not None:
+        if base.get("shard_inputs") is not None:
             raise ValueError("--distribute_saved_activations and --deepspeed_config partition_activations ask for the "
                              "same thing; pass only one")
-        base["shard_saved_axis"] = distribute_axis
-        flags["shard_saved_axis"] = "--distribute_saved_activations"
+        base["shard_inputs"] = distribute_axis
     takes_n = [m for m in methods if m in ("uniform", "block")]
     out = []
     for m in methods:
@@ -278,28 +255,26 @@ def recompute_configs(*, activation_recompute: bool = False, recompute_granulari
         try:
             rc = RecomputeConfig(method=m, num_layers=n, **base)
         except RecomputeConfigError as e:
-            raise ValueError(_off_error(e, flags, recompute_granularity, ",".join(methods))
-                             or flag_error(e, flags)) from None
+            raise ValueError(_off_error(e, flags, g, recompute_granularity) or flag_error(e, flags)) from None
         out.append((argtypes.config_label(rc), rc))
     return out
 
 
-# The settings that mean nothing with recompute off, worded "needs recompute turned on" on a command line.
-_OFF_FIELDS = ("method", "num_layers", "modules", "policy", "use_reentrant", "layers", "offload_inputs")
+# The settings that mean nothing with recompute off, worded "has no effect with recompute off" on a command line.
+_OFF_FIELDS = ("method", "num_layers", "modules", "policy", "use_reentrant", "layers", "offload_inputs", "shard_inputs")
 
 
-def _off_error(e: RecomputeConfigError, flags: Mapping[str, str], recompute_granularity: str | None,
-               method_flag: str) -> str | None:
-    """A setting RecomputeConfig refused because granularity is none (`e.settings`), in flag words: the
-    flag that would be ignored and how to turn recompute on; None for any other error."""
-    if e.settings.get("granularity") != "none" or e.field not in _OFF_FIELDS:
+def _off_error(e: RecomputeConfigError, flags: Mapping[str, str], g: str,
+               recompute_granularity: str | None) -> str | None:
+    """A setting RecomputeConfig refused because recompute is off (granularity `g` is none), in flag
+    words: the flag that would be ignored and how to turn recompute on; None for any other error."""
+    if g != "none" or e.field not in _OFF_FIELDS:
         return None
-    flag = flags[_field_of(e.field, e.value)]
-    shown = flag_word(flags)(e.field, method_flag if e.field == "method" else e.value, True)
+    flag = _flag_of(e.field, e.value, flags)
     on = "--activation_recompute" + (" --recompute_granularity selective" if e.field == "modules" else "")
     if recompute_granularity is not None:  # the user said none
         on = f"--recompute_granularity {'selective' if e.field == 'modules' else 'full'} (not none)"
-    return f"{shown} needs recompute turned on; add {on}, or drop {flag}"
+    return f"{flag}: has no effect with recompute off; add {on}, or drop {flag}"
 
 
 def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
