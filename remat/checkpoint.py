@@ -98,7 +98,7 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
         raise TypeError(f"remat.checkpoint: expected a function, got {type(fn).__name__} {fn!r}")
     check_region(use_reentrant, policy, determinism_check)
     argnums = (static_argnums,) if type(static_argnums) is int else static_argnums
-    if not (isinstance(argnums, (tuple, list)) and all(type(d) is int for d in argnums)):
+    if not (type(argnums) is tuple and all(type(d) is int for d in argnums)):
         raise TypeError(f"remat.checkpoint: static_argnums must be an int or a tuple of ints, got {static_argnums!r}")
     argnums = tuple(argnums)
     argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
