@@ -53,9 +53,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
-    from remat_lm.argtypes import start_backends
-
-    start_backends()
     try:
         recompute = _recompute_from(a)
         config, params = load(a.model, recompute, scan_layers=a.scan_layers, norm_eps=a.norm_eps,

@@ -29,7 +29,6 @@ import jax
 
 import remat
 from remat.plan import targets as remat_targets
-from remat_lm import argtypes
 from remat_lm.argtypes import UsageError
 
 # A TPU's device_kind as JAX reports it on a TPU VM, per remat.plan.targets spec kind.
@@ -123,10 +122,10 @@ def resolve(cfg) -> tuple[remat_targets.Target | None, bool]:
 
 
 def devices(t: remat_targets.Target) -> list:
-    """`t`'s compile-only devices, with the compilers' start-up banner dropped from stderr; a missing
-    compiler is a UsageError naming the install (`remat.plan.targets.TargetUnavailable`)."""
+    """`t`'s compile-only devices; a missing compiler is a UsageError naming the install
+    (`remat.plan.targets.TargetUnavailable`)."""
     try:
-        return argtypes.quietly(t.devices)
+        return t.devices()
     except remat_targets.TargetUnavailable as e:
         raise UsageError(f"--target {t.name}: {e}") from None
 
