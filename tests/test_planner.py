@@ -24,7 +24,8 @@ from remat_lm.models import gpt2
 from remat_lm.models.memory_model import activation_bytes
 from remat import RecomputeConfig
 from remat.memory import CompiledMemory
-from remat.plan.planner import compiled_stats, format_bytes, plan_for_budget
+from remat.memory import compiled_stats, format_bytes
+from remat.plan.planner import plan_for_budget
 from remat_lm.argtypes import parse_size
 from remat_lm.training.config import UsageError, config_from_args
 from trainhelp import ours

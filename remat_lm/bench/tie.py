@@ -4,7 +4,7 @@
     python -m remat_lm.bench.tie                               # cpu, h200, v5e (~6 min on 2 cores)
     python -m remat_lm.bench.tie --targets h200 --json tie.json
 
-Compile only (`remat.plan.targets.compiled_memory`); nothing runs. Needs the `targets` extra for the GPU
+Compile only (`remat.memory.compiled_memory`); nothing runs. Needs the `targets` extra for the GPU
 and TPU columns. The library ties only where a column shows the tie lowering temp
 (`remat.checkpoint.tie_needed`).
 """
@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+import remat.memory
 from remat import RecomputeConfig
 from remat.plan import targets
 from remat.checkpoint import tie_needed
@@ -41,7 +42,7 @@ def temp(target: str, rc: RecomputeConfig, scan: bool, tie: bool | None) -> int:
     stack.checkpoint = functools.partial(orig, tie_to_cotangent=tie)
     try:
         grad = jax.grad(lambda p, x, y: fam.loss_fn(p, mcfg, x, y))
-        return targets.compiled_memory(grad, params, x, x, target=target).temp
+        return remat.memory.compiled_memory(grad, params, x, x, target=target).temp
     finally:
         stack.checkpoint = orig
 

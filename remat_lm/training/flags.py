@@ -345,7 +345,7 @@ def _plan_config(v: dict) -> tuple:
         lp = parse_plan(v["recompute_plan"])
     except ValueError as e:
         raise ValueError(f"--recompute_plan: {e}") from None
-    from remat.plan.tagplan import recompute_config
+    from remat.plan import recompute_config
     return ("plan", recompute_config(lp))
 
 

@@ -41,7 +41,7 @@ import math
 from remat import policies
 from remat.memory import GiB, MiB, compiled_stats
 from remat.memory import format_bytes
-from remat.plan.planner import recompute_config
+from remat.plan import recompute_config
 from remat_lm.argtypes import parse_size
 from remat_lm.training.checks import device_memory_limit, host_available  # noqa: F401 (host_available: re-exported)
 from remat_lm.training.compile import compile_train_step

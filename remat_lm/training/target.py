@@ -31,10 +31,6 @@ import remat
 from remat.plan import targets as remat_targets
 from remat_lm.argtypes import UsageError
 
-# A TPU's device_kind as JAX reports it on a TPU VM, per remat.plan.targets spec kind.
-_TPU_KINDS = {"v5e": ("tpu v5 lite", "tpu v5e"), "v5p": ("tpu v5p", "tpu v5"), "v6e": ("tpu v6 lite", "tpu v6e")}
-
-
 def get(name: str) -> remat_targets.Target:
     """`remat.plan.targets.get(name)`, its ValueError as a UsageError naming `--target` and the valid names."""
     try:
@@ -46,18 +42,7 @@ def get(name: str) -> remat_targets.Target:
 
 def is_host_cpu(name: str) -> bool:
     """True for `cpu` / `cpuxN`: this host's CPU, whose device count is known only once JAX has started."""
-    return re.fullmatch(r"cpu(x\d+)?", str(name).strip().lower()) is not None
-
-
-def _kind_matches(t: remat_targets.Target, device) -> bool:
-    if device.platform not in ({"cuda": "gpu"}.get(t.platform, t.platform), t.platform):
-        return False
-    kind = str(getattr(device, "device_kind", "")).lower()
-    if t.platform == "cpu":
-        return True
-    if t.platform == "tpu":
-        return kind in _TPU_KINDS.get(t.spec.kind, ())
-    return all(part in kind for part in t.spec.kind.split("-"))  # "a100-80g" in "nvidia a100-sxm4-80gb"
+    return re.fullmatch(r"cpu(x\d+)?", str(name).strip().lower(), re.ASCII) is not None
 
 
 def host_has(t: remat_targets.Target) -> bool:
@@ -65,7 +50,7 @@ def host_has(t: remat_targets.Target) -> bool:
     devices = jax.devices() if t.platform != "cpu" else jax.devices("cpu")
     if t.platform == "cpu":
         return jax.default_backend() == "cpu" and len(devices) >= t.count
-    return len(devices) >= t.count and all(_kind_matches(t, d) for d in devices)
+    return len(devices) >= t.count and all(t.spec.is_device(d) for d in devices)
 
 
 def _fix_for(t: remat_targets.Target, n: int) -> str:
