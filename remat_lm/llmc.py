@@ -21,6 +21,8 @@ from remat_lm.models.llmc import ATOL, load, load_state, verify
 from remat_lm.models.llmc_io import LlmcFormatError
 from remat_lm.training import flags as recompute_flags
 
+__all__ = ["PROG", "entry", "main"]
+
 PROG = "python -m remat_lm.llmc"
 
 

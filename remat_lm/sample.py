@@ -37,6 +37,8 @@ from remat_lm.models import family, llmc
 from remat_lm.models.sample import INT32_MAX, SEED_MAX, decoder_for, generate, render
 from remat_lm.training import saving
 
+__all__ = ["PROG", "entry", "load_model", "main", "parse_token_ids"]
+
 PROG = "python -m remat_lm.sample"
 
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import os
 import sys
 
+__all__ = ["PROG", "entry", "main"]
+
 PROG = "train.py"
 
 

@@ -23,7 +23,6 @@ e.g. `save_names:mlp_up,qkv x5; none x7`; `parse_plan` reads that line back.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Callable, Sequence
 
@@ -31,11 +30,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat.plan import cost as _cost
-from remat import memory as _memory
 from remat import names as _names
 from remat import policies as _policies
 from remat.config import RecomputeConfig
-from remat.memory import compiled_stats, format_bytes
+from remat.memory import format_bytes
 from remat.regions import PerLayer, per_layer
 
 __all__ = ["MODULE_PRESETS", "OFFLOAD", "PLAN_FORM", "RECOMPUTE", "SAVE", "Model", "baseline_plans", "calibrate",

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from remat.compiled import CompiledMemory, GiB, compiled_stats, format_bytes
 from remat.platform import building_for
 
-__all__ = ["EXTRA", "GPUS", "GPU_MEM_FRACTION", "SPECS", "TPUS", "Spec", "Target", "TargetUnavailable", "available",
+__all__ = ["EXTRA", "GPU_MEM_FRACTION", "SPECS", "Spec", "Target", "TargetUnavailable", "available",
            "compile", "compiled_memory", "get", "host_memory_available", "lower", "matmul_flops", "mem_fraction", "names", "place",
            "spec_of", "table_markdown"]
 
@@ -79,47 +79,40 @@ class Spec:
         return all(re.search(rf"\b{re.escape(part)}", kind) for part in self.kind.split("-"))
 
 
-def _gpu(cc, sms, fpus, smem_core, smem_optin, bandwidth, l2, clock, memory, dnn=(9, 8)):
-    return dict(cc=cc, sms=sms, fpus=fpus, smem_core=smem_core, smem_optin=smem_optin, bandwidth=bandwidth,
-                l2=l2, clock=clock, memory=memory, dnn=dnn)
+def _nvidia(kind, title, memory, bandwidth, bf16, tf32, pcie_gen, cc, sms, fpus, l2, clock):
+    # float32 at JAX's default precision runs on the TF32 tensor cores (`jax.lax.Precision.DEFAULT`)
+    gpu = dict(cc=cc, sms=sms, fpus=fpus, smem_core=233472 if cc[0] >= 9 else 167936,
+               smem_optin=232448 if cc[0] >= 9 else 166912, bandwidth=int(bandwidth), l2=l2, clock=clock,
+               memory=memory, dnn=(9, 8))
+    return Spec(kind, "cuda", title, memory, bandwidth, {"bfloat16": bf16, "float16": bf16, "float32": tf32},
+                {5: 64, 4: 32}[pcie_gen] * GB, gpu=gpu,
+                source=f"NVIDIA {kind.split('-')[0].upper()} data sheet: dense (no sparsity) tensor-core FLOP/s of "
+                       f"the SXM part, bf16 and TF32; HBM bandwidth; PCIe Gen{pcie_gen} x16 host link. Device "
+                       f"description: XLA's gpu_device_info")
 
 
-def _tpu(kind, title, memory, bandwidth, bf16, device_kinds, source):
-    # float32 at JAX's default matmul precision runs as one bfloat16 pass on a TPU
-    # (`jax.lax.Precision.DEFAULT`), so at the bfloat16 rate.
+def _tpu(kind, title, memory, bandwidth, bf16, device_kinds):
+    # float32 at JAX's default precision runs as one bfloat16 pass (`jax.lax.Precision.DEFAULT`)
     return Spec(kind, "tpu", title, memory, bandwidth, {"bfloat16": bf16, "float32": bf16}, None, tpu=kind,
-                device_kinds=device_kinds, source=source)
+                device_kinds=device_kinds,
+                source=f"Google Cloud TPU {kind} documentation: bf16 FLOP/s, HBM capacity and bandwidth per chip")
 
 
 # The GPU descriptions are XLA's own (the `gpu_device_info` it records from a real device: SM
-# count, shared memory, L2, clocks and `device_memory_size`, CUDA's totalGlobalMem). float32 at
-# JAX's default precision runs on TF32 tensor cores (`jax.lax.Precision.DEFAULT`), hence TF32 peaks.
-_NVIDIA = ("NVIDIA {} data sheet: dense (no sparsity) tensor-core FLOP/s of the SXM part, bf16 and TF32; "
-           "HBM bandwidth; PCIe Gen{} x16 host link. Device description: XLA's gpu_device_info")
-_GOOGLE = "Google Cloud TPU {} documentation: bf16 FLOP/s, HBM capacity and bandwidth per chip"
+# count, shared memory, L2, clocks and `device_memory_size`, CUDA's totalGlobalMem).
 SPECS: dict[str, Spec] = {s.kind: s for s in (
-    Spec("h100", "cuda", "NVIDIA H100 80GB HBM3", 84_942_979_072, 3.35232e12,
-         {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}, 64 * GB,
-         gpu=_gpu((9, 0), 132, 128, 233472, 232448, 3352320000000, 52428800, 1.98, 84_942_979_072),
-         source=_NVIDIA.format("H100", 5)),
-    Spec("h200", "cuda", "NVIDIA H200 141GB HBM3e", 151_397_597_184, 4.8e12,
-         {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}, 64 * GB,
-         gpu=_gpu((9, 0), 132, 128, 233472, 232448, 4800000000000, 52428800, 1.98, 151_397_597_184),
-         source=_NVIDIA.format("H200", 5)),
-    Spec("a100-80g", "cuda", "NVIDIA A100-SXM4-80GB", 85_100_068_864, 2.03904e12,
-         {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}, 32 * GB,
-         gpu=_gpu((8, 0), 108, 64, 167936, 166912, 2039040000000, 41943040, 1.41, 85_100_068_864),
-         source=_NVIDIA.format("A100", 4)),
-    Spec("b200", "cuda", "NVIDIA B200", 191_514_411_008, 7.67232e12,
-         {"bfloat16": 2250e12, "float16": 2250e12, "float32": 1100e12}, 64 * GB,
-         gpu=_gpu((10, 0), 148, 128, 233472, 232448, 7672320000000, 132644864, 1.965, 191_514_411_008),
-         source=_NVIDIA.format("B200", 5)),
-    _tpu("v5e", "TPU v5e", 16 * GiB, 8.19e11, 197e12, ("tpu v5 lite", "tpu v5e"), _GOOGLE.format("v5e")),
-    _tpu("v5p", "TPU v5p", 95 * GiB, 2.765e12, 459e12, ("tpu v5p", "tpu v5"), _GOOGLE.format("v5p")),
-    _tpu("v6e", "TPU v6e", 32 * GiB, 1.64e12, 918e12, ("tpu v6 lite", "tpu v6e"), _GOOGLE.format("v6e")),
+    _nvidia("h100", "NVIDIA H100 80GB HBM3", 84_942_979_072, 3.35232e12, 989e12, 494e12, 5,
+            (9, 0), 132, 128, 52428800, 1.98),
+    _nvidia("h200", "NVIDIA H200 141GB HBM3e", 151_397_597_184, 4.8e12, 989e12, 494e12, 5,
+            (9, 0), 132, 128, 52428800, 1.98),
+    _nvidia("a100-80g", "NVIDIA A100-SXM4-80GB", 85_100_068_864, 2.03904e12, 312e12, 156e12, 4,
+            (8, 0), 108, 64, 41943040, 1.41),
+    _nvidia("b200", "NVIDIA B200", 191_514_411_008, 7.67232e12, 2250e12, 1100e12, 5,
+            (10, 0), 148, 128, 132644864, 1.965),
+    _tpu("v5e", "TPU v5e", 16 * GiB, 8.19e11, 197e12, ("tpu v5 lite", "tpu v5e")),
+    _tpu("v5p", "TPU v5p", 95 * GiB, 2.765e12, 459e12, ("tpu v5p", "tpu v5")),
+    _tpu("v6e", "TPU v6e", 32 * GiB, 1.64e12, 918e12, ("tpu v6 lite", "tpu v6e")),
 )}
-GPUS = tuple(k for k, s in SPECS.items() if s.platform == "cuda")
-TPUS = tuple(k for k, s in SPECS.items() if s.platform == "tpu")
 
 # JAX's GPU allocator takes this fraction of device memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
 # otherwise (JAX's documented default; XLA_PYTHON_CLIENT_ALLOCATOR=platform lifts the limit).

@@ -35,6 +35,10 @@ from remat_lm.training.flags import RecomputeFlags
 from remat.plan import targets as remat_targets
 from remat_lm.training.flags import AutoRecompute
 
+__all__ = ["DEFAULT_PRESET", "DEFAULT_PROMPT_TOKENS", "DTYPES", "INT32_MAX", "MESH_AXES", "MODELS", "PATH_FLAGS",
+           "SAMPLE_LENGTH_MAX", "SEED_MAX", "TENSOR_AXIS", "TrainConfig", "UsageError", "build_parser",
+           "config_from_args", "model_presets", "parse_mesh"]
+
 MODELS = model_family_names  # the model-family registry (remat_lm.models.family)
 DTYPES = ("float32", "bfloat16")
 MESH_AXES = ("data", "fsdp", "tensor")

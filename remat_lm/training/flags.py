@@ -58,6 +58,9 @@ class Flag:
     train_only: bool = False
 
 
+__all__ = ["BY_NAME", "FIELD_FLAGS", "FLAGS", "AutoRecompute", "Flag", "RecomputeFlags", "add_arguments",
+           "argparse_kwargs", "defaults", "flag_error", "flag_word", "from_flags", "granularity", "recompute_configs"]
+
 FLAGS = (
     Flag("activation_recompute", bool, False, "turn activation recompute on; without --recompute_granularity it "
          "means granularity full"),

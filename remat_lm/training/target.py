@@ -12,17 +12,12 @@ Example:
     >>> t.hardware(), deviceless, words(t)
     ('8 x NVIDIA H200 141GB HBM3e', True, 'XLA:GPU for 8 x NVIDIA H200 141GB HBM3e')
 
-# NOTE: which runs may take a target this host has not got. Compile-only devices run nothing, so
-# a run that would train on them (no --dry_run, no --memory_report) is bad input, found before any
-# data is read; `--recompute_method auto` plans for the target only inside such a dry run (the plan
-# is printed with the summary). A host whose own devices are the target's (same platform and device
-# kind, at least as many of them) is the target: the real devices are used, and the preflight reads
-# their `bytes_limit` as it does without the flag.
+A run that would train on compile-only devices (no --dry_run, no --memory_report) is bad input,
+found before any data is read.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 
 import jax
@@ -30,6 +25,10 @@ import jax
 import remat
 from remat.plan import targets as remat_targets
 from remat_lm.argtypes import UsageError
+
+__all__ = ["Refused", "building", "check_mesh", "devices", "get", "host_has", "is_host_cpu", "limit_words",
+           "refused", "refused_bytes", "resolve", "words"]
+
 
 def get(name: str) -> remat_targets.Target:
     """`remat.plan.targets.get(name)`, its ValueError as a UsageError naming `--target` and the valid names."""
