@@ -1,10 +1,19 @@
-"""What XLA compiled: memory and cost analysis of a compiled program, and the bytes formatter."""
+"""What XLA compiled: the memory and cost analysis of a compiled program (`CompiledMemory`), and
+the bytes formatter.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> format_bytes(compiled_stats(jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(2 ** 18)).compile()).output)
+    '1.00 MiB'
+"""
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 
 import jax
+
+__all__ = ["CompiledMemory", "GiB", "MiB", "compiled_stats", "format_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +37,8 @@ class CompiledMemory:
 
 
 def compiled_stats(compiled) -> CompiledMemory:
-    """XLA's memory and cost analysis of a `jax.stages.Compiled`: the one reader of
-    `memory_analysis()` / `cost_analysis()` in the project (a `CompiledMemory` is returned as is).
+    """XLA's memory and cost analysis of a `jax.stages.Compiled` (`memory_analysis()`,
+    `cost_analysis()`); a `CompiledMemory` is returned as is.
 
     Raises ValueError when the backend gives no memory analysis.
     Example:
@@ -58,22 +67,12 @@ def compiled_stats(compiled) -> CompiledMemory:
                           flops=float(ca["flops"]) if ca and "flops" in ca else None)
 
 
-def compiled_memory(fn, *args, static_argnums=()) -> CompiledMemory:
-    """Compile `fn(*args)` with jit and read XLA's memory and cost analysis (`compiled_stats`).
-
-    Example:
-      >>> compiled_memory(lambda x: jax.numpy.sin(x) * 2, jax.numpy.ones(1024)).output
-      4096
-    """
-    return compiled_stats(jax.jit(fn, static_argnums=static_argnums).lower(*args).compile())
-
-
 MiB, GiB = 2 ** 20, 2 ** 30
 
 
 def format_bytes(n: float | None, up: bool = False) -> str:
-    """Bytes in GiB/MiB/KiB, whichever reads best: the one bytes formatter for messages and
-    reports ("n/a" for None). `up` rounds up (a minimum stays a minimum).
+    """Bytes in GiB/MiB/KiB, whichever reads best, for messages and reports ("n/a" for None).
+    `up` rounds up (a minimum stays a minimum).
 
     Example:
       >>> format_bytes(3 * 2**30), format_bytes(1536 * 2**10), format_bytes(1000), format_bytes(1025, up=True)

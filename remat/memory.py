@@ -1,20 +1,23 @@
-"""The memory API in one place: what is saved for the backward pass (`remat.residuals`), what XLA
-compiled (`remat.compiled`), the platform a program is built for (`remat.platform`), all
-re-exported here, and the analytic model of saved bytes (`LayerBytes`, `predict_saved`).
+"""The memory API: what is saved for the backward pass (`remat.residuals`), what XLA compiled
+(`remat.compiled`; `compiled_memory`, on this host or for a target, from `remat.plan.targets`), the
+platform a program is built for (`remat.platform`), all re-exported here, and the analytic model of
+saved bytes (`LayerBytes`, `predict_saved`).
 """
 from __future__ import annotations
 
 import dataclasses
 
-
 from remat import names as _names
 from remat import policies as _policies
-from remat.compiled import GiB, MiB, CompiledMemory, compiled_memory, compiled_stats, format_bytes  # noqa: F401
+from remat.compiled import GiB, MiB, CompiledMemory, compiled_stats, format_bytes
 from remat.config import RecomputeConfig
+from remat.plan.targets import compiled_memory
+from remat.platform import ACCELERATORS, PLATFORMS, building_for, host_platform, lowered_for, target_platform
+from remat.residuals import Residual, SavedResiduals, saved_residuals
 
-from remat.platform import (ACCELERATORS, PLATFORMS, building_for, host_platform,  # noqa: F401
-                            lowered_for, target_platform)
-from remat.residuals import Residual, SavedResiduals, saved_residuals  # noqa: F401
+__all__ = ["ACCELERATORS", "PLATFORMS", "CompiledMemory", "GiB", "LayerBytes", "MiB", "Residual", "SavedResiduals",
+           "building_for", "compiled_memory", "compiled_stats", "format_bytes", "host_platform", "lowered_for",
+           "predict_saved", "saved_residuals", "target_platform"]
 
 
 @dataclasses.dataclass(frozen=True)

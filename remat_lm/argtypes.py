@@ -5,15 +5,10 @@ one label for a recompute setting, and the value types.
 - Usage errors are one line on stderr, `prog: error: message`, exit status 2, no traceback and no
   usage block: `Parser` (argparse's own errors), `usage_error` / `usage_exit` (bad input found
   after parsing) and `run` (a `main()` whose `SystemExit("message")` is such an error).
-- `config_label(rc)`: the one short name of a RecomputeConfig (`full/uniform/2`, `selective
+- `config_label(rc)`: a short name of a RecomputeConfig (`full/uniform/2`, `selective
   core_attn`), for memory-report columns, run summaries and benchmark rows.
-- Numbers: ASCII digits only, checked bounds, and an error that argparse prefixes with the flag
-  (`argument --steps: expected an integer >= 1, got '0'`).
-
-# NOTE: why not `type=int`. Python's int() and float() accept every Unicode decimal digit
-# (int('٣') == 3) and str.isdigit() is true for superscripts that int() then rejects ('²'), so a
-# flag parsed with int() took some non-ASCII numbers and failed on others with a message naming no
-# flag. Here a number is `[+-]?[0-9]+` (or a decimal/exponent form for reals), nothing else.
+- Numbers: ASCII digits only (`int()` also reads '٣'), checked bounds, and an error that argparse
+  prefixes with the flag (`argument --steps: expected an integer >= 1, got '0'`).
 
 Example:
     >>> p = Parser(prog="python -m remat_lm.bench.x")
@@ -26,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
-import tempfile
 from typing import Callable, NoReturn
+
+__all__ = ["Parser", "UsageError", "ascii_digits", "config_label", "foreign_digit", "int_list", "integer", "parse_int",
+           "parse_size", "real", "real_list", "run", "usage_error", "usage_exit"]
 
 _INT = re.compile(r"[+-]?[0-9]+")
 _REAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
@@ -72,55 +68,6 @@ def usage_exit(prog: str, message) -> NoReturn:
     raise SystemExit(usage_error(prog, message))
 
 
-# What the target compilers' plugins print when JAX starts its backends on a machine without their
-# hardware (the CUDA PJRT plugin's driver probe, absl's pre-init notice; libtpu's host probe when
-# JAX_PLATFORMS does not say cpu): nothing a user can act on, dropped by `start_backends`.
-PLUGIN_BANNER = re.compile(
-    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
-    r"|[IW]\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\."
-    r"|(?:WARNING:jax_plugins\.xla_cuda12:)?cuda_plugin_extension is not found\.)\s*$")
-# What libtpu prints when it starts for a deviceless compile (`remat.plan.targets` on a host without TPU
-# chips): its probe for a TPU VM's accelerator type and worker hostnames, which such a host has not,
-# and the source trace of that probe's error. Dropped by `quietly`.
-LIBTPU_BANNER = re.compile(
-    r"^(Failed to find host bounds for accelerator type: WARNING: could not determine TPU accelerator type.*"
-    r"|WARNING: Logging before InitGoogle\(\) is written to STDERR"
-    r"|E\d{4} [\d:. ]+\d+ common_lib\.cc:\d+\] INVALID_ARGUMENT: Error: unexpected worker hostname "
-    r"'WARNING: could not determine TPU worker hostnames.*"
-    r"|=== Source Location Trace: ===|learning/[\w/]+/libtpu_init_utils\.cc:\d+)\s*$")
-
-
-def quietly(fn: Callable, *args, **kwargs):
-    """`fn(*args, **kwargs)` with what the target compilers print while they start (`PLUGIN_BANNER`,
-    `LIBTPU_BANNER`) dropped from stderr (fd 2, where C++ writes); every other line written
-    meanwhile is passed on unchanged, after `fn` returns or raises."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            text = tmp.read().decode("utf-8", "replace")
-            kept = "".join(line for line in text.splitlines(keepends=True)
-                           if not (PLUGIN_BANNER.match(line) or LIBTPU_BANNER.match(line)))
-            if kept:
-                sys.stderr.write(kept)
-                sys.stderr.flush()
-
-
-def start_backends() -> None:
-    """Start JAX's backends (`jax.devices()`) with the plugin banner above dropped from stderr; every
-    other line JAX writes meanwhile is passed on unchanged. A program calls it once, after
-    `jax.distributed.initialize` where there is one (that must come before the backends start)."""
-    import jax
-
-    quietly(jax.devices)
-
-
 def run(main: Callable[[], int], prog: str) -> int:
     """Run a program's `main()`: a `SystemExit` carrying a message (bad input found after argument
     parsing) becomes a usage error, `prog: error: message` and status 2, like argparse's own.
@@ -130,7 +77,6 @@ def run(main: Callable[[], int], prog: str) -> int:
       ...     sys.exit(run(main, "python -m remat_lm.bench.policies"))
     """
     try:
-        start_backends()
         return main()
     except SystemExit as e:
         if isinstance(e.code, str):

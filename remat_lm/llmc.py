@@ -21,6 +21,8 @@ from remat_lm.models.llmc import ATOL, load, load_state, verify
 from remat_lm.models.llmc_io import LlmcFormatError
 from remat_lm.training import flags as recompute_flags
 
+__all__ = ["PROG", "entry", "main"]
+
 PROG = "python -m remat_lm.llmc"
 
 
@@ -53,9 +55,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
-    from remat_lm.argtypes import start_backends
-
-    start_backends()
     try:
         recompute = _recompute_from(a)
         config, params = load(a.model, recompute, scan_layers=a.scan_layers, norm_eps=a.norm_eps,

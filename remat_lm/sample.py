@@ -32,10 +32,12 @@ import time
 import jax
 import numpy as np
 
-from remat_lm.argtypes import Parser, integer, parse_int, real
+from remat_lm.argtypes import Parser, integer, parse_int, real, usage_error
 from remat_lm.models import family, llmc
 from remat_lm.models.sample import INT32_MAX, SEED_MAX, decoder_for, generate, render
 from remat_lm.training import saving
+
+__all__ = ["PROG", "entry", "load_model", "main", "parse_token_ids"]
 
 PROG = "python -m remat_lm.sample"
 
@@ -131,16 +133,8 @@ def main(argv=None) -> int:
         a = _args(argv)
     except SystemExit as e:  # argparse: --help (0) or a one-line usage error (2), already printed
         return e.code
-    from remat_lm.argtypes import start_backends
-
-    start_backends()
-
-    def fail(msg):
-        print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr)
-        return 2
-
     if a.prompt is not None and a.prompt_tokens is not None:
-        return fail("pass --prompt TEXT or --prompt_tokens IDS, not both")
+        return usage_error(prog, "pass --prompt TEXT or --prompt_tokens IDS, not both")
     try:
         config, params, info = load_model(a.checkpoint, a.step, norm_eps=a.norm_eps, rope_theta=a.rope_theta,
                                           ffn_dim_multiplier=a.ffn_dim_multiplier)
@@ -165,7 +159,7 @@ def main(argv=None) -> int:
                        seed=a.seed)
         dt = time.perf_counter() - t0
     except (ValueError, OSError) as e:  # LlmcFormatError, TokenizerError and UsageError are ValueErrors
-        return fail(e)
+        return usage_error(prog, e)
     where = f"step {info['step']} of {a.checkpoint}" if info["step"] is not None else a.checkpoint
     mode = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}" + (
         f", top_k {a.top_k}" if a.top_k else "")

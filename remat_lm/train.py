@@ -34,16 +34,19 @@ from __future__ import annotations
 import os
 import sys
 
+__all__ = ["PROG", "entry", "main"]
+
 PROG = "train.py"
 
 
 def main(argv=None) -> int:
-    from remat_lm.training.config import UsageError, config_from_args, usage_exit
+    from remat_lm.argtypes import usage_exit
+    from remat_lm.training.config import UsageError, config_from_args
 
     try:
         cfg = config_from_args(argv, prog=PROG, description=__doc__)
     except UsageError as e:
-        usage_exit(str(e), PROG)
+        usage_exit(PROG, e)
     from remat_lm.training import signals
 
     signals.install(PROG)  # Ctrl-C / SIGTERM: exit 130 / 143 with one line (remat_lm/training/signals.py)
@@ -56,11 +59,7 @@ def main(argv=None) -> int:
                          f"check JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID and that every "
                          f"process was started\n")
         return 1
-    from remat_lm.argtypes import start_backends
-
-    start_backends()  # after jax.distributed.initialize; the target compilers' plugin banner dropped
     distributed.quiet_others()  # process 0 prints and logs
-    distributed.tidy_stderr(PROG)  # N processes: one line, not JAX's abort, when the service finds a peer gone
     from remat_lm import training
     from remat_lm.models.llmc_io import LlmcFormatError
     from remat_lm.training.saving import CheckpointSaveError, quiet_failed_save_threads
@@ -72,7 +71,7 @@ def main(argv=None) -> int:
     try:
         training.run(cfg)
     except (UsageError, LlmcFormatError) as e:  # bad input found while preparing: nothing was written
-        usage_exit(str(e), PROG)
+        usage_exit(PROG, e)
     except training.TrainingDiverged as e:
         sys.stderr.write(f"{PROG}: stopped: {e}\n")
         return 1

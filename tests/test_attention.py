@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import llmc_reference as ref
+from trainhelp import ours
 from remat_lm.models import attention, gpt2
 from remat import memory, policies
 
@@ -232,7 +233,7 @@ def test_train_attention_flag(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--attention", "cudnn", "--data", str(text),
                         "--log_jsonl", str(tmp_path / "l.jsonl")], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    lines = ours(p.stderr)
     assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "--attention cudnn cannot run" in lines[0] and "use --attention tiled" in lines[0]
     assert not (tmp_path / "l.jsonl").exists()

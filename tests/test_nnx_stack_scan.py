@@ -11,7 +11,7 @@ from flax import nnx
 
 from remat import RecomputeConfig
 from remat.plan import targets
-from remat.memory import saved_residuals
+from remat.memory import compiled_memory, saved_residuals
 from remat import nnx as rnnx
 from targethelp import GPU, need
 from tinyblocks import rel_err
@@ -55,7 +55,7 @@ def test_scan_reads_the_stored_stack_in_place(target):
     temps, texts = {}, {}
     for scan in (False, True):
         f, state = _grad_fn(Model(FULL, scan=scan))
-        cm = targets.compiled_memory(f, state, X, target=target)
+        cm = compiled_memory(f, state, X, target=target)
         temps[scan], texts[scan] = cm.temp, targets.lower(f, state, X, target=target).as_text()
         if scan:
             # the stack's state is one (L, ...) array per Variable, stored so, not per call

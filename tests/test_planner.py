@@ -24,9 +24,11 @@ from remat_lm.models import gpt2
 from remat_lm.models.memory_model import activation_bytes
 from remat import RecomputeConfig
 from remat.memory import CompiledMemory
-from remat.plan.planner import compiled_stats, format_bytes, plan_for_budget
+from remat.memory import compiled_stats, format_bytes
+from remat.plan.planner import plan_for_budget
 from remat_lm.argtypes import parse_size
 from remat_lm.training.config import UsageError, config_from_args
+from trainhelp import ours
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L, B, T = 4, 4, 64
@@ -243,7 +245,8 @@ def test_cli_usage_errors(args, match):
 
 def test_cli_accepts_auto_with_a_budget():
     cfg = config_from_args(["--recompute_method", "auto", "--memory_budget", "512MiB"])
-    assert cfg.memory_budget_bytes == 512 * 2**20 and cfg.recompute_configs()[0][0] == "auto"
+    label, auto = cfg.recompute_configs()[0]
+    assert label == "auto" and auto.budget == 512 * 2**20
 
 
 def _train(args, timeout=300):
@@ -266,7 +269,7 @@ SMALL = ["--n_layer", "1", "--batch_size", "2", "--sequence_length", "16", "--nu
 
 def test_cli_exit_2_one_line(text_file):
     p = _train(["--memory_budget", "1GiB"] + SMALL + ["--data", text_file])
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    lines = ours(p.stderr)
     assert p.returncode == 2 and len(lines) == 1 and "add --recompute_method auto" in lines[0], p.stderr
 
 
@@ -454,7 +457,7 @@ def test_recompute_plan_flag():
 
 def test_recompute_plan_cli_exit_2_one_line(text_file):
     p = _train(["--recompute_plan", "nothing_saveable"] + SMALL + ["--data", text_file])
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    lines = ours(p.stderr)
     assert p.returncode == 2 and len(lines) == 1 and "POLICY xN" in lines[0], p.stderr
 
 

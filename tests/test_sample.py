@@ -21,6 +21,7 @@ from remat_lm.training import TrainConfig, run
 from remat_lm.training import data as data_lib
 from remat_lm.training.samples import make_sampler
 from remat_lm.training.data import default_corpus
+from trainhelp import ours
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -231,7 +232,7 @@ def test_cli_process_bad_tokenizer_exits_2_without_traceback(tmp_path, model_bin
     p = subprocess.run([sys.executable, "-m", "remat_lm.sample", model_bin, "--prompt", "a", "--tokenizer",
                         _bad_tokenizer(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    lines = ours(p.stderr)
     assert p.returncode == 2 and len(lines) == 1 and "magic 20240520" in lines[0], p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
 

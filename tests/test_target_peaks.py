@@ -25,7 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from remat.plan import targets
-from remat.memory import MiB, building_for, compiled_stats
+from remat.memory import MiB, building_for, compiled_memory, compiled_stats
 from remat_lm.bench import common, peaks
 from remat_lm.models import attention as A
 from remat_lm.models import family
@@ -163,7 +163,7 @@ def test_selective_on_tpu_without_vmem():
 def _attention_temp(target: str, core: str, seq: int = 1024) -> int:
     x = jax.ShapeDtypeStruct((1, seq, 4 * 64), jnp.bfloat16)
     f = lambda q, k, v: A.causal_attention(q, k, v, 4, 4, attention=core).astype(jnp.float32).sum()  # noqa: E731
-    return targets.compiled_memory(jax.grad(f, argnums=(0, 1, 2)), x, x, x, target=target).temp
+    return compiled_memory(jax.grad(f, argnums=(0, 1, 2)), x, x, x, target=target).temp
 
 
 def test_cudnn_attention_below_tiled_on_gpu():

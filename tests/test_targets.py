@@ -1,6 +1,6 @@
 """remat.plan.targets: names, meshes, the compile for a GPU/TPU without one, and the defaults it decides.
 
-Every figure is what the target's compiler allocated (remat.plan.targets.compiled_memory), compared
+Every figure is what the target's compiler allocated (remat.memory.compiled_memory(..., target=...)), compared
 with another compile, never with a number written here.
 """
 import subprocess
@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import remat
 from remat.plan import targets
+from remat.memory import compiled_memory
 from targethelp import GPU, TPU, need
 
 
@@ -72,11 +73,11 @@ def test_compile_without_the_device_and_shard_arguments(target):
     need(targets.get(target).platform)
     w = jax.ShapeDtypeStruct((4, 512, 512), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((64, 512), jnp.bfloat16)
-    one = targets.compiled_memory(jax.grad(_mlp), w, x, target=target)
+    one = compiled_memory(jax.grad(_mlp), w, x, target=target)
     assert one.argument == 4 * 512 * 512 * 2 + 64 * 512 * 2  # the arguments as placed on one device
     assert one.flops and one.flops > 0
     many = f"{target}x4" if target == GPU else f"{target}:2x2"
-    split = targets.compiled_memory(jax.grad(_mlp), w, x, target=many, mesh={"fsdp": 4},
+    split = compiled_memory(jax.grad(_mlp), w, x, target=many, mesh={"fsdp": 4},
                                     specs=(P(None, "fsdp"), P("fsdp")))
     assert split.argument == one.argument // 4  # per device: each holds a quarter of both arguments
 
@@ -85,7 +86,7 @@ def test_gpu_flops_are_counted_from_the_program():
     need("cuda")
     a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
     b = jax.ShapeDtypeStruct((512, 128), jnp.float32)
-    cm = targets.compiled_memory(lambda a, b: a @ b, a, b, target=GPU)
+    cm = compiled_memory(lambda a, b: a @ b, a, b, target=GPU)
     assert cm.flops_source == "jaxpr matmuls" and cm.flops == 2 * 256 * 512 * 128
 
 
@@ -101,9 +102,9 @@ def test_matmul_flops_follow_scans_and_gradients():
 def test_missing_compiler_is_one_line_naming_the_extra():
     # a real missing module: the CUDA plugin package blocked from importing in a fresh interpreter
     code = ("import sys; sys.modules['jax_plugins.xla_cuda12'] = None\n"
-            "import jax, jax.numpy as jnp, remat.plan.targets as T\n"
+            "import jax, jax.numpy as jnp, remat.memory, remat.plan.targets as T\n"
             "try:\n"
-            "    T.compiled_memory(jnp.sin, jax.ShapeDtypeStruct((4,), jnp.float32), target='h100')\n"
+            "    remat.memory.compiled_memory(jnp.sin, jax.ShapeDtypeStruct((4,), jnp.float32), target='h100')\n"
             "except T.TargetUnavailable as e:\n"
             "    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -129,8 +130,8 @@ def test_default_checkpoint_is_jax_s_own_on_accelerators(target):
 
     ours = stack(lambda f, *a: remat.checkpoint(f)(*a))
     theirs = stack(lambda f, *a: jax.checkpoint(f)(*a))
-    assert (targets.compiled_memory(jax.grad(ours), w, x, target=target).temp
-            == targets.compiled_memory(jax.grad(theirs), w, x, target=target).temp)
+    assert (compiled_memory(jax.grad(ours), w, x, target=target).temp
+            == compiled_memory(jax.grad(theirs), w, x, target=target).temp)
     for fwd in (lambda w, x: jax.jvp(lambda x: ours(w, x), (x,), (x,)),
                 lambda w, x: jax.jacfwd(ours)(w[:, :8, :8], x[:2, :8]),
                 lambda w, x: jax.linearize(lambda x: ours(w, x), x)[1](x)):

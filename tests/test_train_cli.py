@@ -12,6 +12,7 @@ import time
 import pytest
 
 from remat_lm.training.data import default_corpus
+from trainhelp import ours
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +47,7 @@ def test_usage_error_is_one_line_exit_2(args, match, tmp_path, text_file):
     before = sorted(os.listdir(tmp_path))
     p = _train([a.format(tmp=tmp_path) for a in args] + ["--data", text_file, "--log_jsonl", str(tmp_path / "l.jsonl")])
     assert p.returncode == 2
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    lines = ours(p.stderr)
     assert len(lines) == 1 and match in lines[0] and "Traceback" not in p.stderr, p.stderr
     assert p.stdout == "" and sorted(os.listdir(tmp_path)) == before
 

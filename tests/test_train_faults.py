@@ -28,7 +28,7 @@ from remat_lm.training import UsageError, config_from_args, prepare
 from remat_lm.training import saving
 from remat_lm.training.data import default_corpus
 from remat_lm.training.resume import initial_state
-from trainhelp import ROOT, _env, _one_line, _run, text_file, two_steps  # noqa: F401 (text_file is a fixture)
+from trainhelp import ROOT, _env, _one_line, _run, ours, text_file, two_steps  # noqa: F401 (text_file is a fixture)
 
 QUIET = ["--val_every", "0", "--no-progress"]
 TINY = ["--preset", "tiny", "--num_iterations", "3"] + QUIET
@@ -324,7 +324,7 @@ def test_unreadable_steps_in_a_real_process_print_two_lines_and_exit_2(two_steps
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *common, "--num_iterations", "6",
                         "--checkpoint_dir", d, "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=300)
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    lines = ours(p.stderr)
     assert p.returncode == 2 and len(lines) == 2, p.stderr[:3000]
     assert lines[0].startswith(f"warning: --resume {d}: step 4 cannot be read") and "falling back to step 2" in lines[0]
     assert "step 2 cannot be read" in lines[1] and "no older step is intact" in lines[1]

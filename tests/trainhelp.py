@@ -1,8 +1,12 @@
 """Helpers the train.py test files share: the small text corpus, running train.py in this process
 or as a real one, and the one-line error check."""
+import functools
 import io
 import os
 import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -49,9 +53,31 @@ def _env(**extra):
     return env
 
 
+def _digits_masked(line: str) -> str:
+    return re.sub(r"[0-9]+", "0", line.strip())
+
+
+@functools.lru_cache(maxsize=None)
+def jax_startup_lines() -> frozenset:
+    """What JAX itself writes on stderr when a fresh process starts its backends (the installed
+    plugins' notices; nothing where none is installed), digits masked: measured once per session."""
+    p = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return frozenset(_digits_masked(l) for l in p.stderr.splitlines() if l.strip())
+
+
+def ours(stderr: str) -> list:
+    """The non-blank lines of a process's `stderr` that JAX's own start-up did not write (a logging
+    handler the program installed may put a prefix before JAX's words)."""
+    startup = jax_startup_lines()
+    return [l for l in stderr.splitlines() if l.strip() and not any(_digits_masked(l).endswith(j) for j in startup)]
+
+
 def _one_line(stderr: str) -> str:
-    """The one non-blank line of `stderr`; fails on more, or on a traceback."""
-    lines = [l for l in stderr.splitlines() if l.strip()]
+    """The project's one non-blank line of `stderr` (JAX's start-up notices aside); fails on more, or
+    on a traceback."""
+    lines = ours(stderr)
     assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
     return lines[0]
 

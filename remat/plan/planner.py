@@ -46,9 +46,13 @@ import numpy as np
 from remat import memory as _memory
 from remat import policies as _policies
 from remat.plan import tagplan as _tagplan
+from remat.plan.tagplan import recompute_config
 from remat.config import RecomputeConfig
-from remat.regions import per_layer
-from remat.memory import compiled_stats, format_bytes  # noqa: F401  (re-exported: remat.plan.planner.compiled_stats)
+from remat.errors import is_int
+from remat.memory import compiled_stats, format_bytes
+
+__all__ = ["DEFAULT_CANDIDATES", "MAX_PLANS", "PEAKS", "BudgetPlan", "Candidate", "Front", "front", "plan_for_budget",
+           "recompute_config"]
 
 # Candidate settings: None (not rematerialized), selective presets, and nothing_saveable (nothing saved).
 DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", _policies.NOTHING)
@@ -61,19 +65,6 @@ def _name(c) -> str:
 
 def _policy(c):
     return None if c is None or (isinstance(c, str) and c == "none") else c
-
-
-def recompute_config(layer_policies: Sequence) -> RecomputeConfig:
-    """The RecomputeConfig of a per-layer plan (`RecomputeConfig()` when no layer is rematerialized).
-
-    Example:
-      >>> recompute_config([None, "mlp"]).layers
-      per_layer((None, 'mlp'))
-    """
-    lp = tuple(_policy(c) for c in layer_policies)
-    if all(p is None for p in lp):
-        return RecomputeConfig()
-    return RecomputeConfig(granularity="full", layers=per_layer(lp))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,9 +213,10 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
                              "the train step's jaxpr (jax.jit(step).trace(...).jaxpr)")
         return front(compile_step, trace_step, n_layers, [budget_bytes], target=target, peak=peak,
                      max_iterations=max_iterations, log=log).plans[0]
-    if not isinstance(n_layers, int) or n_layers < 1:
+    if not is_int(n_layers) or n_layers < 1:
         raise ValueError(f"n_layers={n_layers!r} must be a positive int")
-    if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
+    budget_bytes = int(budget_bytes) if isinstance(budget_bytes, np.integer) else budget_bytes
+    if not is_int(budget_bytes) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive number of bytes")
     if peak not in PEAKS:
         raise ValueError(f"peak={peak!r} is not valid; use one of {', '.join(PEAKS)}")

@@ -23,7 +23,6 @@ e.g. `save_names:mlp_up,qkv x5; none x7`; `parse_plan` reads that line back.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Callable, Sequence
 
@@ -31,12 +30,14 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat.plan import cost as _cost
-from remat import memory as _memory
 from remat import names as _names
 from remat import policies as _policies
 from remat.config import RecomputeConfig
-from remat.memory import compiled_stats, format_bytes
+from remat.memory import format_bytes
 from remat.regions import PerLayer, per_layer
+
+__all__ = ["MODULE_PRESETS", "OFFLOAD", "PLAN_FORM", "RECOMPUTE", "SAVE", "Model", "baseline_plans", "calibrate",
+           "config_policies", "format_plan", "greedy", "parse_plan", "recompute_config", "tag_policy"]
 
 SAVE, OFFLOAD, RECOMPUTE = "device", "offload", "remat"
 MODULE_PRESETS = tuple("+".join(c) for r in (1, 2, 3) for c in
@@ -44,8 +45,14 @@ MODULE_PRESETS = tuple("+".join(c) for r in (1, 2, 3) for c in
 
 
 def recompute_config(layer_policies: Sequence) -> RecomputeConfig:
-    """The RecomputeConfig of a per-layer plan (`RecomputeConfig()` when no layer is rematerialized)."""
-    lp = tuple(None if p in (None, "none") else p for p in layer_policies)
+    """The RecomputeConfig of a per-layer plan: one policy (or None, or "none": not rematerialized)
+    per layer; `RecomputeConfig()` when no layer is rematerialized.
+
+    Example:
+      >>> recompute_config([None, "mlp"]).layers
+      per_layer((None, 'mlp'))
+    """
+    lp = tuple(None if p is None or (isinstance(p, str) and p == "none") else p for p in layer_policies)
     if all(p is None for p in lp):
         return RecomputeConfig()
     return RecomputeConfig(granularity="full", layers=per_layer(lp))
@@ -71,7 +78,7 @@ def format_plan(layer_policies: Sequence) -> str:
 
 
 PLAN_FORM = "POLICY xN[; POLICY xN...], e.g. 'save_names:qkv,mlp_up x6; none x6' (one run per group of layers)"
-_RUN = re.compile(r"^\s*(\S+)\s+x(\d+)\s*$")
+_RUN = re.compile(r"^\s*(\S+)\s+x(\d+)\s*$", re.ASCII)
 
 
 def parse_plan(text: str, n_layers: int | None = None) -> tuple:

@@ -4,9 +4,10 @@ compiler allocated.
 A target is named the way it is bought: `h100`, `h200`, `a100-80g`, `b200` (NVIDIA GPUs, XLA:GPU),
 `v5e`, `v5p`, `v6e` (TPUs, XLA:TPU) and `cpu` (this host, XLA:CPU). A count asks for a mesh:
 `h200x8` is eight H200s, `v5e:2x4` an 8-chip v5e slice in libtpu's topology words (`v5e` alone
-is one chip). `get(name)` gives a `Target`; `compiled_memory(fn, *args, target=...)` traces, lowers
-and compiles `fn` for it with no device present and returns XLA's own answer
-(`remat.memory.CompiledMemory`: device and host bytes, FLOPs).
+is one chip). `get(name)` gives a `Target`; `compile(fn, *args, target=...)` traces, lowers and
+compiles `fn` for it with no device present, `compiled_memory(fn, *args, target=...)` (also
+`remat.memory.compiled_memory`) reads XLA's answer. `SPECS` is the hardware table: the figures the planner's cost model, train.py's MFU
+and its preflight read, each Spec naming its `source`.
 
 Example:
     >>> import jax, jax.numpy as jnp, remat
@@ -14,18 +15,11 @@ Example:
     >>> t.platform, t.count, remat.memory.format_bytes(t.memory)
     ('cuda', 1, '141.00 GiB')
     >>> x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
-    >>> remat.plan.targets.compiled_memory(lambda x: jnp.sin(x @ x).sum(), x, target="h200").argument
+    >>> remat.memory.compiled_memory(lambda x: jnp.sin(x @ x).sum(), x, target="h200").argument
     2097152
 
-# NOTE: how a deviceless compile works. The compilers ship in `jax[cuda12]` (the `jax-cuda12-plugin`
-# and `jax-cuda12-pjrt` wheels) and `jax[tpu]` (`libtpu`); `pip install 'remat[targets]'` installs
-# exactly those. `jax.experimental.topologies.get_topology_desc` makes compile-only devices from a
-# description (an XLA `GpuTargetConfigProto` text for a GPU, a libtpu topology name for a TPU); a
-# mesh over them takes `ShapeDtypeStruct(..., sharding=NamedSharding(mesh, spec))` arguments, and
-# `jax.jit(f).trace(...).lower().compile()` runs the target's real compiler pipeline (fusion,
-# scheduling, buffer assignment), so `memory_analysis()` is what that compiler would allocate on the
-# device. Nothing runs. On a host without a GPU the CUDA plugin registers only when JAX does not try
-# to start a GPU backend first: run with `JAX_PLATFORMS=cpu` (or `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`).
+The compilers come with `pip install 'remat[targets]'` (`jax-cuda12-pjrt`, `libtpu`); on a host
+without a GPU, start Python with `JAX_PLATFORMS=cpu` so that the CUDA plugin registers.
 """
 from __future__ import annotations
 
@@ -44,17 +38,21 @@ import jax.extend
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from remat import memory as _memory
+from remat.compiled import CompiledMemory, GiB, compiled_stats, format_bytes
+from remat.platform import building_for
+
+__all__ = ["EXTRA", "GPU_MEM_FRACTION", "SPECS", "Spec", "Target", "TargetUnavailable", "available",
+           "compile", "compiled_memory", "get", "host_memory_available", "lower", "matmul_flops", "mem_fraction", "names", "place",
+           "spec_of", "table_markdown"]
 
 GB = 10 ** 9
-GiB = 2 ** 30
 EXTRA = "pip install 'remat[targets]'  (in a checkout: pip install -e '.[targets]')"
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One accelerator as a user buys it: what the compiler needs to build for it, and the
-    figures a cost model needs. Sources: docs/targets.md."""
+    """One accelerator as a user buys it: what the compiler needs to build for it, the figures a
+    cost model and MFU need, and where those figures come from (`source`; docs/targets.md)."""
     kind: str                   # registry name: "h200"
     platform: str               # "cuda" | "tpu" | "cpu"
     title: str                  # "NVIDIA H200 141GB HBM3e"
@@ -64,37 +62,57 @@ class Spec:
     host_link: float | None = None  # host <-> device bytes/s, one direction (None: not stated)
     gpu: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)  # GpuTargetConfigProto fields
     tpu: str | None = None      # libtpu's chip name ("v5e")
+    device_kinds: tuple = ()    # a TPU's `device.device_kind` as JAX reports it, lower case
+    source: str = ""
+
+    def is_device(self, device) -> bool:
+        """True when `device` (a `jax.Device`) is this accelerator: its platform, and its
+        `device_kind` (`NVIDIA H200`, `TPU v5 lite`): a TPU's is one of `device_kinds`, a GPU's
+        holds each word of `kind` (`a100-80g` in `NVIDIA A100-SXM4-80GB`, not `h200` in `GH200`)."""
+        if device.platform not in ({"cuda": "gpu"}.get(self.platform, self.platform), self.platform):
+            return False
+        kind = str(getattr(device, "device_kind", "")).lower()
+        if self.platform == "cpu":
+            return True
+        if self.platform == "tpu":
+            return kind in self.device_kinds
+        return all(re.search(rf"\b{re.escape(part)}", kind) for part in self.kind.split("-"))
 
 
-def _gpu(cc, sms, fpus, smem_core, smem_optin, bandwidth, l2, clock, memory, dnn=(9, 8)):
-    return dict(cc=cc, sms=sms, fpus=fpus, smem_core=smem_core, smem_optin=smem_optin, bandwidth=bandwidth,
-                l2=l2, clock=clock, memory=memory, dnn=dnn)
+def _nvidia(kind, title, memory, bandwidth, bf16, tf32, pcie_gen, cc, sms, fpus, l2, clock):
+    # float32 at JAX's default precision runs on the TF32 tensor cores (`jax.lax.Precision.DEFAULT`)
+    gpu = dict(cc=cc, sms=sms, fpus=fpus, smem_core=233472 if cc[0] >= 9 else 167936,
+               smem_optin=232448 if cc[0] >= 9 else 166912, bandwidth=int(bandwidth), l2=l2, clock=clock,
+               memory=memory, dnn=(9, 8))
+    return Spec(kind, "cuda", title, memory, bandwidth, {"bfloat16": bf16, "float16": bf16, "float32": tf32},
+                {5: 64, 4: 32}[pcie_gen] * GB, gpu=gpu,
+                source=f"NVIDIA {kind.split('-')[0].upper()} data sheet: dense (no sparsity) tensor-core FLOP/s of "
+                       f"the SXM part, bf16 and TF32; HBM bandwidth; PCIe Gen{pcie_gen} x16 host link. Device "
+                       f"description: XLA's gpu_device_info")
 
 
-# NOTE: the GPU figures are those of XLA's own target descriptions of these devices (the
-# `gpu_device_info` XLA records from a real device: SM count, shared memory, L2, clocks and
-# `device_memory_size`, i.e. CUDA's totalGlobalMem); peak FLOP/s are NVIDIA's dense (no sparsity)
-# tensor-core figures for the SXM parts; host links are PCIe per direction. docs/targets.md lists
-# each figure with its source.
+def _tpu(kind, title, memory, bandwidth, bf16, device_kinds):
+    # float32 at JAX's default precision runs as one bfloat16 pass (`jax.lax.Precision.DEFAULT`)
+    return Spec(kind, "tpu", title, memory, bandwidth, {"bfloat16": bf16, "float32": bf16}, None, tpu=kind,
+                device_kinds=device_kinds,
+                source=f"Google Cloud TPU {kind} documentation: bf16 FLOP/s, HBM capacity and bandwidth per chip")
+
+
+# The GPU descriptions are XLA's own (the `gpu_device_info` it records from a real device: SM
+# count, shared memory, L2, clocks and `device_memory_size`, CUDA's totalGlobalMem).
 SPECS: dict[str, Spec] = {s.kind: s for s in (
-    Spec("h100", "cuda", "NVIDIA H100 80GB HBM3", 84_942_979_072, 3.35232e12,
-         {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}, 64 * GB,
-         gpu=_gpu((9, 0), 132, 128, 233472, 232448, 3352320000000, 52428800, 1.98, 84_942_979_072)),
-    Spec("h200", "cuda", "NVIDIA H200 141GB HBM3e", 151_397_597_184, 4.8e12,
-         {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}, 64 * GB,
-         gpu=_gpu((9, 0), 132, 128, 233472, 232448, 4800000000000, 52428800, 1.98, 151_397_597_184)),
-    Spec("a100-80g", "cuda", "NVIDIA A100-SXM4-80GB", 85_100_068_864, 2.03904e12,
-         {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}, 32 * GB,
-         gpu=_gpu((8, 0), 108, 64, 167936, 166912, 2039040000000, 41943040, 1.41, 85_100_068_864)),
-    Spec("b200", "cuda", "NVIDIA B200", 191_514_411_008, 7.67232e12,
-         {"bfloat16": 2250e12, "float16": 2250e12, "float32": 1100e12}, 64 * GB,
-         gpu=_gpu((10, 0), 148, 128, 233472, 232448, 7672320000000, 132644864, 1.965, 191_514_411_008)),
-    Spec("v5e", "tpu", "TPU v5e", 16 * GiB, 8.19e11, {"bfloat16": 197e12, "float32": 197e12 / 4}, None, tpu="v5e"),
-    Spec("v5p", "tpu", "TPU v5p", 95 * GiB, 2.765e12, {"bfloat16": 459e12, "float32": 459e12 / 4}, None, tpu="v5p"),
-    Spec("v6e", "tpu", "TPU v6e", 32 * GiB, 1.64e12, {"bfloat16": 918e12, "float32": 918e12 / 4}, None, tpu="v6e"),
+    _nvidia("h100", "NVIDIA H100 80GB HBM3", 84_942_979_072, 3.35232e12, 989e12, 494e12, 5,
+            (9, 0), 132, 128, 52428800, 1.98),
+    _nvidia("h200", "NVIDIA H200 141GB HBM3e", 151_397_597_184, 4.8e12, 989e12, 494e12, 5,
+            (9, 0), 132, 128, 52428800, 1.98),
+    _nvidia("a100-80g", "NVIDIA A100-SXM4-80GB", 85_100_068_864, 2.03904e12, 312e12, 156e12, 4,
+            (8, 0), 108, 64, 41943040, 1.41),
+    _nvidia("b200", "NVIDIA B200", 191_514_411_008, 7.67232e12, 2250e12, 1100e12, 5,
+            (10, 0), 148, 128, 132644864, 1.965),
+    _tpu("v5e", "TPU v5e", 16 * GiB, 8.19e11, 197e12, ("tpu v5 lite", "tpu v5e")),
+    _tpu("v5p", "TPU v5p", 95 * GiB, 2.765e12, 459e12, ("tpu v5p", "tpu v5")),
+    _tpu("v6e", "TPU v6e", 32 * GiB, 1.64e12, 918e12, ("tpu v6 lite", "tpu v6e")),
 )}
-GPUS = tuple(k for k, s in SPECS.items() if s.platform == "cuda")
-TPUS = tuple(k for k, s in SPECS.items() if s.platform == "tpu")
 
 # JAX's GPU allocator takes this fraction of device memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
 # otherwise (JAX's documented default; XLA_PYTHON_CLIENT_ALLOCATOR=platform lifts the limit).
@@ -103,7 +121,7 @@ GPU_MEM_FRACTION = 0.75
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A spec times a count, with a topology: what `compiled_memory` builds for.
+    """A spec times a count, with a topology: what `compile` builds for.
 
     Attributes: name (canonical, "h200x8"), spec, count (devices), topology (the GPU `AxBxC` or
     libtpu topology string; "" for the host CPU).
@@ -173,10 +191,21 @@ def table_markdown() -> str:
     for s in SPECS.values():
         link = f"{s.host_link / GB:.0f} GB/s" if s.host_link else "not stated"
         rows.append(f"| `{s.kind}` | {'XLA:GPU' if s.platform == 'cuda' else 'XLA:TPU'} | {s.title} | "
-                    f"{_memory.format_bytes(s.memory)} | {s.memory_bandwidth / 1e12:.2f} TB/s | "
+                    f"{format_bytes(s.memory)} | {s.memory_bandwidth / 1e12:.2f} TB/s | "
                     f"{s.peak_flops['bfloat16'] / 1e12:.0f} TFLOP/s | {link} |")
     rows.append("| `cpu` | XLA:CPU | this host's CPU (its devices, `jax.devices('cpu')`) | available RAM | | | |")
     return "\n".join(rows)
+
+
+def spec_of(device) -> Spec | None:
+    """The accelerator of `device` (a `jax.Device`) among `SPECS`, None for a CPU or one not listed.
+
+    Example:
+      >>> import types
+      >>> spec_of(types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")).kind
+      'h200'
+    """
+    return next((s for s in SPECS.values() if s.is_device(device)), None)
 
 
 def mem_fraction() -> float:
@@ -188,7 +217,7 @@ def mem_fraction() -> float:
     return f if 0 < f <= 1 else GPU_MEM_FRACTION
 
 
-_NAME = re.compile(r"^(?P<kind>[a-z0-9-]+?)(?:x(?P<count>\d+)|:(?P<topo>\d+(?:x\d+){1,2}))?$")
+_NAME = re.compile(r"^(?P<kind>[a-z0-9-]+?)(?:x(?P<count>\d+)|:(?P<topo>\d+(?:x\d+){1,2}))?$", re.ASCII)
 
 
 def names() -> tuple[str, ...]:
@@ -377,13 +406,13 @@ def place(args, mesh: Mesh, specs=None):
 
 def lower(fn, *args, target: str | Target, mesh: Mesh | Mapping[str, int] | None = None, specs=None,
           static_argnums=(), donate_argnums=(), **kwargs) -> jax.stages.Lowered:
-    """`fn(*args, **kwargs)` traced and lowered for `target` (see `compiled_memory`)."""
+    """`fn(*args, **kwargs)` traced and lowered for `target` (arguments as `compiled_memory` takes them)."""
     t = get(target)
     if not isinstance(mesh, Mesh):
         mesh = t.mesh(mesh)
     structs = place(args, mesh, specs)
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnums=static_argnums, donate_argnums=donate_argnums)
-    with _memory.building_for(t.platform), jax.set_mesh(mesh):
+    with building_for(t.platform), jax.set_mesh(mesh):
         return jitted.trace(*structs, **kwargs).lower()
 
 
@@ -406,39 +435,41 @@ def compile(fn, *args, target: str | Target, mesh=None, specs=None, static_argnu
         raise
 
 
-def compiled_memory(fn, *args, target: str | Target, mesh=None, specs=None, static_argnums=(),
-                    donate_argnums=(), **kwargs) -> _memory.CompiledMemory:
-    """XLA's memory and cost analysis of `fn(*args, **kwargs)` compiled for `target`, per device.
+def compiled_memory(fn, *args, target=None, mesh=None, specs=None, static_argnums=(), donate_argnums=(),
+                    **kwargs) -> CompiledMemory:
+    """XLA's memory and cost analysis of `fn(*args, **kwargs)`, per device: compiled with `jax.jit`
+    on this host, or with `target` by that accelerator's compiler with no device present.
+    `remat.memory.compiled_memory` is this function.
 
     Args:
       fn: a function (or a `jax.jit` of one) of arrays/pytrees.
       *args: arrays or `jax.ShapeDtypeStruct`s (pytrees of them); only shapes and dtypes are used.
-      target: a name (`h200`, `h200x8`, `v5e:2x2`, `cpu`) or a `Target`.
-      mesh: a Mesh over `get(target).devices()`, or {axis: size} to make one (default: one axis
+      target: None (this host), or a name (`h200`, `h200x8`, `v5e:2x2`, `cpu`) or a `Target`.
+      mesh: with `target`, a Mesh over its devices, or {axis: size} to make one (default: one axis
         "devices" over all of them).
-      specs: where each argument lives: a PartitionSpec for all, or a pytree prefix of `args` with
-        PartitionSpec leaves; default replicated.
+      specs: with `target`, where each argument lives: a PartitionSpec for all, or a pytree prefix
+        of `args` with PartitionSpec leaves; default replicated.
       static_argnums, donate_argnums, **kwargs: as for `jax.jit` and the call.
     Returns:
-      `CompiledMemory` (temp, argument, output, alias, host bytes; `flops` from the compiler's cost
-      analysis where it gives one, else the matmul FLOPs of the traced program, `flops_source` says which).
+      `CompiledMemory`: temp, argument, output, alias and host bytes; `flops` from the compiler's
+      cost analysis, or, where it gives none (XLA:GPU without a device), the matrix-product FLOPs
+      of the traced program (`flops_source` says which).
     Example:
-      >>> import jax.numpy as jnp
-      >>> w = jax.ShapeDtypeStruct((8, 4096, 4096), jnp.bfloat16)
-      >>> cm = compiled_memory(lambda w: (w @ w).sum(), w, target="h200x8", mesh={"fsdp": 8}, specs=P("fsdp"))
-      >>> cm.argument == 8 * 4096 * 4096 * 2 // 8   # per device
-      True
+      >>> compiled_memory(lambda x: jax.numpy.sin(x) * 2, jax.numpy.ones(1024)).output
+      4096
     """
+    if target is None:
+        jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnums=static_argnums,
+                                                          donate_argnums=donate_argnums)
+        return compiled_stats(jitted.trace(*args, **kwargs).lower().compile())
     t = get(target)
-    if not isinstance(mesh, Mesh):
-        mesh = t.mesh(mesh)
-    compiled = compile(fn, *args, target=t, mesh=mesh, specs=specs, static_argnums=static_argnums,
-                       donate_argnums=donate_argnums, **kwargs)
-    cm = _memory.compiled_stats(compiled)
+    mesh = mesh if isinstance(mesh, Mesh) else t.mesh(mesh)
+    cm = compiled_stats(compile(fn, *args, target=t, mesh=mesh, specs=specs, static_argnums=static_argnums,
+                                donate_argnums=donate_argnums, **kwargs))
     if cm.flops:
         return cm
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnums=static_argnums)
-    with _memory.building_for(t.platform), jax.set_mesh(mesh):
+    with building_for(t.platform), jax.set_mesh(mesh):
         jaxpr = jitted.trace(*place(args, mesh, specs), **kwargs).jaxpr
     return dataclasses.replace(cm, flops=matmul_flops(jaxpr) / t.count, flops_source="jaxpr matmuls")
 

@@ -193,13 +193,6 @@ def compile_for(fn, *args, target: str = "cpu", mesh=None, specs=None):
     return targets.compile(fn, *args, target=t, mesh=mesh, specs=specs)
 
 
-def compiled_memory(fn, *args, target: str = "cpu", mesh=None, specs=None):
-    """`remat.memory.CompiledMemory` of `compile_for(fn, *args, target=...)`: device temp, argument,
-    output, alias and host bytes per device, as the target's compiler allocated them."""
-    from remat.memory import compiled_stats
-    return compiled_stats(compile_for(fn, *args, target=target, mesh=mesh, specs=specs))
-
-
 def source(target: str) -> dict:
     """Where a bench's figures come from: {"target", "compiler", "device", "timed", "libtpu_args"}
     (`libtpu_args`: LIBTPU_INIT_ARGS as this process started, which changes XLA:TPU's figures)."""

@@ -6,7 +6,7 @@ with the plain head and with `loss_chunk` N.
     JAX_PLATFORMS=cpu python -m remat_lm.bench.loss_chunk --target h200 --dtype bfloat16   # XLA:GPU's figures
 
 Compile only: every row is `jax.jit(jax.grad(loss_fn)).lower(...).compile()` on abstract inputs
-(`remat_lm.bench.common.compiled_memory`), nothing runs, so the d12 shape is fine on a small CPU
+(`remat_lm.bench.common.compile_for`), nothing runs, so the d12 shape is fine on a small CPU
 machine; `--target` (cpu, h200, v5e, ...) names the compiler.
 Columns: XLA's compiled temp buffer and peak estimate (arguments + outputs + temp − aliased) and
 the analytic saved bytes (remat_lm/models/memory_model.py), each also over the same recompute setting
@@ -27,6 +27,7 @@ from remat_lm.bench import common
 from remat_lm.bench.common import MiB, Target, fmt, machine, markdown_table, publish, targets_markdown, cli
 from remat_lm.models import gpt2, memory_model
 from remat import RecomputeConfig
+from remat.memory import compiled_stats
 from remat.memory import predict_saved
 from remat_lm.argtypes import Parser, int_list, integer
 
@@ -41,7 +42,8 @@ def measure(preset: str, seq: int, batch: int, recompute: RecomputeConfig, chunk
     params = jax.eval_shape(lambda: gpt2.init_params(cfg, jax.random.PRNGKey(0)))
     idx = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     t0 = time.perf_counter()
-    cm = common.compiled_memory(jax.grad(lambda p, x, y: gpt2.loss_fn(p, cfg, x, y)), params, idx, idx, target=target)
+    cm = compiled_stats(common.compile_for(jax.grad(lambda p, x, y: gpt2.loss_fn(p, cfg, x, y)), params, idx, idx,
+                                          target=target))
     layer, head = memory_model.activation_bytes(cfg, batch, seq)
     extra = 2 * batch * seq * cfg.padded_vocab_size * cfg.n_embd if chunk else 0
     return dict(temp_bytes=cm.temp, peak_bytes=cm.peak_estimate, recompute_flops=extra,

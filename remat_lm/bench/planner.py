@@ -40,7 +40,8 @@ from remat_lm.bench.common import reference_config
 from remat_lm.models import gpt2
 from remat_lm.models.memory_model import activation_bytes
 from remat import RecomputeConfig
-from remat.plan.planner import compiled_stats, plan_for_budget, recompute_config
+from remat.memory import compiled_stats
+from remat.plan.planner import plan_for_budget, recompute_config
 from remat_lm.argtypes import Parser, integer, real_list
 
 TOLERANCE = 0.03

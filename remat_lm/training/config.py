@@ -33,12 +33,11 @@ from remat_lm.training import deepspeed as remat_deepspeed
 from remat_lm.training import flags as recompute_flags
 from remat_lm.training.flags import RecomputeFlags
 from remat.plan import targets as remat_targets
-from remat_lm.argtypes import parse_size
 from remat_lm.training.flags import AutoRecompute
 
-__all__ = ["TrainConfig", "UsageError", "build_parser", "config_from_args", "usage_exit", "parse_mesh", "model_presets",
-           "MODELS", "DTYPES", "MESH_AXES", "TENSOR_AXIS", "DEFAULT_PRESET", "DEFAULT_PROMPT_TOKENS", "INT32_MAX",
-           "SEED_MAX", "SAMPLE_LENGTH_MAX", "PATH_FLAGS"]
+__all__ = ["DEFAULT_PRESET", "DEFAULT_PROMPT_TOKENS", "DTYPES", "INT32_MAX", "MESH_AXES", "MODELS", "PATH_FLAGS",
+           "SAMPLE_LENGTH_MAX", "SEED_MAX", "TENSOR_AXIS", "TrainConfig", "UsageError", "build_parser",
+           "config_from_args", "model_presets", "parse_mesh"]
 
 MODELS = model_family_names  # the model-family registry (remat_lm.models.family)
 DTYPES = ("float32", "bfloat16")
@@ -88,12 +87,15 @@ def parse_mesh(spec: str) -> dict[str, int]:
     for part in (p.strip() for p in spec.split(",")):
         name, eq, value = part.partition("=")
         name = name.strip()
-        value = value.strip()
-        if not eq or name not in MESH_AXES or name in seen or not _ascii_int(value) or int(value) < 1:
+        try:
+            n = argtypes.parse_int(value.strip()) if eq and name in MESH_AXES and name not in seen else 0
+        except ValueError:
+            n = 0
+        if n < 1:
             raise ValueError(f"--mesh {spec!r}: expected AXIS=N[,AXIS=N] with axes {', '.join(MESH_AXES)} "
                              f"and N >= 1, e.g. --mesh data=2,fsdp=4")
         seen.add(name)
-        out[name] = int(value)
+        out[name] = n
     return out
 
 
@@ -386,16 +388,6 @@ class TrainConfig(RecomputeFlags):
                                               sequence_parallel=self.tensor_size > 1 and self.sequence_parallel)
 
     @property
-    def memory_budget_bytes(self) -> int | None:
-        """--memory_budget in bytes (None when unset)."""
-        if self.memory_budget is None:
-            return None
-        try:
-            return parse_size(self.memory_budget)
-        except ValueError as e:
-            raise UsageError(f"--memory_budget: {e}") from None
-
-    @property
     def recompute(self) -> RecomputeConfig | AutoRecompute:
         """The recompute setting of a training run (a single method): a RecomputeConfig, or the
         AutoRecompute request that `remat_lm.training.compile.plan_memory` answers."""
@@ -413,13 +405,6 @@ def _host_cpu(name: str) -> bool:
     from remat_lm.training.target import is_host_cpu
     return is_host_cpu(name)
 
-
-def _ascii_int(text: str) -> bool:
-    try:
-        argtypes.parse_int(text)
-    except ValueError:
-        return False
-    return True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -473,8 +458,3 @@ def config_from_args(argv: Sequence[str] | None = None, prog: str = "train.py",
     """
     ns = build_parser(prog, description).parse_args(argv)
     return TrainConfig(**vars(ns))
-
-
-def usage_exit(message: str, prog: str = "train.py") -> typing.NoReturn:
-    """Print `prog: error: message` on one line to stderr and exit 2 (`remat_lm.argtypes.usage_exit`)."""
-    argtypes.usage_exit(prog, message)

@@ -29,6 +29,9 @@ import dataclasses
 import json
 
 import remat.regions
+from remat.errors import is_int
+
+__all__ = ["BLOCK", "BOOL_KEYS", "KEYS", "NOTES", "DeepSpeedCheckpointing", "load", "parse"]
 
 BLOCK = "activation_checkpointing"
 
@@ -78,7 +81,7 @@ class DeepSpeedCheckpointing:
             if not isinstance(v, bool):
                 raise ValueError(f"{self.source}: {BLOCK}.{k} = {json.dumps(v)} must be true or false")
         n = self.number_checkpoints
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        if n is not None and (not is_int(n) or n < 1):
             raise ValueError(f"{self.source}: {BLOCK}.number_checkpoints = {json.dumps(n)} must be a positive "
                              f"integer (the number of recompute regions) or null (every layer a region)")
         if self.contiguous_memory_optimization and not self.partition_activations:

@@ -10,15 +10,11 @@ mesh; XLA inserts the collectives (gloo between CPU processes, NCCL on GPUs).
   Checkpoints are written by all processes together (orbax: each writes the shards it holds).
 - Data: batch `i` is a function of `(seed, i)` alone; `put_rows` builds the global batch from the
   rows this process's devices hold, reading only those (the same global batch for any process count).
-- A peer's death: every survivor exits non-zero with one line on stderr ("process I of N: another
-  process of this run stopped (...)"). A collective with a dead peer fails at once ("Connection
-  closed by peer"): `peer_failure`, `exit_on_peer_failure`, exit 1. A peer that dies while the
-  others are not in a collective (compiling, waiting in the key-value store) is found by the
-  coordination service in process 0 when its heartbeat stops (`HEARTBEAT_S`), and JAX aborts the
-  survivors (SIGABRT); so it does in processes 1..N-1 when process 0 (which runs the service)
-  dies. `tidy_stderr` routes every process's fd 2 through a filter (`remat_lm/training/stderr_filter.py`)
-  that turns that abort into the same one line, naming the peer; `sys.stderr` (tracebacks,
-  tqdm's bar) keeps the original stderr.
+- A peer's death: a collective with a dead peer fails at once ("Connection closed by peer"); the
+  survivor prints one line naming itself and the failure and exits 1 (`peer_failure`,
+  `exit_on_peer_failure`). When no collective is running, JAX's coordination service finds the
+  dead peer by its missing heartbeat (`HEARTBEAT_S`), or the survivors lose the service with
+  process 0, and JAX aborts them with its own log lines, which reach stderr as JAX writes them.
 
 Example:
     >>> initialize()                              # no-op in a single-process environment
@@ -30,6 +26,9 @@ import os
 import sys
 
 import jax
+
+__all__ = ["HEARTBEAT_S", "INIT_S", "SHUTDOWN_S", "exit_on_peer_failure", "initialize", "is_primary", "peer_failure",
+           "put_rows", "quiet_others", "requested"]
 
 # NOTE: bounds on a dead peer. JAX's defaults wait 100 s for a missed heartbeat and 300 s at the
 # shutdown barrier; a survivor of a killed peer then sat ~90 s in the barrier of an exiting
@@ -103,48 +102,6 @@ def quiet_others() -> None:
     os.close(devnull)
 
 
-# NOTE: why a filter process on file descriptor 2. When the distributed service finds a peer gone
-# (process 0, where the coordination service runs, saw no heartbeat from process K for
-# HEARTBEAT_S; or, in processes 1..N-1, process 0 and the service died), JAX's agent aborts the
-# process from a C++ thread: a LOG(FATAL) line, glog error lines and a C++ stack trace on fd 2,
-# then SIGABRT. That often comes before a failed collective reaches Python (and comes with no
-# collective at all, e.g. while a process compiles or waits in the key-value store), so no code in
-# the process can replace it. A small filter process (`remat_lm/training/stderr_filter.py`), which outlives the abort,
-# reads fd 2 through a pipe and writes one line in place of the abort and the service's lines
-# that led to it; every other byte passes through unchanged, as it arrives.
-# Python's own `sys.stderr` (tracebacks, our messages, tqdm's bar in process 0) keeps writing to
-# the original stderr, not through the filter: tqdm's '\r' updates and its terminal check
-# (`disable=None` turns the bar off on a non-terminal) see the real stderr, and their order
-# against stdout is unchanged. Our own peer-failure line goes through the filter
-# (`exit_on_peer_failure`), so it is written once when the abort says the same.
-_filter = []
-_FILTER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stderr_filter.py")
-
-
-def tidy_stderr(prog: str) -> None:
-    """In a multi-process run: route fd 2 through `remat_lm/training/stderr_filter.py` (see the NOTE above).
-
-    `sys.stderr` is given the original stderr; C-level output (JAX's glog lines, XLA) goes through
-    the filter. A no-op in a single process.
-    """
-    import io
-    import subprocess
-
-    if jax.process_count() == 1 or _filter:
-        return
-    sys.stderr.flush()
-    original = os.dup(2)
-    # -I: no PYTHON* variables, no user site, and not training/ on sys.path (its profile.py would shadow the stdlib's)
-    proc = subprocess.Popen([sys.executable, "-I", _FILTER_SCRIPT, prog, str(jax.process_index()),
-                             str(jax.process_count()), str(HEARTBEAT_S)],
-                            stdin=subprocess.PIPE, stdout=original, close_fds=True)
-    os.dup2(proc.stdin.fileno(), 2)
-    proc.stdin.close()  # fd 2 is now the pipe's only write end: the filter ends when it closes
-    sys.stderr = io.TextIOWrapper(io.FileIO(original, "w"), encoding=sys.stderr.encoding,
-                                  errors="backslashreplace", line_buffering=True, write_through=True)
-    _filter.append(proc)
-
-
 # Words in the errors a collective or the coordination service raises when another process is gone.
 _PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Gloo", "heartbeat", "coordination service",
                "Socket closed", "Broken pipe", "barrier")
@@ -161,31 +118,14 @@ def peer_failure(e: BaseException) -> str | None:
 
 
 def exit_on_peer_failure(reason: str, prog: str) -> None:
-    """Print one line naming this process and the failure, and leave with status 1 at once.
-
-    # NOTE: `os._exit`, not `sys.exit`: a normal exit runs JAX's shutdown barrier, which waits for
-    # the dead process (SHUTDOWN_S, then an abort with a C++ stack trace).
-    """
+    """Print one line naming this process and the failure, and leave with status 1 at once."""
     me, n = jax.process_index(), jax.process_count()
     line = (f"{prog}: error: process {me} of {n}: another process of this run stopped ({reason}); "
             f"stopping too; restart all {n} processes with --resume to continue from the last checkpoint\n")
     sys.stdout.flush()
+    sys.stderr.write(line)
     sys.stderr.flush()
-    if not _filter:
-        sys.stderr.write(line)
-        sys.stderr.flush()
-        os._exit(1)
-    # Through the filter, which writes it once if JAX's abort says the same; then close fd 2 (an
-    # abort from here on writes to /dev/null) and wait for the filter, so that the line is
-    # written before this process's exit status is.
-    os.write(2, line.encode())
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        _filter[0].wait(timeout=10)
-    except Exception:
-        pass
-    os._exit(1)
+    os._exit(1)  # not sys.exit: a normal exit waits in JAX's shutdown barrier for the dead process
 
 
 def put_rows(read, shape: tuple, sharding, batch_axis: int) -> tuple:

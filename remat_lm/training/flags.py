@@ -56,6 +56,9 @@ class Flag:
     train_only: bool = False
 
 
+__all__ = ["BY_NAME", "FIELD_FLAGS", "FLAGS", "AutoRecompute", "Flag", "RecomputeFlags", "add_arguments",
+           "argparse_kwargs", "defaults", "flag_error", "flag_word", "from_flags", "granularity", "recompute_configs"]
+
 FLAGS = (
     Flag("activation_recompute", bool, False, "turn activation recompute on; without --recompute_granularity it "
          "means granularity full"),
@@ -320,7 +323,7 @@ def _plan_config(v: dict) -> tuple:
         lp = parse_plan(v["recompute_plan"])
     except ValueError as e:
         raise ValueError(f"--recompute_plan: {e}") from None
-    from remat.plan.tagplan import recompute_config
+    from remat.plan import recompute_config
     return ("plan", recompute_config(lp))
 
 

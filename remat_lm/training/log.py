@@ -3,8 +3,9 @@
     step 12/200 | loss 3.4102 | norm 0.83 | lr 3.0e-04 | 412 ms | 9,950 tok/s | mfu n/a | mem 1.20 GiB
 
 MFU is model FLOPs per token (the model's `flops_per_token`, which does not count recomputation)
-times tokens per second, over the peak of the devices in use from `PEAK_FLOPS`; devices not in
-the table (every CPU) report "n/a". Memory is the device's `peak_bytes_in_use` when the backend
+times tokens per second, over the peak of the devices in use from the hardware table
+(`remat.plan.targets.SPECS`, which the planner and the preflight read too); devices not in it
+(every CPU) report "n/a". Memory is the device's `peak_bytes_in_use` when the backend
 reports `memory_stats()`, else XLA's compiled estimate of the step (arguments + outputs +
 temporaries - aliased), shown as `mem 1.20 GiB (compiled est.)`.
 
@@ -20,35 +21,23 @@ import os
 import jax
 
 from remat.memory import compiled_stats, format_bytes
+from remat.plan import targets
 
-# Dense peak FLOP/s per device (no sparsity) for bfloat16 and float32 matmuls (TF32 on NVIDIA).
-# Keys are matched as substrings of `device.device_kind`, first match wins.
-PEAK_FLOPS = {
-    "H200": (989e12, 495e12),
-    "H100": (989e12, 495e12),
-    "GH200": (989e12, 495e12),
-    "A100": (312e12, 156e12),
-    "A10G": (70e12, 35e12),
-    "L40S": (362e12, 183e12),
-    "L4": (121e12, 60e12),
-    "V100": (125e12, 15.7e12),
-    "TPU v6": (918e12, 918e12),
-    "TPU v5p": (459e12, 459e12),
-    "TPU v5 lite": (197e12, 197e12),
-    "TPU v5e": (197e12, 197e12),
-    "TPU v4": (275e12, 275e12),
-}
+__all__ = ["JsonlWriter", "LogWriteError", "compiled_estimate", "device_memory", "format_line", "peak_flops",
+           "truncate_after"]
 
 
 def peak_flops(device, dtype: str) -> float | None:
-    """Peak FLOP/s of one device for `dtype` ("bfloat16" or "float32"), or None if unknown (CPU)."""
-    if device.platform == "cpu":
-        return None
-    kind = getattr(device, "device_kind", "")
-    for key, (bf16, f32) in PEAK_FLOPS.items():
-        if key in kind:
-            return bf16 if dtype == "bfloat16" else f32
-    return None
+    """Peak dense matrix FLOP/s of one device for `dtype` ("bfloat16", "float32"), from the hardware
+    table `remat.plan.targets.SPECS`; None for a device not in it (every CPU).
+
+    Example:
+      >>> import types
+      >>> peak_flops(types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite"), "float32")
+      197000000000000.0
+    """
+    spec = targets.spec_of(device)
+    return None if spec is None else spec.peak_flops.get(dtype)
 
 
 def device_memory(devices) -> int | None:

@@ -41,13 +41,16 @@ import math
 from remat import policies
 from remat.memory import GiB, MiB, compiled_stats
 from remat.memory import format_bytes
-from remat.plan.planner import recompute_config
+from remat.plan import recompute_config
 from remat_lm.argtypes import parse_size
-from remat_lm.training.checks import device_memory_limit, host_available  # noqa: F401 (host_available: re-exported)
+from remat_lm.training.checks import device_memory_limit, host_available
 from remat_lm.training.compile import compile_train_step
 from remat_lm.training.config import UsageError
 from remat_lm.training.log import compiled_estimate
 from remat_lm.training import target as run_target
+
+__all__ = ["BATCH_TRIES", "DEFAULT_CHUNK", "HEADROOM", "Capacity", "advice", "capacity", "capacity_of", "check",
+           "headroom", "host_available", "refusal", "split_batch", "verdict"]
 
 HEADROOM = 0.8       # a suggested budget leaves 20% to the rest of the process (and, on CPU, the host)
 DEFAULT_CHUNK = 128  # --loss_chunk suggested when the run has none (at most a quarter of T)

@@ -22,6 +22,10 @@ import os
 
 import jax
 
+from remat_lm.argtypes import parse_int
+
+__all__ = ["StepProfiler", "parse_steps", "profile_dir"]
+
 
 def parse_steps(spec: str, num_iterations: int) -> tuple[int, int]:
     """'A:B' → (A, B) with 0 <= A < B <= num_iterations; ValueError naming the fix otherwise.
@@ -31,10 +35,11 @@ def parse_steps(spec: str, num_iterations: int) -> tuple[int, int]:
       (10, 12)
     """
     a, sep, b = str(spec).partition(":")
-    ok = sep and a.strip().isascii() and b.strip().isascii() and a.strip().isdigit() and b.strip().isdigit()
-    if ok:
-        a, b = int(a), int(b)
-        ok = a < b <= num_iterations
+    try:
+        a, b = parse_int(a.strip()), parse_int(b.strip())
+        ok = bool(sep) and 0 <= a < b <= num_iterations
+    except ValueError:
+        ok = False
     if not ok:
         raise ValueError(f"--profile_steps {spec!r}: expected A:B with integers 0 <= A < B <= --num_iterations "
                          f"({num_iterations}); the trace covers steps A+1..B, e.g. --profile_steps 10:13")

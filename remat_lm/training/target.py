@@ -12,28 +12,22 @@ Example:
     >>> t.hardware(), deviceless, words(t)
     ('8 x NVIDIA H200 141GB HBM3e', True, 'XLA:GPU for 8 x NVIDIA H200 141GB HBM3e')
 
-# NOTE: which runs may take a target this host has not got. Compile-only devices run nothing, so
-# a run that would train on them (no --dry_run, no --memory_report) is bad input, found before any
-# data is read; `--recompute_method auto` plans for the target only inside such a dry run (the plan
-# is printed with the summary). A host whose own devices are the target's (same platform and device
-# kind, at least as many of them) is the target: the real devices are used, and the preflight reads
-# their `bytes_limit` as it does without the flag.
+A run that would train on compile-only devices (no --dry_run, no --memory_report) is bad input,
+found before any data is read.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 
 import jax
 
 import remat
 from remat.plan import targets as remat_targets
-from remat_lm import argtypes
 from remat_lm.argtypes import UsageError
 
-# A TPU's device_kind as JAX reports it on a TPU VM, per remat.plan.targets spec kind.
-_TPU_KINDS = {"v5e": ("tpu v5 lite", "tpu v5e"), "v5p": ("tpu v5p", "tpu v5"), "v6e": ("tpu v6 lite", "tpu v6e")}
+__all__ = ["Refused", "building", "check_mesh", "devices", "get", "host_has", "is_host_cpu", "limit_words",
+           "refused", "refused_bytes", "resolve", "words"]
 
 
 def get(name: str) -> remat_targets.Target:
@@ -47,18 +41,7 @@ def get(name: str) -> remat_targets.Target:
 
 def is_host_cpu(name: str) -> bool:
     """True for `cpu` / `cpuxN`: this host's CPU, whose device count is known only once JAX has started."""
-    return re.fullmatch(r"cpu(x\d+)?", str(name).strip().lower()) is not None
-
-
-def _kind_matches(t: remat_targets.Target, device) -> bool:
-    if device.platform not in ({"cuda": "gpu"}.get(t.platform, t.platform), t.platform):
-        return False
-    kind = str(getattr(device, "device_kind", "")).lower()
-    if t.platform == "cpu":
-        return True
-    if t.platform == "tpu":
-        return kind in _TPU_KINDS.get(t.spec.kind, ())
-    return all(part in kind for part in t.spec.kind.split("-"))  # "a100-80g" in "nvidia a100-sxm4-80gb"
+    return re.fullmatch(r"cpu(x\d+)?", str(name).strip().lower(), re.ASCII) is not None
 
 
 def host_has(t: remat_targets.Target) -> bool:
@@ -66,7 +49,7 @@ def host_has(t: remat_targets.Target) -> bool:
     devices = jax.devices() if t.platform != "cpu" else jax.devices("cpu")
     if t.platform == "cpu":
         return jax.default_backend() == "cpu" and len(devices) >= t.count
-    return len(devices) >= t.count and all(_kind_matches(t, d) for d in devices)
+    return len(devices) >= t.count and all(t.spec.is_device(d) for d in devices)
 
 
 def _fix_for(t: remat_targets.Target, n: int) -> str:
@@ -123,10 +106,10 @@ def resolve(cfg) -> tuple[remat_targets.Target | None, bool]:
 
 
 def devices(t: remat_targets.Target) -> list:
-    """`t`'s compile-only devices, with the compilers' start-up banner dropped from stderr; a missing
-    compiler is a UsageError naming the install (`remat.plan.targets.TargetUnavailable`)."""
+    """`t`'s compile-only devices; a missing compiler is a UsageError naming the install
+    (`remat.plan.targets.TargetUnavailable`)."""
     try:
-        return argtypes.quietly(t.devices)
+        return t.devices()
     except remat_targets.TargetUnavailable as e:
         raise UsageError(f"--target {t.name}: {e}") from None
 
