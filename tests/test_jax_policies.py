@@ -65,7 +65,7 @@ class _Two(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        blk = rlinen.remat_module(LinenBlock, self.policy)
+        blk = rlinen.remat_module(LinenBlock, policy=self.policy)
         return blk()(blk()(x))
 
 
@@ -183,7 +183,7 @@ def test_the_old_policy_name_full_is_refused_naming_full_remat():
     assert policies.describe(policies.get("full_remat")) == "jax.checkpoint_policies.nothing_saveable"
     assert "full" not in policies.names()
     for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, policy="full")(X),
-                 lambda: rlinen.remat_module(LinenBlock, "full")):
+                 lambda: rlinen.remat_module(LinenBlock, policy="full")):
         with pytest.raises(ValueError, match="policy 'full' is now called 'full_remat'"):
             call()
     with pytest.raises(RecomputeConfigError, match="now called 'full_remat'") as e:
