@@ -1,5 +1,5 @@
 """Flax NNX: `LayerStack` (layers grouped into regions per a RecomputeConfig, loop or scan layout),
-`remat` (`nnx.remat` taking the library's policy names), and `stack_paths` / `unstack_paths` (a
+`remat` (`nnx.remat` taking the library's policy names), and `stack_layers` / `unstack_layers` (a
 model state's layer list to the paths of a stored stack and back)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from remat import policies as _policies
 from remat.config import RecomputeConfig
 from remat.stack import _select, _signature, apply_layers
 
-__all__ = ["LayerStack", "remat", "stack_paths", "unstack_paths"]
+__all__ = ["LayerStack", "remat", "stack_layers", "unstack_layers"]
 
 # Randomness: each layer runs as a pure function of its (graphdef, state), so an update a layer makes
 # to its own state (an RNG counter, a running statistic) is discarded after the call, and a recompute
@@ -346,22 +346,22 @@ class _Nodes:
         return y
 
 
-def stack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
+def stack_layers(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
     """A model state with a plain layer list at `stack` (`layers/0/...`, as `nnx.List` keeps it)
     mapped to the paths of a `LayerStack` stored there (`layers/layers/0/...`; with `scan=True`
     the layers' Variables stacked along a new leading axis, `layers/layers/...` of shape (L, ...),
-    the partitioning metadata getting `layer_axis_name` as the stack gives it); `unstack_paths` is
+    the partitioning metadata getting `layer_axis_name` as the stack gives it); `unstack_layers` is
     the inverse. So a checkpoint of the model without the stack loads into the model with it:
-    `nnx.update(model, stack_paths(restored))`, and back. (A model holding its layers stacked
+    `nnx.update(model, stack_layers(restored))`, and back. (A model holding its layers stacked
     already, made under `nnx.vmap`, maps with `scan=False`: only the `layers/` level is added.)
 
     Example:
       >>> st = nnx.State({"layers": {0: {"w": 1}, 1: {"w": 2}}, "head": {"w": 3}})
-      >>> sorted(stack_paths(st)["layers"]["layers"])
+      >>> sorted(stack_layers(st)["layers"]["layers"])
       [0, 1]
-      >>> unstack_paths(stack_paths(st)) == st
+      >>> unstack_layers(stack_layers(st)) == st
       True
-      >>> stack_paths(st, scan=True)["layers"]["layers"]["w"].tolist()
+      >>> stack_layers(st, scan=True)["layers"]["layers"]["w"].tolist()
       [1, 2]
     """
     out = {k: _nested_dict(v) for k, v in state.items()}
@@ -376,8 +376,8 @@ def stack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_nam
     return nnx.State(out) if isinstance(state, nnx.State) else out
 
 
-def unstack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
-    """The inverse of `stack_paths`: `layers/layers/i/...` back to `layers/i/...` (with `scan=True`,
+def unstack_layers(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
+    """The inverse of `stack_layers`: `layers/layers/i/...` back to `layers/i/...` (with `scan=True`,
     the stacked `layers/layers/...` sliced into `layers/i/...`; the stack's own `rngs` state, if
     any, is dropped: the model without the stack has none)."""
     out = {k: _nested_dict(v) for k, v in state.items()}
@@ -386,7 +386,7 @@ def unstack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_n
         if scan:
             n = {_leading(v) for v in jax.tree.leaves(layers, is_leaf=_is_var)}
             if len(n) != 1:
-                raise ValueError(f"remat.nnx.unstack_paths(scan=True): the leaves at {stack}/layers have no common "
+                raise ValueError(f"remat.nnx.unstack_layers(scan=True): the leaves at {stack}/layers have no common "
                                  f"leading layer axis (sizes {sorted(n, key=str)}); use scan=False for a loop layout")
             layers = {i: jax.tree.map(lambda v, i=i: _slice(v, i, layer_axis_name), layers, is_leaf=_is_var)
                       for i in range(n.pop())}

@@ -174,9 +174,9 @@ def test_the_stacks_own_rngs_reach_blocks_that_take_rngs_per_call():
 def test_stored_stack_len_indexing_and_an_original_checkpoint_loads_both_ways():
     plain, stacked = Model(None, nnx.Rngs(0)), Model(FULL, nnx.Rngs(1))
     assert len(stacked.layers) == L and stacked.layers[1] is list(stacked.layers)[1]
-    nnx.update(stacked, rnnx.stack_paths(nnx.state(plain)))  # the checkpoint without the stack loads
+    nnx.update(stacked, rnnx.stack_layers(nnx.state(plain)))  # the checkpoint without the stack loads
     np.testing.assert_array_equal(stacked(X, nnx.Rngs(dropout=2)), plain(X, nnx.Rngs(dropout=2)))
-    back = rnnx.unstack_paths(nnx.state(stacked))
+    back = rnnx.unstack_layers(nnx.state(stacked))
     assert jax.tree.structure(back) == jax.tree.structure(nnx.state(plain))
     equal(back, nnx.state(plain))
 

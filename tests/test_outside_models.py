@@ -342,7 +342,7 @@ def test_nnx_stack_scan_matches_loop(cfg):
     loss = lambda m: jnp.mean(m(X, key=key, scale=0.5) ** 2)  # noqa: E731
     g_loop, g_scan = nnx.grad(loss)(make(False)), nnx.grad(loss)(make(True))
     # the scanned stack holds its layers stacked (layers/... of shape (L, ...)): sliced per layer
-    g_scan = rnnx.unstack_paths({"s": nnx.state(g_scan, nnx.Param)}, stack="s", scan=True)["s"]
+    g_scan = rnnx.unstack_layers({"s": nnx.state(g_scan, nnx.Param)}, stack="s", scan=True)["s"]
     assert rel_err(jax.tree.leaves(g_scan), jax.tree.leaves(nnx.state(g_loop, nnx.Param)["layers"])) <= 1e-5
     ref = nnx.grad(loss)(rnnx.LayerStack([NNXBlk(nnx.Rngs(i)) for i in range(L)], RecomputeConfig()))
     assert rel_err(jax.tree.leaves(g_scan), jax.tree.leaves(nnx.state(ref, nnx.Param)["layers"])) <= 1e-5
