@@ -44,7 +44,9 @@ def _grad(wrap, v):
 def test_gradients_and_dropout_masks_equal_nn_remat_and_no_remat():
     v = Net().init(jax.random.key(0), X)
     ref = _grad(None, v)
-    for wrap in (nn.remat, rlinen.remat_module, functools.partial(rlinen.remat_module, policy="dots")):
+    nested = lambda b: rlinen.remat_module(rlinen.remat_module(b))  # noqa: E731
+    for wrap in (nn.remat, rlinen.remat_module, functools.partial(rlinen.remat_module, policy="dots"), nested):
+        assert jax.tree.structure(Net(wrap).init(jax.random.key(0), X)) == jax.tree.structure(v)
         got = _grad(wrap, v)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same masks: bit for bit
