@@ -32,7 +32,7 @@ class Config:
     mlp_dim: int = 256
     max_len: int = 64
     decode: bool = False
-    remat: Any = None  # None | "nn.remat" | a RecomputeConfig / policy name for remat.linen.remat_module
+    remat: Any = None  # None | "nn.remat" | a RecomputeConfig for remat.linen.remat_module
 
 
 # remat: name q, k, v and the context for the policies. `functools.wraps` matters: Flax passes an
@@ -88,7 +88,7 @@ class Decoder(nn.Module):
         if cfg.remat == "nn.remat":
             block = nn.remat(block, static_argnums=(3,))
         elif cfg.remat is not None:
-            block = remat.linen.remat_module(block, cfg.remat, static_argnums=(3,))  # remat: the one change
+            block = remat.linen.remat_module(block, recompute=cfg.remat, static_argnums=(3,))  # remat: the one change
         for i in range(cfg.num_layers):
             x = block(cfg, name=f"encoderdecoderblock_{i}")(x, mask, deterministic)
         return nn.Dense(cfg.vocab_size, name="logitdense")(nn.LayerNorm()(x))

@@ -1,18 +1,19 @@
-"""Flax Linen helpers: a layer stack grouped per `remat.plan`, and `remat_module`, a drop-in for `nn.remat`."""
+"""Flax Linen: `LayerStack` (layers grouped into regions per a RecomputeConfig), `remat_module`
+(`nn.remat` taking the library's policy names), and `stack_layers` / `unstack_layers` (a model's
+per-layer variables to the stack's layout and back)."""
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
-from flax.core import lift, meta
 import jax
 import jax.numpy as jnp
 
 from remat import policies as _policies
-from remat.config import RecomputeConfig, check_region
-from remat.checkpoint import checkpoint
+from remat.config import RecomputeConfig
 from remat.stack import _select, _signature, apply_layers
+
+__all__ = ["LayerStack", "remat_module", "stack_layers", "unstack_layers"]
 
 
 class LayerStack(nn.Module):
@@ -76,7 +77,7 @@ class LayerStack(nn.Module):
             init_one = lambda k: dict(template.init({"params": k, "dropout": k}, x, *args, **kwargs))  # noqa: E731
             first = None
             if self.scan:  # boxed (partitioned) leaves get the layer axis, as nn.scan gives them
-                made = [meta.add_axis(jax.vmap(init_one)(keys), 0, {meta.PARTITION_NAME: self.layer_axis_name})]
+                made = [nn.meta.add_axis(jax.vmap(init_one)(keys), 0, {nn.PARTITION_NAME: self.layer_axis_name})]
             else:
                 # NOTE: each layer is initialized on the previous one's output and that output is
                 # the stack's: running the freshly made layers again would meet their own new
@@ -144,62 +145,25 @@ class LayerStack(nn.Module):
         return result
 
 
-def _lifted_checkpoint(fn, variables=True, rngs=True, concrete=False, prevent_cse=True, static_argnums=(),
-                       policy=None, **options):
-    """`flax.core.lift.checkpoint` with `remat.checkpoint` in place of `jax.checkpoint`: Flax's own
-    lifting (variables and RNG streams in and out of the region, mutable collections written back),
-    the library's region underneath."""
-    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
-        static = jax.tree_util.tree_map(lambda i: i + 2, static_argnums)  # the two lifted groups lead
-        if concrete:
-            raise NotImplementedError("The concrete argument is deprecated (as in flax.linen.remat): use "
-                                      "static_argnums instead")
-
-        @functools.wraps(fn)
-        def rematted(variable_groups, rng_groups, *args, **kwargs):
-            scope = scope_fn(variable_groups, rng_groups)
-            y = fn(scope, *args, **kwargs)
-            return y, repack_fn(scope)
-
-        region = checkpoint(rematted, static_argnums=static, prevent_cse=prevent_cse, policy=policy, **options)
-        return region(variable_groups, rng_groups, *args, **kwargs)
-
-    return lift.pack(inner, (variables,), (variables,), (rngs,), name="remat", enable_kwargs=True)
-
-
-_lifted_checkpoint.__name__ = "checkpoint"
-
-
 def remat_module(target, variables=True, rngs=True, concrete: bool = False, prevent_cse: bool = True,
                  static_argnums: int | Sequence[int] = (), policy=None, methods=None, *,
-                 recompute: RecomputeConfig | None = None, use_reentrant: bool = False, determinism_check=None,
-                 tie_to_cotangent: bool | None = None):
-    """`nn.remat` on the library's regions: every form `nn.remat` takes, with `remat.checkpoint` underneath.
+                 recompute: RecomputeConfig | None = None):
+    """`nn.remat` with the policy given by name or as a JAX policy callable.
 
-    A drop-in for `nn.remat(target, variables, rngs, concrete, prevent_cse, static_argnums, policy,
-    methods)`: a Module class, or a method as a decorator (`@remat_module`,
-    `@functools.partial(remat_module, static_argnums=(2,))` on `__call__`); a Module instance is
-    refused with Flax's `TransformTargetError`. The lifting is Flax's own (`flax.core.lift.pack`),
-    so variables, RNG streams (the same dropout masks as `nn.remat`, and as no remat),
-    `setup`, mutable collections (`batch_stats`, `cache`, `sow`'s intermediates) and
-    `static_argnums` behave as in `nn.remat` (Flax's convention: `self` is argument 0; arguments not
-    listed are traced, a Python bool too). The region is `remat.checkpoint`, so the backward's
-    recomputation waits for its cotangent where the compiler needs it and the compiled temp falls
-    (plain `nn.remat` may raise it on XLA:CPU; docs/BENCHMARKS.md).
-
-    Unlike `nn.remat`, the class keeps its name, so auto-named submodules keep the paths they have
-    without remat (`Block_0`, where `nn.remat` names them `CheckpointBlock_0`).
+    Takes every form and argument `nn.remat` takes (a Module class, a method as a decorator, a
+    function taking a module first; `variables`, `rngs`, `concrete`, `prevent_cse`, `methods`;
+    `static_argnums` counting `self` as 0) and returns what `nn.remat` returns, but for the class
+    name: the class keeps its own, so auto-named submodules keep the paths they have without remat
+    (`Block_0`, where `nn.remat` names them `CheckpointBlock_0`).
 
     Args:
-      target: a Linen Module class, or a Module method (decorator form).
+      target: a Linen Module class, a Module method (decorator form) or a function taking a module.
       variables, rngs, concrete, prevent_cse, static_argnums, methods: as `nn.remat`.
-      policy: a `remat.policies` name or a JAX policy callable (as `nn.remat`'s `policy`).
-      recompute: a RecomputeConfig instead of `policy` (also accepted as the second positional
-        argument, as are a policy name or callable, and None: `target` unchanged): granularity `none` returns `target` unchanged; its policy, use_reentrant and
-        determinism_check apply. A config that groups layers (`uniform`, `block`, `every`,
-        `segments`, `per_layer`) is refused: one module call is one region; group layers with
-        `remat.linen.LayerStack`.
-      use_reentrant, determinism_check, tie_to_cotangent: `remat.checkpoint`'s options.
+      policy: a `remat.policies` name or a JAX policy callable.
+      recompute: a RecomputeConfig instead of `policy`: granularity `none` returns `target` itself,
+        otherwise its `effective_policy()` is the policy. A config that groups layers or needs the
+        library's own region (`use_reentrant`, a determinism check, offloaded or sharded inputs) is
+        refused: use `remat.linen.LayerStack`.
     Example:
       >>> class MyBlock(nn.Module):
       ...     @nn.compact
@@ -209,60 +173,47 @@ def remat_module(target, variables=True, rngs=True, concrete: bool = False, prev
       >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 8)), True)
       >>> Block().apply(variables, jnp.ones((2, 8)), True).shape
       (2, 8)
-      >>> remat_module(MyBlock, RecomputeConfig()) is MyBlock   # granularity none: unchanged
+      >>> remat_module(MyBlock, recompute=RecomputeConfig()) is MyBlock   # granularity none: unchanged
       True
     """
-    if isinstance(variables, RecomputeConfig) or variables is None:  # the library's positional form
-        if recompute is not None:
-            raise TypeError("remat_module: a RecomputeConfig given twice (positionally and as recompute=)")
-        recompute, variables = variables, True
-        if recompute is None:
-            return target
-    if (isinstance(variables, str) and (_is_policy_name(variables))) or callable(variables):
-        # the library's earlier positional form, remat_module(Block, "nothing_saveable"): no collection is
-        # named like a policy, and Flax's collection filters are no callables
-        if policy is not None:
-            raise TypeError("remat_module: a policy given twice (positionally and as policy=)")
-        policy, variables = variables, True
-        _policies.validate(policy)
-    options = dict(use_reentrant=use_reentrant, determinism_check=determinism_check,
-                   tie_to_cotangent=tie_to_cotangent)
+    if isinstance(variables, RecomputeConfig):
+        raise TypeError(f"remat_module: the second argument is nn.remat's `variables` (a collection filter); "
+                        f"pass the config as recompute={variables!r}")
     if recompute is not None:
         if not recompute.enabled:
             return target
-        if recompute.layers is not None:
-            raise ValueError(
-                f"remat_module: {recompute!r} groups layers into regions ({recompute.layers!r}), but "
-                f"each call of one module is one region: group the layers with remat.linen.LayerStack(block, "
-                f"n_layers, recompute), or pass a config without a layer spec (granularity full or selective)")
         if policy is not None:
             raise TypeError("remat_module: give the policy once, as policy= or inside recompute=")
-        policy = None if recompute.use_reentrant else recompute.effective_policy()
-        options.update(use_reentrant=recompute.use_reentrant, determinism_check=recompute.determinism_check)
-    elif policy is not None:
-        _policies.validate(policy)
+        _check_one_region(recompute)
+        policy = recompute.effective_policy()
     argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     bad = [i for i in argnums if i < 1]
     if bad:
         raise ValueError(f"remat_module: static_argnums {bad}: Flax counts `self` as argument 0, so the first call "
                          f"argument is 1 (as in nn.remat)")
-    check_region(options["use_reentrant"], policy, options["determinism_check"])
-    lifted = functools.partial(_lifted_checkpoint, **options)
-    lifted.__name__ = "checkpoint"
-    out = nn.transforms.lift_transform(lifted, target, variables, rngs, concrete, prevent_cse,
-                                       tuple(i - 1 for i in argnums), policy, methods=methods)
-    if isinstance(target, type):  # keep the class name: auto-named submodules keep their paths
-        out.__name__, out.__qualname__ = target.__name__, target.__qualname__
-        out.__module__ = target.__module__
+    out = nn.remat(target, variables, rngs, concrete, prevent_cse, static_argnums, _policies.resolve(policy),
+                   methods)
+    if isinstance(target, type):
+        out.__name__, out.__qualname__, out.__module__ = target.__name__, target.__qualname__, target.__module__
     return out
 
 
-def _is_policy_name(name: str) -> bool:
-    try:
-        _policies.validate(name)
-    except ValueError:
-        return False
-    return True
+def _check_one_region(recompute: RecomputeConfig) -> None:
+    """Refuse a config `nn.remat` cannot express: layer grouping, or an option of the library's own region."""
+    if recompute.layers is not None:
+        raise ValueError(
+            f"remat_module: {recompute!r} groups layers into regions ({recompute.layers!r}), but each call of one "
+            f"module is one region: group the layers with remat.linen.LayerStack(block, n_layers, recompute), or "
+            f"pass a config without a layer spec (granularity full or selective)")
+    extra = {"use_reentrant": recompute.use_reentrant, "determinism_check": recompute.determinism_check,
+             "offload_inputs": recompute.offload_inputs, "shard_inputs": recompute.shard_inputs}
+    extra = {k: v for k, v in extra.items() if v not in (None, False)}
+    if extra:
+        field, value = next(iter(extra.items()))
+        raise ValueError(
+            f"remat_module: {field}={value!r} needs the library's own region, which nn.remat does not run; group "
+            f"the layers with remat.linen.LayerStack(block, n_layers, recompute) (it runs remat.checkpoint), "
+            f"or drop {field}")
 
 
 def stack_layers(layers: Sequence, scan: bool = False) -> dict:

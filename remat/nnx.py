@@ -1,20 +1,8 @@
-"""Flax NNX helpers: a layer stack grouped and rematerialized per `remat.plan`.
-
-# NOTE: randomness. Each layer runs as a pure function of its (graphdef, state), so an update a
-# layer makes to its own state (an RNG stream's counter, a running statistic) is discarded after
-# the call, and a recompute region re-runs the layer from the same state. A dropout layer drawing
-# from its own `nnx.Rngs` would therefore use the same mask in every call (and, with one shared
-# `Rngs`, in every layer). So the stack owns the randomness: each call draws one key from its own
-# `rngs` (a real state update of the stack, outside every region), folds in the layer index, and
-# reseeds every RNG stream of that layer with it (folding in the stream's name) before the layer
-# runs. Masks then differ between layers and between calls, and the forward and the recomputation
-# of a region see the same keys, so remat leaves gradients unchanged. A layer that changes any other
-# state, or draws random numbers while the stack has no `rngs`, raises instead of silently
-# repeating itself.
-"""
+"""Flax NNX: `LayerStack` (layers grouped into regions per a RecomputeConfig, loop or scan layout),
+`remat` (`nnx.remat` taking the library's policy names), and `stack_layers` / `unstack_layers` (a
+model state's layer list to the paths of a stored stack and back)."""
 from __future__ import annotations
 
-import functools
 import inspect
 import zlib
 from typing import Sequence
@@ -22,21 +10,20 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-# NOTE: `remat` below is Flax's own `nnx.remat` with `remat.checkpoint` in place of
-# `jax.checkpoint`, built from the same NNX transform helpers (`extract`, `graphlib`,
-# `transforms.general`), so graph state, shared references, RNG streams and state updates are
-# handled exactly as NNX handles them. They are NNX's module-level helpers, not its documented
-# API: pyproject.toml bounds flax to the minor release tested (0.12).
-from flax.nnx import extract as _extract, graphlib as _graphlib
-from flax.nnx.extract import labeled as _labeled
-from flax.nnx.transforms import general as _general
-from flax.nnx.transforms.transforms import (_raise_bound_method_error, _resolve_bound_callable,
-                                            resolve_kwargs as _resolve_kwargs)
 
-from remat.checkpoint import checkpoint as _checkpoint
-
+from remat import policies as _policies
 from remat.config import RecomputeConfig
 from remat.stack import _select, _signature, apply_layers
+
+__all__ = ["LayerStack", "remat", "stack_layers", "unstack_layers"]
+
+# Randomness: each layer runs as a pure function of its (graphdef, state), so an update a layer makes
+# to its own state (an RNG counter, a running statistic) is discarded after the call, and a recompute
+# region re-runs the layer from the same state. The stack therefore owns the randomness: each call
+# draws one key from its own `rngs` (outside every region), folds in the layer index and reseeds
+# every RNG stream of that layer with it, so masks differ between layers and calls and the forward
+# and the recomputation see the same keys. A layer that changes any other state, or draws random
+# numbers while the stack has no `rngs`, raises instead of silently repeating itself.
 
 
 def _reseed(module, key) -> None:
@@ -111,7 +98,7 @@ class LayerStack(nnx.Module):
     Each layer is split into (graphdef, state); the states flow through `remat.apply_layers`, so
     checkpointed regions see explicit inputs (both the `jax.checkpoint` and the reentrant path).
     Dropout: pass `rngs` (or `key=` per call); every call draws one key from it and every layer's
-    RNG streams are reseeded from it and the layer index (see the NOTE above), so masks differ
+    RNG streams are reseeded from it and the layer index (the comment above), so masks differ
     between layers and calls and are the same with and without remat.
 
     Args:
@@ -359,22 +346,22 @@ class _Nodes:
         return y
 
 
-def stack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
+def stack_layers(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
     """A model state with a plain layer list at `stack` (`layers/0/...`, as `nnx.List` keeps it)
     mapped to the paths of a `LayerStack` stored there (`layers/layers/0/...`; with `scan=True`
     the layers' Variables stacked along a new leading axis, `layers/layers/...` of shape (L, ...),
-    the partitioning metadata getting `layer_axis_name` as the stack gives it); `unstack_paths` is
+    the partitioning metadata getting `layer_axis_name` as the stack gives it); `unstack_layers` is
     the inverse. So a checkpoint of the model without the stack loads into the model with it:
-    `nnx.update(model, stack_paths(restored))`, and back. (A model holding its layers stacked
+    `nnx.update(model, stack_layers(restored))`, and back. (A model holding its layers stacked
     already, made under `nnx.vmap`, maps with `scan=False`: only the `layers/` level is added.)
 
     Example:
       >>> st = nnx.State({"layers": {0: {"w": 1}, 1: {"w": 2}}, "head": {"w": 3}})
-      >>> sorted(stack_paths(st)["layers"]["layers"])
+      >>> sorted(stack_layers(st)["layers"]["layers"])
       [0, 1]
-      >>> unstack_paths(stack_paths(st)) == st
+      >>> unstack_layers(stack_layers(st)) == st
       True
-      >>> stack_paths(st, scan=True)["layers"]["layers"]["w"].tolist()
+      >>> stack_layers(st, scan=True)["layers"]["layers"]["w"].tolist()
       [1, 2]
     """
     out = {k: _nested_dict(v) for k, v in state.items()}
@@ -389,8 +376,8 @@ def stack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_nam
     return nnx.State(out) if isinstance(state, nnx.State) else out
 
 
-def unstack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
-    """The inverse of `stack_paths`: `layers/layers/i/...` back to `layers/i/...` (with `scan=True`,
+def unstack_layers(state, stack: str = "layers", scan: bool = False, layer_axis_name: str | None = "layers"):
+    """The inverse of `stack_layers`: `layers/layers/i/...` back to `layers/i/...` (with `scan=True`,
     the stacked `layers/layers/...` sliced into `layers/i/...`; the stack's own `rngs` state, if
     any, is dropped: the model without the stack has none)."""
     out = {k: _nested_dict(v) for k, v in state.items()}
@@ -399,7 +386,7 @@ def unstack_paths(state, stack: str = "layers", scan: bool = False, layer_axis_n
         if scan:
             n = {_leading(v) for v in jax.tree.leaves(layers, is_leaf=_is_var)}
             if len(n) != 1:
-                raise ValueError(f"remat.nnx.unstack_paths(scan=True): the leaves at {stack}/layers have no common "
+                raise ValueError(f"remat.nnx.unstack_layers(scan=True): the leaves at {stack}/layers have no common "
                                  f"leading layer axis (sizes {sorted(n, key=str)}); use scan=False for a loop layout")
             layers = {i: jax.tree.map(lambda v, i=i: _slice(v, i, layer_axis_name), layers, is_leaf=_is_var)
                       for i in range(n.pop())}
@@ -439,39 +426,18 @@ def _nested_dict(node):
     return node
 
 
-class _SimpleRematFn:
-    """NNX's tree-mode region (`graph=False` or `graph_updates=False`): the function's outputs and
-    the updates it made to its inputs' state."""
-
-    def __init__(self, f, graph: bool):
-        self.f, self.graph = f, graph
-        functools.update_wrapper(self, f, updated=())
-
-    @_extract.treemap_copy_args
-    def __call__(self, *args, **kwargs):
-        current, snapshot = _extract.snapshot(_labeled(args=args, kwargs=kwargs))
-        if self.graph:
-            args, kwargs = _extract.from_tree2((args, kwargs))
-        out = self.f(*args, **kwargs)
-        if self.graph:
-            out = _extract.to_tree2(out)
-        _extract.check_no_aliases("remat", **current, out=out, check=["out"])
-        return out, _extract.get_updates(current, snapshot)
-
-
 def remat(f=None, *, prevent_cse: bool = True, static_argnums: int | tuple[int, ...] = (), policy=None,
-          graph: bool | None = None, graph_updates: bool | None = None, use_reentrant: bool = False,
-          determinism_check=None, tie_to_cotangent: bool | None = None):
-    """`nnx.remat` on the library's regions: a drop-in with `remat.checkpoint` underneath.
+          graph: bool | None = None, graph_updates: bool | None = None):
+    """`nnx.remat` with the policy given by name or as a JAX policy callable.
 
-    Every form `nnx.remat` takes: a decorator (`@remat`, `@remat(policy=...)`) or a call
-    (`remat(f, static_argnums=...)`) on a function whose arguments may be NNX modules, Variables
-    and `Rngs`; `graph` / `graph_updates` as NNX (graph mode by default: shared references, state
-    updates made inside, such as an `Rngs` counter or a BatchStat, are written back to the inputs;
-    tree mode treats modules as pytrees). A bound method of a Module instance is refused as NNX
-    refuses it. `policy` takes a `remat.policies` name or a JAX policy callable; `use_reentrant`,
-    `determinism_check` and `tie_to_cotangent` are `remat.checkpoint`'s options.
+    Every form and argument `nnx.remat` takes: a decorator (`@remat`, `@remat(policy=...)`) or a
+    call (`remat(f, static_argnums=...)`), `prevent_cse`, `graph` / `graph_updates`; state updates
+    made inside (an `Rngs` counter, a BatchStat) are written back as NNX writes them.
 
+    Args:
+      f: the function (its arguments may be NNX modules, Variables and `Rngs`); None gives a decorator.
+      policy: a `remat.policies` name or a JAX policy callable.
+      prevent_cse, static_argnums, graph, graph_updates: as `nnx.remat`.
     Example:
       >>> class Block(nnx.Module):
       ...     def __init__(self, rngs):
@@ -485,31 +451,6 @@ def remat(f=None, *, prevent_cse: bool = True, static_argnums: int | tuple[int, 
       >>> int(rngs.dropout.count[...])   # the stream advanced, as without remat
       1
     """
-    if graph is None:
-        graph = _graphlib.set_graph_mode.current_value()
-    if graph_updates is None:
-        graph_updates = _graphlib.set_graph_updates.current_value()
-    opts = dict(prevent_cse=prevent_cse, static_argnums=static_argnums, policy=policy, use_reentrant=use_reentrant,
-                determinism_check=determinism_check, tie_to_cotangent=tie_to_cotangent)
-    if f is None:
-        return functools.partial(remat, graph=graph, graph_updates=graph_updates, **opts)
-    f_unbound, _, was_bound = _resolve_bound_callable(f)
-    if was_bound:
-        _raise_bound_method_error("remat")
-    if not graph or not graph_updates:
-        region = _checkpoint(_SimpleRematFn(f_unbound, graph=graph), **opts)
-
-        @functools.wraps(f_unbound)
-        def simple_remat_wrapper(*args, **kwargs):
-            if graph:
-                args, kwargs = _extract.to_tree2((args, kwargs))
-            variables = _extract.check_no_aliases("remat", args=args, kwargs=kwargs)
-            out, updates = region(*args, **kwargs)
-            if graph:
-                out = _extract.from_tree2(out)
-            _extract.apply_updates(variables, updates)
-            return out
-
-        return simple_remat_wrapper
-    return _resolve_kwargs()(_graphlib.update_context("remat")(_general.split_inputs(
-        _checkpoint(_general.merge_inputs(f_unbound, ctxtag="remat"), **opts), ctxtag="remat")))
+    opts = dict(prevent_cse=prevent_cse, static_argnums=static_argnums, policy=_policies.resolve(policy),
+                graph=graph, graph_updates=graph_updates)
+    return nnx.remat(**opts) if f is None else nnx.remat(f, **opts)

@@ -65,7 +65,7 @@ class _Two(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        blk = rlinen.remat_module(LinenBlock, self.policy)
+        blk = rlinen.remat_module(LinenBlock, policy=self.policy)
         return blk()(blk()(x))
 
 
@@ -183,7 +183,8 @@ def test_the_policy_that_saves_nothing_is_named_as_jax_names_it():
     assert policies.describe(policies.get("nothing_saveable")) == "jax.checkpoint_policies.nothing_saveable"
     # `full` is a granularity only, never a policy name
     assert "full" not in policies.names()
-    for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, policy="full")(X)):
+    for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, policy="full")(X),
+                 lambda: rlinen.remat_module(LinenBlock, policy="full")):
         with pytest.raises(ValueError, match="unknown policy 'full'"):
             call()
     with pytest.raises(RecomputeConfigError, match="unknown policy 'full'") as e:

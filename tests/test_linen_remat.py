@@ -44,7 +44,9 @@ def _grad(wrap, v):
 def test_gradients_and_dropout_masks_equal_nn_remat_and_no_remat():
     v = Net().init(jax.random.key(0), X)
     ref = _grad(None, v)
-    for wrap in (nn.remat, rlinen.remat_module, functools.partial(rlinen.remat_module, policy="dots")):
+    nested = lambda b: rlinen.remat_module(rlinen.remat_module(b))  # noqa: E731
+    for wrap in (nn.remat, rlinen.remat_module, functools.partial(rlinen.remat_module, policy="dots"), nested):
+        assert jax.tree.structure(Net(wrap).init(jax.random.key(0), X)) == jax.tree.structure(v)
         got = _grad(wrap, v)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same masks: bit for bit
@@ -124,11 +126,71 @@ def test_setup_runs_inside_each_region_as_in_nn_remat():
     assert counts[rlinen.remat_module] == counts[nn.remat]
 
 
-def test_a_config_that_groups_layers_is_refused_naming_layer_stack():
+def test_a_policy_name_saves_what_the_jax_policy_saves_under_nn_remat():
+    v = Net().init(jax.random.key(0), X)
+    saved = lambda wrap: saved_residuals(  # noqa: E731
+        lambda v: jnp.sum(Net(wrap).apply(v, X, rngs={"dropout": jax.random.key(2)})), v)
+    ours = saved(functools.partial(rlinen.remat_module, policy="dots"))
+    flax = saved(functools.partial(nn.remat, policy=jax.checkpoint_policies.dots_saveable))
+    assert [(r.shape, r.dtype) for r in ours.rows] == [(r.shape, r.dtype) for r in flax.rows]
+    assert ours.total == flax.total < saved(None).total
+    callable_ = saved(functools.partial(rlinen.remat_module, policy=jax.checkpoint_policies.dots_saveable))
+    assert callable_.total == flax.total
+
+
+def test_function_form_and_methods_as_nn_remat():
+    def body(mdl, x):
+        return jnp.tanh(nn.Dense(C)(x))
+
+    class Fn(nn.Module):
+        wrap: object
+
+        @nn.compact
+        def __call__(self, x):
+            return self.wrap(body)(self, x)
+
+    class Two(nn.Module):
+        def setup(self):
+            self.d = nn.Dense(C)
+
+        def __call__(self, x):
+            return self.d(x)
+
+        def twice(self, x):
+            return self.d(self.d(x))
+
+    for wrap in (nn.remat, rlinen.remat_module):
+        v = Fn(wrap).init(jax.random.key(0), X)
+        g = jax.grad(lambda v: jnp.sum(Fn(wrap).apply(v, X)))(v)
+        if wrap is nn.remat:
+            ref = g
+    np.testing.assert_array_equal(jax.tree.leaves(g)[0], jax.tree.leaves(ref)[0])
+    M = rlinen.remat_module(Two, methods=["twice"], policy="nothing_saveable")
+    v = M().init(jax.random.key(0), X)
+    grad = lambda m: jax.grad(lambda v: jnp.sum(m().apply(v, X, method="twice")))(v)  # noqa: E731
+    for a, b in zip(jax.tree.leaves(grad(M)), jax.tree.leaves(grad(Two))):
+        np.testing.assert_array_equal(a, b)
+    assert saved_residuals(lambda v: jnp.sum(M().apply(v, X, method="twice")), v).intermediates < \
+        saved_residuals(lambda v: jnp.sum(Two().apply(v, X, method="twice")), v).intermediates
+
+
+def test_recompute_config_gives_the_policy_and_what_nn_remat_cannot_run_is_refused():
+    assert rlinen.remat_module(Block, recompute=RecomputeConfig()) is Block
+    v = Net().init(jax.random.key(0), X)
+    sel = functools.partial(rlinen.remat_module, recompute=RecomputeConfig(granularity="full", policy="dots"))
+    pol = functools.partial(rlinen.remat_module, policy="dots")
+    for a, b in zip(jax.tree.leaves(_grad(sel, v)), jax.tree.leaves(_grad(pol, v))):
+        np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="LayerStack"):
-        rlinen.remat_module(Block, RecomputeConfig(granularity="full", method="uniform", num_layers=2))
+        rlinen.remat_module(Block, recompute=RecomputeConfig(granularity="full", method="uniform", num_layers=2))
+    with pytest.raises(ValueError, match="use_reentrant=True .*LayerStack"):
+        rlinen.remat_module(Block, recompute=RecomputeConfig(granularity="full", use_reentrant=True))
     with pytest.raises(TypeError, match="policy"):
-        rlinen.remat_module(Block, RecomputeConfig(granularity="full"), policy="dots")
+        rlinen.remat_module(Block, recompute=RecomputeConfig(granularity="full"), policy="dots")
+    with pytest.raises(TypeError, match="recompute="):  # the second argument is nn.remat's `variables`
+        rlinen.remat_module(Block, RecomputeConfig(granularity="full"))
+    with pytest.raises(ValueError, match="unknown policy .no_such_policy."):
+        rlinen.remat_module(Block, policy="no_such_policy")
 
 
 # The LayerStack in the conventions of models written elsewhere ------------------------------------

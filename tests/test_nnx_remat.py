@@ -10,6 +10,7 @@ from flax import nnx
 
 from remat import RecomputeConfig
 from remat import nnx as rnnx
+from remat.memory import saved_residuals
 
 N, L = 8, 4
 X = jax.random.normal(jax.random.key(1), (2, N))
@@ -32,21 +33,21 @@ class Block(nnx.Module):
         return x + self.drop(jnp.tanh(self.lin(x)), rngs=rngs)
 
 
-def test_forms_gradients_state_updates_and_rngs_as_nnx_remat(graph_updates=True):
+def test_forms_gradients_state_updates_and_rngs_as_nnx_remat():
     def run(remat):
         class M(nnx.Module):
             def __init__(self):
                 self.block = Block(nnx.Rngs(0))
                 self.count = nnx.BatchStat(jnp.array(0))
 
-            @remat(graph=True, graph_updates=graph_updates)
+            @remat(graph=True, graph_updates=True)
             def __call__(self, x, rngs):
                 self.count[...] += 1
                 return self.block(x, rngs=rngs)
 
         m, rngs = M(), nnx.Rngs(dropout=3)
         loss = lambda m, rngs: jnp.sum(m(X, rngs) ** 2)  # noqa: E731
-        g = nnx.grad(loss, graph=True, graph_updates=graph_updates)(m, rngs)
+        g = nnx.grad(loss, graph=True, graph_updates=True)(m, rngs)
         return nnx.state(g, nnx.Param), int(m.count[...]), int(rngs.dropout.count[...])
 
     ref = run(nnx.remat)
@@ -65,6 +66,58 @@ def test_call_form_static_argnums_and_policy():
         equal(nnx.state(g), nnx.state(nnx.grad(f)(lin, X, 1)))
     g = nnx.grad(rnnx.remat(f, static_argnums=(2,), policy="nothing_saveable"))(lin, X, 1)  # a registry name too
     equal(nnx.state(g), nnx.state(nnx.grad(f)(lin, X, 1)))
+
+
+@pytest.mark.parametrize("graph,graph_updates", [(True, False), (False, False)])
+def test_tree_mode_writes_state_updates_back_as_nnx_remat(graph, graph_updates):
+    class Counted(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(N, N, rngs=nnx.Rngs(0))
+            self.count = nnx.BatchStat(jnp.array(0))
+
+        def __call__(self, x):
+            self.count[...] += 1
+            return jnp.tanh(self.lin(x))
+
+    for remat in (nnx.remat, rnnx.remat):
+        m = Counted()
+        y = remat(lambda m, x: m(x), graph=graph, graph_updates=graph_updates, policy="dots" if remat is rnnx.remat
+                  else jax.checkpoint_policies.dots_saveable)(m, X)
+        np.testing.assert_array_equal(y, Counted()(X))
+        assert int(m.count[...]) == 1
+
+
+def test_a_policy_name_saves_what_the_jax_policy_saves():
+    lin = nnx.Linear(N, N, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(lin)
+    f = lambda m, x: jnp.sum(jnp.sin(m(jnp.sin(m(x)))))  # noqa: E731
+
+    def saved(remat, policy):
+        g = remat(f, policy=policy)
+        return saved_residuals(lambda s, x: g(nnx.merge(graphdef, s), x), state, X)
+
+    ours, flax = saved(rnnx.remat, "dots"), saved(nnx.remat, jax.checkpoint_policies.dots_saveable)
+    assert [(r.shape, r.dtype) for r in ours.rows] == [(r.shape, r.dtype) for r in flax.rows]
+    assert saved(rnnx.remat, "nothing_saveable").intermediates < ours.intermediates
+
+
+def test_under_nnx_scan_over_vmapped_layers_as_nnx_remat():
+    def grads(remat):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=0, axis_size=3)
+        def create(rngs):
+            return nnx.Linear(N, N, rngs=rngs)
+
+        layers = create(nnx.Rngs(0))
+
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        @remat(policy=None)
+        def forward(layer, x):
+            return jnp.tanh(layer(x))
+
+        return nnx.state(nnx.grad(lambda m: jnp.sum(forward(m, X) ** 2))(layers), nnx.Param)
+
+    equal(grads(rnnx.remat), grads(nnx.remat))
 
 
 def test_tree_mode_and_a_bound_method_refused():
@@ -121,9 +174,9 @@ def test_the_stacks_own_rngs_reach_blocks_that_take_rngs_per_call():
 def test_stored_stack_len_indexing_and_an_original_checkpoint_loads_both_ways():
     plain, stacked = Model(None, nnx.Rngs(0)), Model(FULL, nnx.Rngs(1))
     assert len(stacked.layers) == L and stacked.layers[1] is list(stacked.layers)[1]
-    nnx.update(stacked, rnnx.stack_paths(nnx.state(plain)))  # the checkpoint without the stack loads
+    nnx.update(stacked, rnnx.stack_layers(nnx.state(plain)))  # the checkpoint without the stack loads
     np.testing.assert_array_equal(stacked(X, nnx.Rngs(dropout=2)), plain(X, nnx.Rngs(dropout=2)))
-    back = rnnx.unstack_paths(nnx.state(stacked))
+    back = rnnx.unstack_layers(nnx.state(stacked))
     assert jax.tree.structure(back) == jax.tree.structure(nnx.state(plain))
     equal(back, nnx.state(plain))
 

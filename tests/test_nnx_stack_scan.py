@@ -72,15 +72,15 @@ def test_scan_reads_the_stored_stack_in_place(target):
                                  RecomputeConfig(granularity="full", method="uniform", num_layers=2)])
 def test_scan_gradients_equal_the_loop_and_no_remat_and_paths_map_both_ways(cfg):
     plain, loop, scanned = Model(), Model(cfg), Model(cfg, scan=True)
-    nnx.update(loop, rnnx.stack_paths(nnx.state(plain)))
-    nnx.update(scanned, rnnx.stack_paths(nnx.state(plain), scan=True))  # a checkpoint without the stack loads
+    nnx.update(loop, rnnx.stack_layers(nnx.state(plain)))
+    nnx.update(scanned, rnnx.stack_layers(nnx.state(plain), scan=True))  # a checkpoint without the stack loads
     grad = lambda m: nnx.state(nnx.jit(nnx.grad(lambda m: jnp.sum(m(X) ** 2)))(m), nnx.Param)  # noqa: E731
     ref = grad(plain)
-    g_loop = rnnx.unstack_paths(grad(loop))
-    g_scan = rnnx.unstack_paths(grad(scanned), scan=True)
+    g_loop = rnnx.unstack_layers(grad(loop))
+    g_scan = rnnx.unstack_layers(grad(scanned), scan=True)
     assert jax.tree.structure(g_scan) == jax.tree.structure(ref)
     assert rel_err(g_scan, ref) <= 1e-5 and rel_err(g_scan, g_loop) <= 1e-5
-    back = rnnx.unstack_paths(nnx.state(scanned), scan=True)  # and back: the round trip is exact
+    back = rnnx.unstack_layers(nnx.state(scanned), scan=True)  # and back: the round trip is exact
     assert jax.tree.structure(back) == jax.tree.structure(nnx.state(plain))
     assert rel_err(back, nnx.state(plain)) == 0.0
 
@@ -100,7 +100,7 @@ def test_layers_made_under_nnx_vmap_len_and_indexing():
     loop = rnnx.LayerStack([stack[i] for i in range(L)], FULL)
     g_scan = nnx.state(nnx.grad(lambda m: jnp.sum(m(X) ** 2))(stack), nnx.Param)
     g_loop = nnx.state(nnx.grad(lambda m: jnp.sum(m(X) ** 2))(loop), nnx.Param)
-    g_scan = rnnx.unstack_paths({"s": g_scan}, stack="s", scan=True)["s"]
+    g_scan = rnnx.unstack_layers({"s": g_scan}, stack="s", scan=True)["s"]
     assert rel_err(jax.tree.leaves(g_scan), jax.tree.leaves(g_loop["layers"])) <= 1e-5
     with pytest.raises(ValueError, match="scan=True"):
         rnnx.LayerStack(made, FULL)

@@ -199,7 +199,7 @@ def test_remat_module_counts_self_as_argument_zero():
 
         @nn.compact
         def __call__(self, x):
-            blk = rlinen.remat_module(Block, self.policy, static_argnums=(2,)) if self.policy else Block
+            blk = rlinen.remat_module(Block, policy=self.policy, static_argnums=(2,)) if self.policy else Block
             for i in range(L):
                 x = blk(name=f"b{i}")(x, i % 2 == 0)  # a Python bool: must be static
             return x
