@@ -2,9 +2,12 @@
 hand setting that fits; the budget-too-small error; gradients; `train.py --recompute_method auto`.
 
 The compiled tests use a tiny GPT-2 (4 layers, C=64, 4 heads, T=64, B=4, vocab 256, float32) and
-the compiled `jax.grad` of its loss; "peak" is XLA's arguments + outputs + temp − aliased
-(`CompiledMemory.peak_estimate`), the planner's default. Every program is compiled once per module
-(`_compiled`), shared by the planner and the hand settings.
+the `jax.grad` of its loss compiled by XLA:GPU for an H200 (deviceless, `remat.plan.targets`; on
+XLA:CPU a Python loop of rematerialized layers compiles to the temp of no remat, so no budget lies
+between them); "peak" is XLA's arguments + outputs + temp − aliased (`CompiledMemory.peak_estimate`),
+the planner's default, and FLOPs are the traced program's matrix products (XLA:GPU gives no cost
+analysis without a device). Every program is compiled once per module (`_COMPILED`), shared by the
+planner and the hand settings; gradients are compared on this host (`run_grad`).
 """
 import dataclasses
 import functools
@@ -28,6 +31,8 @@ from remat.memory import compiled_stats, format_bytes
 from remat.plan.planner import plan_for_budget
 from remat_lm.argtypes import parse_size
 from remat_lm.training.config import UsageError, config_from_args
+from remat.plan import targets
+from targethelp import GPU, need
 from trainhelp import ours
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,15 +63,24 @@ def _canonical(rc: RecomputeConfig) -> RecomputeConfig:
     return rc
 
 
-def compile_grad(rc: RecomputeConfig, canonical: bool = True):
-    """The compiled `jax.grad` of the loss under `rc` (cached)."""
+def _grad_fn(rc: RecomputeConfig):
+    cfg = dataclasses.replace(CFG, recompute=rc)
+    _, idx, tgt = _data()
+    return jax.grad(lambda p: gpt2.loss_fn(p, cfg, idx, tgt))
+
+
+def compile_grad(rc: RecomputeConfig, canonical: bool = True) -> CompiledMemory:
+    """XLA:GPU's memory analysis (h200, deviceless) of the `jax.grad` of the loss under `rc` (cached)."""
+    need("cuda")
     rc = _canonical(rc) if canonical else rc
     if rc not in _COMPILED:
-        cfg = dataclasses.replace(CFG, recompute=rc)
-        params, idx, tgt = _data()
-        fn = jax.grad(lambda p: gpt2.loss_fn(p, cfg, idx, tgt))
-        _COMPILED[rc] = jax.jit(fn).lower(params).compile()
+        _COMPILED[rc] = targets.compiled_memory(_grad_fn(rc), _data()[0], target=GPU)
     return _COMPILED[rc]
+
+
+def run_grad(rc: RecomputeConfig):
+    """The gradients under `rc`, computed on this host."""
+    return jax.jit(_grad_fn(rc))(_data()[0])
 
 
 def stats(rc: RecomputeConfig, canonical: bool = True) -> CompiledMemory:
@@ -155,8 +169,8 @@ def test_no_remat_when_it_fits():
 def test_gradients_equal_no_remat():
     _, plan = planned(0.45)
     assert len(set(plan.layer_policies)) > 1 or plan.layer_policies[0] is not None, plan.table()
-    ref = compile_grad(RecomputeConfig())(_data()[0])
-    got = compile_grad(plan.recompute_config())(_data()[0])
+    ref = run_grad(RecomputeConfig())
+    got = run_grad(plan.recompute_config())
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
 
@@ -401,7 +415,7 @@ def _tiny_scan():
 
 
 @pytest.mark.slow  # 8 compilations of the tiny model: 165 s on the shared 2-core machine
-def test_front_on_cpu_fits_every_budget_and_is_monotone():
+def test_front_on_xla_cpu_fits_every_budget_and_is_monotone():
     """The tiny GPT-2 (scan) on XLA:CPU: every plan compiled within its budget, the front monotone,
     each plan's text parses back to the program that was compiled."""
     cs, ts, compiled = _tiny_scan()
@@ -423,8 +437,6 @@ def test_front_on_cpu_fits_every_budget_and_is_monotone():
 @pytest.mark.slow  # 9 XLA:GPU compilations: 250 s on the shared 2-core machine
 def test_front_on_h200():
     """The same tiny model built by XLA:GPU for an H200 (no device): the plan fits what XLA:GPU compiled."""
-    from targethelp import need
-
     need("cuda")
     import remat.plan.targets as rt
 
@@ -468,8 +480,6 @@ def test_recompute_plan_cli_exit_2_one_line(text_file):
     ["--target", "h200x8", "--mesh", "fsdp=8", "--model", "llama3", "--preset", "8b", "--batch_size", "8",
      "--sequence_length", "8192", "--dtype", "bfloat16"]])
 def test_acceptance_front(args, tmp_path):
-    from targethelp import need
-
     need("cuda")
     out = tmp_path / "front.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -483,8 +493,6 @@ def test_acceptance_front(args, tmp_path):
 
 @pytest.mark.slow  # ~35 s: five XLA:GPU compilations of the tiny model
 def test_cli_auto_with_a_target_plans_per_tag():
-    from targethelp import need
-
     need("cuda")
     p = _train(["--preset", "tiny", "--batch_size", "4", "--sequence_length", "64", "--recompute_method", "auto",
                 "--target", "h200", "--dry_run", "--scan_layers"])
