@@ -79,10 +79,8 @@ class LayerStack(nn.Module):
             if self.scan:  # boxed (partitioned) leaves get the layer axis, as nn.scan gives them
                 made = [nn.meta.add_axis(jax.vmap(init_one)(keys), 0, {nn.PARTITION_NAME: self.layer_axis_name})]
             else:
-                # NOTE: each layer is initialized on the previous one's output and that output is
-                # the stack's: running the freshly made layers again would meet their own new
-                # collections (a decode cache made for the full length, as lm1b/wmt initialize it,
-                # fails Flax's cache shape check when run on it).
+                # Each layer is initialized on the previous one's output, which is the stack's
+                # (docs/architecture.md, Design notes: `linen.py` init).
                 made, h = [], x
                 for i, k in enumerate(keys):
                     y, v = template.init_with_output({"params": k, "dropout": k}, h, *args, **kwargs)

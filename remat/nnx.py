@@ -152,9 +152,8 @@ class LayerStack(nnx.Module):
                     raise ValueError(f"remat.nnx.LayerStack(scan=True): layer {i} differs in structure from layer 0 "
                                      f"({type(layers[i]).__name__} vs {type(layers[0]).__name__}, or different "
                                      f"submodules/shapes); scan needs identical layers: use scan=False")
-            # NOTE: stacked once, here: the stack holds one module whose every Variable has a
-            # leading layer axis (NNX's own scan-over-layers layout, as `nnx.vmap` makes it), and
-            # each call scans over that state in place, with no per-call copy of the weights.
+            # Stacked once, here: one module with a leading layer axis on every Variable
+            # (docs/architecture.md, Design notes: `nnx.py` scan layout).
             stacked = jax.tree.map(lambda *t: jnp.stack(t), *[s for _, s in split])
             if layer_axis_name is not None:
                 stacked = nnx.spmd.add_axis(stacked, 0, {nnx.PARTITION_NAME: layer_axis_name})
@@ -202,11 +201,8 @@ class LayerStack(nnx.Module):
             key = self.rngs.dropout()
         if key is not None and not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)  # a raw uint32 key, as from jax.random.PRNGKey
-        # NOTE: per-call graph nodes. An `nnx.Rngs` (or any NNX object) passed to the stack is
-        # carried from layer to layer with x as its state, the way a plain loop of layers hands
-        # the same object on: each layer draws from it and advances its counters, the state after
-        # the last layer is written back, and a recompute region re-runs from the state it was
-        # given, so the forward and the recomputation draw the same keys.
+        # NNX objects passed per call ride from layer to layer with x as their state
+        # (docs/architecture.md, Design notes: `nnx.py` per-call graph nodes).
         nodes = _Nodes(args, kwargs)
         args, kwargs = nodes.args, nodes.kwargs
         caching = _has_cache(self.layers)
@@ -223,10 +219,8 @@ class LayerStack(nnx.Module):
         # The layer index rides along with its key (a constant) so each layer finds its graphdef;
         # the states and keys are traced. (The regions close over `out`, not `self`: the stack is a
         # pytree of the very states passed in, and a closure over traced values costs a hoisting.)
-        # NOTE: decode caches. A layer's nnx.Cache state (a KV cache and its index) is the one
-        # state a layer may change: its new value rides out of the layer (and of its region) beside
-        # x, keyed by the layer index, and is written into the layer after the call, as a plain
-        # loop of layers would leave it. A recompute region re-runs from the cache it was given.
+        # A layer's nnx.Cache state rides out beside x, keyed by layer index, and is written back
+        # after the call (docs/architecture.md, Design notes: `nnx.py` decode caches).
         out = self.out
 
         def apply_layer(state, h, ik, *a):

@@ -68,12 +68,7 @@ def _wide_float(prim, avals, params) -> bool:
 # Ops that only move, replicate, cut out or pad their input: recomputing one costs no FLOPs and needs
 # only its input, which is either kept anyway or itself recomputed, so saving their outputs is never
 # worth it.
-# NOTE: slices and pads. Inside a loop, saving a slice saves it once per iteration: the tiled
-# attention core's loops slice a key/value tile out of k and v at every step, and with two or more
-# tiles (T=256, tile 128) `bf16:everything` kept those stacked slices (a copy of k and v, plus the
-# padded q, k, v when T is not a multiple of the tile) once the float32 log-sum-exp was recomputed,
-# more than `everything` keeps (tests/test_bf16_policy.py checks `bf16:p` <= `p`). Recomputed, the
-# slices come back from q, k and v, which are kept (tagged `qkv`) or recomputed anyway.
+# Slices and pads are among them (docs/architecture.md, Design notes: `policies.py` `_MOVES`).
 _MOVES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p",
                     "slice", "dynamic_slice", "pad"})
 

@@ -134,14 +134,8 @@ def saved_residuals(fn, *args) -> SavedResiduals:
     return SavedResiduals(tuple(rows))
 
 
-# NOTE: argument views. Under `lax.scan` a stack's parameters enter the loop reshaped or sliced
-# per group of layers (`remat.stack.apply_layers`), so JAX lists those reshapes among the saved
-# values ("output of reshape"), though they are the arguments' own bytes seen through a new shape,
-# not activations. A saved value computed from an argument by these shape-only primitives alone
-# (offsets aside) is counted as an argument, so `intermediates` counts the same activations in
-# every layout. A cast is a new buffer and stays an intermediate. The check traces the program a
-# second time, so it runs only where a scan's outputs are saved beside such a view (the scan
-# layout), and other programs are traced once.
+# A saved value made from an argument by these shape-only primitives alone counts as the argument
+# (docs/architecture.md, Design notes: `residuals.py` argument views).
 _VIEW_PRIMITIVES = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "slice",
                               "dynamic_slice", "copy", "copy_p", "reduce_precision"})
 

@@ -121,12 +121,8 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
         return run([jax.tree.map(lambda t: t[j], p) for j in range(size)], h,
                    None if k is None else [k[j] for j in range(size)], *a)
 
-    # NOTE: each scan step hands its xs slice (the group's stacked params) to the region as is, so
-    # the residual is the scan's own input, which JAX forwards instead of saving a stacked copy of
-    # every layer's parameters. Segments of one layer are scanned without a unit axis: XLA:CPU
-    # copies (L, 1, ...)-shaped loop inputs into temp memory, while (L, ...) and (L/N, N, ...) are
-    # read in place. A group of several
-    # segments (`every=k`) gets one xs entry per segment, split outside the scan, for the same reason.
+    # Each scan step hands its xs slice to the region as is; one-layer segments have no unit axis
+    # (docs/architecture.md, Design notes: `stack.py` scan inputs).
     for start, count, parts in _runs(n_layers, cfg):
         gsize = sum(size for size, _, _ in parts)
         stop = start + count * gsize

@@ -1,4 +1,5 @@
 """bench/: the policy table, the PyTorch peer and the GPU check, on tiny shapes (structure, not speed)."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from remat_lm.argtypes import config_label
 from remat_lm.bench.common import REFERENCE_BATCH, Target, interleaved_ms, reference_config
 from remat_lm.models import gpt2
 from remat.memory import compiled_memory
+from targethelp import GPU, need
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=2, n_embd=32, n_head=4, seq=32, batch=2, vocab=256)
@@ -109,13 +111,20 @@ def test_gpu_check_targets_on_both_sides():
     assert not capped[2].met and "lower bound" in capped[2].note
 
 
-def test_temp_column_equals_compiled_memory_of_grad(table):
-    """The table reads temp bytes off the timed value_and_grad executable; they equal jax.grad's."""
+def test_temp_column_equals_compiled_memory_of_grad():
+    """The table reads temp bytes off the value_and_grad executable it compiles (the one it times on
+    this host); they equal jax.grad's. Compiled by XLA:GPU for an H200 (`--target h200`), the full
+    remat row: the loss output adds no temp there."""
+    need("cuda")
+    full = [s for s in policies.default_settings(TINY["n_layer"]) if s.name == "full"]
+    res = policies.run("gpt2", "ref", steps=1, settings=full, target=GPU, log=lambda _: None, **TINY)
     cfg, seq = policies.build_config("gpt2", "ref", **{k: TINY[k] for k in ("n_layer", "n_embd", "n_head", "seq")},
                                      vocab=TINY["vocab"])
-    params, idx, tgt = policies.inputs(cfg, TINY["batch"], seq)  # the fixture's inputs (fixed seed)
+    cfg = dataclasses.replace(cfg, recompute=full[0].recompute)
+    params, idx, tgt = policies.inputs(cfg, TINY["batch"], seq)  # the table's inputs (fixed seed)
     f = lambda p, i, t: gpt2.loss_fn(p, cfg, i, t)
-    assert table["rows"][0]["temp_bytes"] == compiled_memory(jax.grad(f), params, idx, tgt).temp
+    assert res["rows"][0]["step_ms"] is None  # built for the target, not run here
+    assert res["rows"][0]["temp_bytes"] == compiled_memory(jax.grad(f), params, idx, tgt, target=GPU).temp > 0
 
 
 def test_interleaved_ms_rotates_and_skips_warmup():

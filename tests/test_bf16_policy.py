@@ -70,7 +70,7 @@ def test_bf16_wrapper_never_keeps_more_and_keeps_only_bf16(model, policy, T):
 @pytest.mark.parametrize("model", MODELS)
 def test_the_assertions_can_fail(model):
     # `everything` itself keeps float32 values inside the regions (log-sum-exp, norm statistics),
-    # and the attention's boolean causal mask (B, K, G·T, T) is what the old wrapper added on top.
+    # and the attention's boolean causal mask (B, K, G·T, T) is what a wrapper that casts everything would add on top.
     assert any(r.dtype == "float32" for r in _inside_regions(model, "everything"))
     assert not any(r.dtype == "bool" for r in _inside_regions(model, "bf16:everything"))
 

@@ -172,7 +172,7 @@ def test_benchmark_citations_name_sections():
     files = [*DOCS, *ROOT.glob("remat/*.py"), *ROOT.glob("remat_lm/**/*.py"), ROOT / "train.py"]
     cited = {(f.relative_to(ROOT).as_posix(), s) for f in files
              for s in re.findall(r'BENCHMARKS\.md,\s+"([^"]+)"', f.read_text())}
-    assert cited, "no citation found: the pattern no longer matches how the tree cites the benchmarks"
+    assert cited, "no citation found: the pattern does not match how the tree cites the benchmarks"
     missing = [(f, s) for f, s in cited if not any(h == s or h.startswith(s + " ") for h in headings)]
     assert not missing, f"cited sections that docs/BENCHMARKS.md lacks: {missing}"
 

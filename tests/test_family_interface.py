@@ -113,7 +113,7 @@ def test_no_family_switch_outside_the_model_files_and_the_registry():
             found[rel] = hits
     assert not found, ("family switches outside the model files and remat_lm/models/family.py (ask the family "
                        f"interface instead): {found}")
-    assert not pending_clean, f"{pending_clean} no longer switch on the family: remove them from PENDING"
+    assert not pending_clean, f"{pending_clean} do not switch on the family: remove them from PENDING"
 
 
 @pytest.mark.parametrize("src, n", [

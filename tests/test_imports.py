@@ -32,9 +32,8 @@ LAYERS = (
 LIBRARY_MAY_IMPORT = {"jax", "jaxlib", "flax", "numpy", "scipy"}
 LIBRARY_MAY_NOT_IMPORT = {"argparse"}
 
-# NOTE: known edges that other pieces of issue 23 are removing, each to be deleted with its fix;
-# the tests fail on any edge not listed here (and on a listed edge that is gone, so the list cannot
-# go stale).
+# NOTE: known edges still to remove, each to be deleted with its fix; the tests fail on any edge
+# not listed here (and on a listed edge that is gone, so the list cannot go stale).
 PENDING: set = set()  # (importer, imported) edges still to fix; empty: none
 
 

@@ -88,8 +88,8 @@ def _region_copy_backs(platform):
 
 
 def test_offloaded_region_input_comes_back_only_after_the_cotangent():
-    # Before the fix the copy back to the device read the host copy straight from the forward:
-    # nothing stopped XLA from moving every region input back early. [False, False] on the old code.
+    # Without a dependency on the cotangent, the copy back to the device reads the host copy straight
+    # from the forward and XLA may move every region input back early ([False, False]).
     for platform in PLATFORMS:
         assert _region_copy_backs(platform) == [True, True]
 

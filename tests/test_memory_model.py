@@ -49,7 +49,7 @@ def test_prediction_within_1_percent(model, setting, dtype):
     measured = memory.saved_residuals(lambda p: mod.loss_fn(p, cfg, idx, idx), params).intermediates
     layer, head = memory_model.activation_bytes(cfg, B, T)
     predicted = memory.predict_saved(layer, cfg.n_layer, cfg.recompute, head)
-    # The issue asks for 5%; the model accounts for every saved value, so hold it to 1%.
+    # The goal is 5%; the model accounts for every saved value, so hold it to 1%.
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
 
 

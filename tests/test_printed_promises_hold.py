@@ -18,9 +18,11 @@ from remat.memory import MiB, compiled_stats, format_bytes
 from remat_lm.training import config_from_args, preflight, prepare
 from remat_lm.training.compile import compile_train_step
 from remat_lm.training.report import CPU_OFFLOAD, run_summary
+from targethelp import need
 from trainhelp import _main
 
 TINY = ["--preset", "tiny", "--val_every", "0", "--no-progress", "--num_iterations", "1"]
+GPU_FLAGS = ["--target", "h200", "--dry_run"]  # compiled-memory claims: XLA:GPU's figures (deviceless)
 ADVICE = re.compile(r"e\.g\. --batch_size (\d+)(?: --grad_accum_steps (\d+))? --activation_recompute --loss_chunk (\d+)")
 
 
@@ -55,11 +57,13 @@ def test_split_batch_is_the_largest_divisor():
 
 @pytest.mark.slow  # a real compiled advice (~7 s); the split arithmetic is tested fast above
 def test_batch_advice_keeps_the_sequences_per_step():
-    """A real advice, compiled: 96 sequences per step (48 x 2) with a capacity sized so that about 40
-    of them fit per micro-batch under full remat with the chunked loss. The advice is 32 x 3 = 96
-    (rounding the accumulation up gave ~40 x 3 = 120), and its configuration fits."""
+    """A real advice, compiled by XLA:GPU for an H200 (`--target h200 --dry_run`, deviceless): 96
+    sequences per step (48 x 2) with a capacity sized so that about 40 of them fit per micro-batch
+    under full remat with the chunked loss. The advice is 32 x 3 = 96 (rounding the accumulation up
+    gave ~40 x 3 = 120), and its configuration fits."""
+    need("cuda")
     chunk = 16  # the run's own --loss_chunk: one full-remat candidate to compile, not two
-    base = TINY + ["--n_layer", "1", "--batch_size", "48", "--grad_accum_steps", "2", "--loss_chunk", str(chunk)]
+    base = TINY + GPU_FLAGS + ["--n_layer", "1", "--batch_size", "48", "--grad_accum_steps", "2", "--loss_chunk", str(chunk)]
     setup = prepare(config_from_args(base))
     full = dataclasses.replace(setup.mcfg, recompute=preflight._full(setup.mcfg), loss_chunk=chunk)
     stats = compiled_stats(compile_train_step(setup, full))
@@ -74,7 +78,7 @@ def test_batch_advice_keeps_the_sequences_per_step():
     b, accum = int(m.group(1)), int(m.group(2) or 2)  # no --grad_accum_steps: the run's 2
     assert b * accum == 96 and 30 <= b <= 40 and "the same 96 sequences" in hint, hint
     # the flags as given: the same tokens per step, and a compiled step within the budget
-    cfg = config_from_args(TINY + ["--n_layer", "1", "--batch_size", m.group(1), "--grad_accum_steps", str(accum),
+    cfg = config_from_args(TINY + GPU_FLAGS + ["--n_layer", "1", "--batch_size", m.group(1), "--grad_accum_steps", str(accum),
                                    "--activation_recompute", "--loss_chunk", m.group(3)])
     assert cfg.tokens_per_step == setup.cfg.tokens_per_step
     assert compiled_stats(compile_train_step(prepare(cfg))).peak_estimate <= cap.budget

@@ -1,4 +1,4 @@
-"""Saved runs that must not change a run silently (issue 20, items 3 and 8).
+"""Saved runs that must not change a run silently.
 
 - A step whose metadata bytes were changed (its `data_position`: valid JSON, arrays untouched) is
   set aside like any damaged step, and the run resumes from the previous intact step bit-identically.
@@ -147,8 +147,8 @@ def test_meta_digest_covers_every_field():
 def test_resume_with_more_iterations_keeps_the_saved_schedule(tmp_path, text_file):
     """A finished 6-step run resumed with --num_iterations 12 (as the "already at step" error advises)
     in a real train.py process: steps 7..12 follow the saved schedule (--lr_decay_iters 6: its
-    floor), bit for bit an uninterrupted 12-step run with --lr_decay_iters 6. It used to stretch the
-    cosine to 12 steps: the learning rate at step 7 jumped from 7e-4 (step 6) to 2.1e-3."""
+    floor), bit for bit an uninterrupted 12-step run with --lr_decay_iters 6, not a cosine stretched to
+    12 steps (whose learning rate at step 7 would jump from 7e-4 at step 6 to 2.1e-3)."""
     ck, log = str(tmp_path / "ck"), str(tmp_path / "log.jsonl")
     base = ["--preset", "tiny", "--warmup_iters", "2", "--data", text_file, "--checkpoint_dir", ck,
             "--log_jsonl", log] + QUIET
@@ -161,7 +161,7 @@ def test_resume_with_more_iterations_keeps_the_saved_schedule(tmp_path, text_fil
                         "--lr_decay_iters", "6"] + QUIET)
     assert [r["lr"] for r in recs] == [h["lr"] for h in straight.history]
     assert [r["loss"] for r in recs] == [h["loss"] for h in straight.history]
-    assert recs[6]["lr"] <= recs[5]["lr"]  # step 7 continues the decay (it was x3 up)
+    assert recs[6]["lr"] <= recs[5]["lr"]  # step 7 continues the decay (a stretched schedule goes x3 up)
     with pytest.raises(UsageError) as e:  # the advice that leads to the resume above says so
         prepare(config_from_args(base + ["--num_iterations", "6", "--resume"]))
     assert str(e.value) == (f"--resume: {ck} is already at step 12 >= --num_iterations 6; raise --num_iterations to "
@@ -175,7 +175,7 @@ def test_resume_with_more_iterations_keeps_the_saved_schedule(tmp_path, text_fil
 
 @pytest.mark.slow  # ~12 s
 def test_lr_decay_iters_on_resume_is_compared_as_the_effective_value(tmp_path, text_file):
-    """Passing the saved schedule length explicitly is no change (it used to be refused: checkpoint None);
+    """Passing the saved schedule length explicitly is no change (not refused as "checkpoint: None");
     another length is a deliberate change, allowed and listed."""
     ck = str(tmp_path / "ck")
     base = ["--preset", "tiny", "--data", text_file] + QUIET
@@ -297,10 +297,9 @@ def _launch_hold(tmp_path, d, text_file, tag):
 def test_two_processes_hold_the_directory_through_process_0(tmp_path, text_file):
     """jax.distributed with 2 processes, each preparing and then holding as remat_lm.training.run does: when
     another run holds the directory, both processes raise the same error (process 1 learns it from
-    process 0); when it is free, process 0 holds it. Process 1 used to take process 0's hold for
-    another run's while preparing (exit 2), and then, once that was fixed, to deadlock: the directory
-    process 0 created made process 1's `inspect_dir` start an orbax manager, whose barrier met
-    process 0's broadcast."""
+    process 0); when it is free, process 0 holds it. Process 1 must neither take process 0's hold for
+    another run's while preparing (exit 2) nor deadlock: the directory process 0 creates must not make
+    process 1's `inspect_dir` start an orbax manager, whose barrier would meet process 0's broadcast."""
     from test_multiprocess import _read
 
     d = str(tmp_path / "ck")

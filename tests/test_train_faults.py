@@ -1,4 +1,4 @@
-"""Bad input and faults in training (issue 10): each case exits 2 (bad input) or 130/143 (a real
+"""Bad input and faults in training: each case exits 2 (bad input) or 130/143 (a real
 signal) with one line, before anything is written where that is knowable up front.
 
 Faults are real: files truncated, deleted or overwritten on disk, a FIFO, /proc and /dev/full,
@@ -48,8 +48,8 @@ def test_seed_out_of_range_names_the_range(seed):
 
 
 def test_model_too_large_for_the_devices_is_a_usage_error(text_file, tmp_path):
-    """--n_embd 2147483648 --n_head 1 aborted inside XLA (an int64 extent overflow, rc -6); that width is now
-    refused by its int32 bound (tests/test_train_paths.py), and 2^30 is a model no device holds."""
+    """--n_embd 2147483648 --n_head 1 (which XLA would abort on, an int64 extent overflow, rc -6) is refused
+    by its int32 bound (tests/test_train_paths.py), and 2^30 is a model no device holds."""
     with pytest.raises(UsageError, match=r"parameters: its parameters and AdamW state need .* GiB .* but a cpu "
                                          r"device has .*--mesh fsdp=N"):
         prepare(config_from_args(TINY + ["--data", text_file, "--n_embd", str(2**30), "--n_head", "1",
@@ -314,8 +314,8 @@ def test_no_intact_step_is_a_usage_error(two_steps, tmp_path):
 @pytest.mark.slow  # ~8 s; the in-process unreadable-step cases stay fast
 def test_unreadable_steps_in_a_real_process_print_two_lines_and_exit_2(two_steps, tmp_path):
     """Both steps' array data truncated, in a real train.py process: the fallback warning and the
-    error, nothing else. orbax's abandoned reads of the other arrays used to print a 60-line
-    "Exception ignored in: <coroutine ...>" traceback each when collected (at exit)."""
+    error, nothing else: no "Exception ignored in: <coroutine ...>" traceback from orbax's abandoned
+    reads of the other arrays when they are collected (at exit)."""
     src, common, _ = two_steps
     d = str(tmp_path / "ck")
     shutil.copytree(src, d)
@@ -395,7 +395,7 @@ def _signal_at(proc, needle, sig, timeout=240):
 
 
 def test_sigint_during_compilation_exits_130(tmp_path, text_file):
-    """Ctrl-C while XLA compiles (GPT-2 d12: tens of seconds on CPU) used to segfault (rc -11)."""
+    """Ctrl-C while XLA compiles (GPT-2 d12: tens of seconds on CPU) exits 130, not a segfault (rc -11)."""
     log = tmp_path / "log.jsonl"
     proc = _popen(["--preset", "d12", "--batch_size", "1", "--data", text_file, "--log_jsonl", str(log),
                    "--checkpoint_dir", str(tmp_path / "ck")] + QUIET)
@@ -441,7 +441,7 @@ def test_full_disk_save_error_is_one_line_at_the_failed_save(tmp_path, text_file
 
 
 # ------------------------------------------------------------------------------------------------
-# the bad-input sweep over every path flag (issue 20): empty, special files, output = input
+# the bad-input sweep over every path flag: empty, special files, output = input
 
 SWEEP_DRIVER = r"""
 import contextlib, io, json, resource, signal, sys, traceback

@@ -1,9 +1,9 @@
-"""Trust at the edges (issue 20): what train.py reads and writes.
+"""Trust at the edges: what train.py reads and writes.
 
-- every model-config flag reaches the model built from an `--init_from FILE.bin` (it reached only
-  the preset's: `--attention`, `--attention_tile` and `--loss_chunk` were dropped);
+- every model-config flag reaches the model built from an `--init_from FILE.bin`, as it reaches the
+  preset's (`--attention`, `--attention_tile` and `--loss_chunk` included);
 - an output path (log, checkpoints, profile) that is, or lies inside, an input is refused before
-  anything is written (`--log_jsonl` naming `--data` truncated it; a memory-mapped shard died by SIGBUS);
+  anything is written (`--log_jsonl` naming `--data` would truncate it; a memory-mapped shard would die by SIGBUS);
 - inputs that cannot be read (another user's file), text too large to read into memory (a 64 GiB
   sparse file), a step too large for JAX to count, and a full disk under `--log_jsonl` each end
   with one line.
@@ -87,14 +87,13 @@ def model_file(tmp_path_factory, text_file):
     return str(path)
 
 
-# The three flags that reached the model before (the join is the same code) run with the slow set.
+# dropout, dtype and scan_layers take the same join as the other flags, so they run with the slow set.
 @pytest.mark.parametrize("flag", [pytest.param(f, marks=pytest.mark.slow if f in ("dropout", "dtype", "scan_layers")
                                                else ()) for f in FLAG_VALUES])
 def test_model_config_flag_reaches_the_model_from_a_file(flag, text_file, model_file):
     """Each flag changes the compiled program, with --init_from FILE.bin as without it: the model built
-    from the file is the preset's model, field for field, and lowers to the same program.
-    On the old code `attention`, `attention_tile` and `loss_chunk` failed here (the file's model kept
-    the defaults: one program for both values)."""
+    from the file is the preset's model, field for field, and lowers to the same program (a model that
+    kept the defaults would give one program for both values)."""
     programs = {}
     for i, value in enumerate(FLAG_VALUES[flag]):
         base = BASE + ["--data", text_file] + _argv(flag, value)
@@ -200,7 +199,7 @@ def test_input_beside_the_checkpoints_is_allowed(files, tmp_path):
 
 @pytest.mark.slow  # ~7 s; the other unreadable-input cases stay fast
 def test_data_unreadable_by_the_user_exits_2(request, text_file):
-    """chmod 000, run as nobody (as root every file is readable): PermissionError was a traceback."""
+    """chmod 000, run as nobody (as root every file is readable): one line, not a PermissionError traceback."""
     d = pathlib.Path(tempfile.mkdtemp(prefix="remat-nobody-", dir="/tmp"))  # pytest's tmp is root's alone
     request.addfinalizer(lambda: shutil.rmtree(d))
     os.chmod(d, 0o755)
@@ -224,7 +223,7 @@ def test_data_unreadable_by_the_user_exits_2(request, text_file):
 def test_huge_sparse_text_file_is_refused_before_reading(tmp_path):
     big = tmp_path / "big.txt"
     with open(big, "wb") as fh:
-        fh.truncate(64 << 30)  # a real 64 GiB sparse file: reading it ran until memory was gone
+        fh.truncate(64 << 30)  # a real 64 GiB sparse file: reading it would exhaust memory
     with pytest.raises(UsageError, match=rf"--data {big}: the text data is 64.00 GiB, too large to read into memory "
                                          r".*tokenize it into llm.c token shards"):
         prepare(config_from_args(BASE + ["--data", str(big)]))
@@ -257,8 +256,8 @@ exec {python} {root}/train.py --data {data} --num_iterations 3 --log_jsonl {mnt}
 
 @pytest.mark.slow  # ~10 s (a real tmpfs filled)
 def test_log_on_a_full_disk_exits_1_with_one_line(tmp_path, text_file):
-    """A real full tmpfs (mounted in a user namespace): the first log write fails with ENOSPC, which
-    was a 23-line OSError traceback."""
+    """A real full tmpfs (mounted in a user namespace): the first log write fails with ENOSPC: one
+    line, not an OSError traceback."""
     mnt = tmp_path / "full"
     mnt.mkdir()
     data = tmp_path / "data.txt"

@@ -19,7 +19,7 @@ from remat_lm.training import saving
 from remat_lm.training.resume import initial_state
 from trainhelp import _run, text_file  # noqa: F401 (text_file is a fixture)
 
-# The acceptance commands of issue 4 (each also run with --model llama3 below).
+# The acceptance commands (each also run with --model llama3 below).
 BASE = "--model gpt2 --preset tiny --num_iterations 3 --activation_recompute --recompute_method uniform " \
        "--recompute_num_layers 2"
 VARIANTS = {

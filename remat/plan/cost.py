@@ -25,6 +25,9 @@ from typing import Mapping
 
 import numpy as np
 
+__all__ = ["REMAT_PRIMITIVES", "LayerProfile", "Roofline", "TagCost", "eqn_seconds", "jaxpr_seconds",
+           "layer_region", "measure_host", "of_target", "profile"]
+
 REMAT_PRIMITIVES = ("remat2", "checkpoint", "remat")
 
 
@@ -156,10 +159,10 @@ def eqn_seconds(eqn, roof: Roofline) -> float:
 def _fused_seconds(jaxpr, idx, roof: Roofline) -> float:
     """The memory time of the elementwise operations `idx` of `jaxpr`, as XLA fuses them.
 
-    # NOTE: fusion model. Elementwise operations between matrix products fuse into kernels: a value
-    # an elementwise operation makes costs a write and a read only where it leaves the fusion (used
-    # by a matrix product, a nested program, a tag or the program's output); a value a matrix
-    # product (or an input) makes costs one read where an elementwise operation uses it.
+    Args:
+        jaxpr: the program.
+        idx: indices of its elementwise equations.
+        roof: the target's `Roofline`.
     """
     eqns = jaxpr.eqns
     heavy_out = set(jaxpr.invars)
@@ -240,16 +243,14 @@ class LayerProfile:
 
 
 def profile(region, roof: Roofline, divisor: int = 1) -> LayerProfile:
-    """Split a layer's forward program by tag and price it (`divisor`: devices sharing the work, so
-    bytes and times are per device).
+    """Split a layer's forward program by tag and price each tag's share and the untagged work.
 
-    # NOTE: a tag's share is the backward slice of its tagged value, cut at the layer's inputs and at
-    # every other tagged value, less the operations an earlier tag claimed: recomputing a tag (while
-    # the tags before it are saved) reruns exactly that share. The layer's forward is the union of
-    # the shares (a region read from a gradient also holds the layer's backward, which no share
-    # reaches). The untagged work is the elementwise part of the forward: the values a tag-saving
-    # policy does not keep (norm statistics, activation internals) are rebuilt from it whenever the
-    # layer is rematerialized at all.
+    Args:
+        region: the layer's forward (a jaxpr or closed jaxpr, e.g. from `layer_region`).
+        roof: the target's `Roofline`.
+        divisor: devices sharing the work, so bytes and times are per device.
+
+    Example: see the module docstring.
     """
     jaxpr = getattr(region, "jaxpr", region)
     eqns = jaxpr.eqns

@@ -1,38 +1,10 @@
 """plan_for_budget(): the setting per layer that recomputes least while the compiled peak fits a budget.
 
-With `target=` and `trace_step=` it plans per tag instead: each tagged activation of each layer
-saved, offloaded or recomputed at the least predicted step time on the target (`front`, below;
-the model and solver are remat.plan.tagplan's, the time model remat.plan.cost's; docs/planner.md). What
-follows describes the preset planner (no target).
-
-The library stays model-agnostic: the caller hands in `compile_step(recompute_config)`, which
-compiles the real train step for a `RecomputeConfig` and returns XLA's memory and cost analysis
-(`remat.memory.CompiledMemory`, or a `jax.stages.Compiled`, read with `compiled_stats`).
-
-"Peak" is `CompiledMemory.peak_estimate` by default: arguments + outputs + temp − aliased bytes of
-the compiled step, i.e. everything the step needs live at once on a device (parameters, optimizer
-state and batch included). `peak="temp"` applies the budget to XLA's temp buffer only.
-
-# NOTE: the cost model. A layer's setting frees memory at the compiled peak, and how much depends on
-# where the layer is. With the recomputation tied to the cotangent, the backward of the last layer
-# runs first, while the saved values of all the other layers are still live: recomputing that layer
-# rebuilds (almost) everything it would have saved, so its remat frees little (GPT-2 reference
-# shape, full remat: 16 MiB for the last layer, 50 MiB for each other). So the model has two slots
-# per candidate `c`, each
-# calibrated from compiled uniform plans (XLA's analysis, not the analytic saved bytes):
-#   d_c = (peak(none) − peak(c on layers 0..L−2, none on the last)) / (L − 1)  per interior layer
-#   e_c = peak(c on layers 0..L−2, none last) − peak(c everywhere)             for the last layer
-#   f_c = (flops(c everywhere) − flops(none)) / L                              recompute per layer
-# and predicts peak(plan) = peak(none) − Σ_interior d_c − e_last. Interior layers are identical,
-# so a plan is a count of interior layers per candidate plus the last layer's candidate: every
-# such composition is enumerated (exact, not greedy) and the one of least Σ f meeting the budget is
-# compiled to verify it. A plan that does not fit lowers the internal budget by its overshoot and
-# the search runs again (bounded); compiled plans replace predictions by their measured peaks. The
-# interior is ordered most-rematerialized first (so `block N` is one of the plans considered).
-#
-# NOTE: the objective is XLA's `flops`, which leaves out transcendentals (tanh, exp, rsqrt): a
-# selective policy that recomputes the untagged GELU/softmax internals costs more time than its
-# FLOPs say. At the reference shape the differences stay within a few % (docs/BENCHMARKS.md).
+The caller hands in `compile_step(recompute_config)` (the train step's `remat.memory.CompiledMemory`
+or `jax.stages.Compiled`), so the library stays model-agnostic. Without a target it picks a preset
+per layer at the least recompute FLOPs; with `target=` and `trace_step=` it plans per tag at the
+least predicted step time (`front`; remat.plan.tagplan). "Peak" is `CompiledMemory.peak_estimate`
+(arguments + outputs + temp − aliased) unless `peak="temp"`. docs/planner.md states both models.
 """
 from __future__ import annotations
 
@@ -377,12 +349,6 @@ def _offload_raises(c, cm, measure, pk, L: int) -> str | None:
     """Why offloading candidate `c` is dropped (a note), or None to keep it: dropped when its
     uniform peak is not below that of its device twin (the same values saved on the device,
     `remat.policies.device_twin`), i.e. when on this compiler offloading raises device memory.
-
-    # NOTE: the planner minimizes recompute FLOPs, and offloading recomputes less than full remat
-    # at no FLOP cost (its cost is host-link time, which the objective does not see), so an
-    # offload candidate that fits would always win. It must at least free device memory against
-    # keeping the values on the device, as measured by the very compiler the plan is for
-    # (docs/offload.md: before its fence, `offload_names` raised the XLA:GPU peak above that).
     """
     twin = _policies.device_twin(c)
     if twin is None:

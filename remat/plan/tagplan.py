@@ -8,17 +8,6 @@ docs/planner.md states the cost model, the solver and what they assume.
 
 Plans print as one line, `POLICY xN; POLICY xN; ...` (runs of equal layers, first layer first),
 e.g. `save_names:mlp_up,qkv x5; none x7`; `parse_plan` reads that line back.
-
-# NOTE: the model. Per layer and tag t (bytes b_t per device, recompute share r_t seconds, both
-# from the layer's traced forward, remat.plan.cost): saving t costs a·b_t of the compiled peak,
-# offloading it a_off·b_t plus its host-link time, recomputing it r_t. A layer that is
-# rematerialized at all also reruns its untagged elementwise work u; a layer that is not (`none`)
-# keeps everything, m_none of the peak. Peak(plan) = peak(full) + Σ_layers m(layer's choice),
-# with a, a_off and m_none fitted from the compiled peaks of uniform plans (full, none, every tag
-# saved, every tag offloaded). The model is linear in the counts of layers making each choice, so
-# an exact integer program over those counts (scipy.optimize.milp, HiGHS) finds the optimum;
-# every plan it returns is compiled, and a plan over budget lowers the internal budget by its
-# overshoot and is solved again.
 """
 from __future__ import annotations
 
@@ -120,7 +109,7 @@ def tag_policy(choice: dict) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """The calibrated model of one train step on one target (see the module's NOTE)."""
+    """The calibrated model of one train step on one target (docs/planner.md states it)."""
     n_layers: int
     tags: tuple                 # the tags the solver chooses for (recomputing them costs time)
     bytes: dict                 # tag -> bytes per layer per device
@@ -158,8 +147,8 @@ class Model:
         return mem, self.untagged_s + sum(self.share[t] for t in self.tags if ch[t] == RECOMPUTE), off
 
     def exposed_offload_s(self, off_bytes: float) -> float:
-        """Host-link time not hidden behind compute. NOTE: copies to host overlap the forward of the
-        layers (L·forward), copies back the backward (2·L·forward); what exceeds either is exposed."""
+        """Host-link time of `off_bytes` not hidden behind compute: what exceeds the layers' forward
+        (copies to host) or their backward (copies back)."""
         if not off_bytes:
             return 0.0
         t = off_bytes / self.host_link
@@ -195,11 +184,6 @@ class Model:
         """The plan of least predicted step time whose predicted peak ≤ budget (None when none is
         predicted to fit), exact over its family: one tag policy P (each tag saved, offloaded or
         recomputed) on the first n layers, no remat on the rest, both chosen by an integer program.
-
-        # NOTE: one policy for every rematerialized layer keeps the stack two scans (compiles stay
-        # few and fast at any depth) and keeps the compiled peak close to the linear model: plans
-        # mixing several tag policies over many scan runs compiled far above it (XLA:GPU, GPT-2 d12).
-        # The product n·[t saved] is linearized exactly (n integer, the choice binary).
         """
         L, T = self.n_layers, len(self.tags)
         offload = self.a_off is not None and bool(self.host_link)
@@ -276,9 +260,8 @@ def calibrate(compile_step: Callable, trace_step: Callable, n_layers: int, targe
     base = _cost.jaxpr_seconds(trace_step(RecomputeConfig()), roof) / div
     p_full, p_none = peak(measure(full_lp)), peak(measure((None,) * L))
     saved = sum(prof.tags[t].bytes for t in tags)
-    # NOTE: a, a_off are fitted in the layout the solver returns (a tag policy on the first k layers,
-    # no remat on the rest; k = ceil(L/2)), not on uniform plans: on XLA:GPU an offloading policy
-    # beside layers without remat compiled far above what the uniform plan suggests.
+    # a, a_off are fitted in the solver's layout, a tag policy on the first k = ceil(L/2) layers
+    # (docs/architecture.md, Design notes: `tagplan.py` calibration).
     k = max(1, (L + 1) // 2)
     m_none = (p_none - p_full) / L
     rest = (L - k) * m_none

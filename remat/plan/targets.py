@@ -363,12 +363,8 @@ def _topology_devices(name: str, platform: str, topology: str, config: str | Non
     return tuple(topo.devices)
 
 
-# NOTE: libtpu takes /tmp/libtpu_lockfile when it starts, so that two processes never drive one
-# host's TPU chips; a second process that loads it (another deviceless compile, a parallel test
-# worker, a second dry run) then fails with "Internal error when accessing libtpu multi-process
-# lockfile". A topology-only load drives no chip, so where this host has none (no /dev/accel*, no
-# /dev/vfio) libtpu is told to skip the lock (ALLOW_MULTIPLE_LIBTPU_LOAD) for that call only: the
-# environment is restored after it, so no child process inherits the exemption.
+# Skip libtpu's multi-process lock for one topology-only load on a host without TPU chips
+# (docs/architecture.md, Design notes: `targets.py` `_no_libtpu_lock`).
 @contextlib.contextmanager
 def _no_libtpu_lock():
     key = "ALLOW_MULTIPLE_LIBTPU_LOAD"

@@ -27,7 +27,7 @@ worker past its share plus 30 s is killed, so the whole run stays under 8 minute
 statistics are the program's own.
 
 Targets, restated from what the analytic model says is possible (`targets_from_model`; each asks
-90% of the model's figure, the issue's 45% / 0.72× / 4× were set before the model existed):
+90% of the model's figure, in place of the fixed goals 45% / 0.72× / 4×):
   - MFU without remat ≥ 41%: 45% discounted by the FLOPs executed beyond the model's (the chunked
     head's second forward, 2·Vp·C per token: 0.876 vs 0.799 GFLOP/token).
   - full remat throughput ≥ 0.74× none: 90% of the executed-FLOPs ratio 0.876 / 1.065 (full
@@ -45,7 +45,7 @@ Targets, restated from what the analytic model says is possible (`targets_from_m
 Attention rows (`attention_settings`): the tiled core against cuDNN flash attention, none and
 full remat, timed and MFU only (no batch search: a compile and 12 steps each), run first so that
 the time they leave unused goes to the searches. Where cuDNN cannot run (CPU, float32) its rows
-say so ("unavailable") instead of failing the run. Issue 24 adds `attn tiled@512 full` (the tile
+say so ("unavailable") instead of failing the run. Two more rows: `attn tiled@512 full` (the tile
 `auto` gives the tiled core on a GPU) and `cpu_checkpointing` (timed only as well: its peak bytes in
 use at --batch against `full`'s shows whether the offloaded region inputs stay on the host until
 the backward reaches them).
@@ -86,7 +86,7 @@ def settings(n_layer: int) -> dict:
 
 def attention_settings() -> dict:
     """{name: (attention core, RecomputeConfig kwargs)}: tiled vs cudnn, none and full remat, and
-    (issue 24) the tiled core at the tile `auto` gives it on a GPU ("tiled@512": core@tile)."""
+    the tiled core at the tile `auto` gives it on a GPU ("tiled@512": core@tile)."""
     from remat_lm.models.attention import GPU_TILE
     rows = {f"attn {core} {rc}": (core, {} if rc == "none" else dict(granularity="full"))
             for core in ("tiled", "cudnn") for rc in ("none", "full")}
@@ -95,7 +95,7 @@ def attention_settings() -> dict:
 
 def timed_settings() -> dict:
     """{name: (attention core, RecomputeConfig kwargs)} of the rows timed at --batch without a batch
-    search: the attention rows, and (issue 24) `cpu_checkpointing`, full remat with the region
+    search: the attention rows, and `cpu_checkpointing`, full remat with the region
     inputs in pinned host memory, copied back only once the backward reaches them
     (remat/checkpoint.py `_load`): its peak bytes in use should fall below `full`'s."""
     return {**attention_settings(), "cpu_checkpointing": ("auto", dict(granularity="full", offload_inputs=True))}
@@ -378,7 +378,7 @@ def targets_from_model(models: dict) -> dict:
 
 def evaluate(rows: dict, goals: dict | None = None) -> list[Target]:
     """MFU without remat, full remat's throughput and largest batch relative to none, against
-    `goals` (`targets_from_model`; the issue's 45%, 0.72× and 4× when None)."""
+    `goals` (`targets_from_model`; the fixed goals 45%, 0.72× and 4× when None)."""
     goals = goals or {"mfu": 0.45, "throughput": 0.72, "batch": 4.0}
     n, f = rows.get("none"), rows.get("full")
     out = []
@@ -431,7 +431,7 @@ def report(meta: dict, rows: dict) -> str:
              "activations, workspace); temp = XLA's compiled temp buffer; a step is jitted "
              "`value_and_grad(loss_fn)` (no optimizer); predicted = the analytic model's largest batch at the "
              "device's limit (`analytic`), where the search starts.", "",
-             "Targets: (90% of what the analytic model says is possible; the issue's 45% / 0.72× / 4× "
+             "Targets: (90% of what the analytic model says is possible; the fixed goals 45% / 0.72× / 4× "
              "restated, see the module docstring)",
              targets_markdown(evaluate(rows, meta.get("goals"))) or "- (no rows)"]
     return "\n".join(lines)

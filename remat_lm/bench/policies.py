@@ -165,7 +165,7 @@ def table(rows: list[dict]) -> str:
 
 
 def evaluate(rows: list[dict]) -> list[Target]:
-    """The issue's targets: full ≤ 1.30× time; selective core_attn ≤ 1.05× time and ≥ 40% fewer saved bytes."""
+    """The targets: full ≤ 1.30× time; selective core_attn ≤ 1.05× time and ≥ 40% fewer saved bytes."""
     by = {r["setting"]: r for r in rows}
     out = []
     if "full" in by and by["full"]["time_ratio"] is not None:

@@ -25,7 +25,7 @@ from remat_lm.argtypes import Parser, integer
 
 ROWS = {"gpt2 tiny": ("gpt2", "tiny", {}), "llama3 tiny": ("llama3", "tiny", {}),
         "gpt2 tiny, block 512": ("gpt2", "tiny", dict(block_size=512))}
-TARGET_S = 5.0  # the issue: a few hundred tokens of the tiny model "in seconds" on CPU, compilation included
+TARGET_S = 5.0  # the goal: a few hundred tokens of the tiny model "in seconds" on CPU, compilation included
 
 
 def _no_cache(model, params, cfg, prompt, n):

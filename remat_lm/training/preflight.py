@@ -118,7 +118,7 @@ def check(setup, compiled, compile_step=None) -> str | None:
     Args:
       setup: the run's `remat_lm.training.prepare.Setup`; compiled: its compiled train step.
       compile_step: `(setup, model_config) -> compiled` (default `remat_lm.training.compile.compile_train_step`),
-        used to compile the candidate settings of the advice.
+        which compiles the candidate settings of the advice.
     Returns:
       a line for the run's summary ("needs X of Y ...: fits ..."), or None when the capacity is unknown.
     """

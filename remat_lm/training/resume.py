@@ -34,9 +34,8 @@ RESUME_MAY_CHANGE = frozenset({
 })
 # NOTE: the learning-rate schedule on resume. --lr_decay_iters defaults to --num_iterations, so a
 # finished 6-step run resumed with --num_iterations 12 (what the "already at step" error advises)
-# used to stretch its cosine to 12 steps: the learning rate at step 7 jumped from the schedule's
-# floor back up (x7 with --warmup_iters 2), and only "changed: --num_iterations" was printed. A
-# resume keeps the saved run's schedule length (its effective --lr_decay_iters) unless the flag
+# would stretch its cosine to 12 steps, the learning rate at step 7 jumping from the schedule's
+# floor back up (x7 with --warmup_iters 2). So a resume keeps the saved run's schedule length (its effective --lr_decay_iters) unless the flag
 # is passed, and says so on the resume line; an explicit --lr_decay_iters that differs is a
 # deliberate change, allowed and listed with the other changes. Compared as effective values, so
 # passing the saved length explicitly is no change.

@@ -210,7 +210,7 @@ def state_digest(tree) -> dict:
 # NOTE: the metadata digest. A restore reads two things that decide the resumed run: the arrays
 # (checked by `state_digest`) and the meta item, whose `data_position` says which batch comes next
 # and whose train config and array digests the resume checks rely on. A changed `data_position`
-# (valid JSON, arrays untouched) used to resume with exit 0 and train on other batches. So the
+# (valid JSON, arrays untouched) would resume with exit 0 and train on other batches, so the
 # meta item carries a digest of its own content, checked wherever it is read. orbax's own
 # metadata needs no digest: the OCDBT manifest and b-tree nodes (where the arrays' file offsets
 # and lengths live) carry tensorstore's crc32c, and `_METADATA`, `_sharding` and
@@ -363,9 +363,9 @@ def saved_shapes(directory: str, step: int) -> dict:
         mngr.close()
 
 
-# NOTE: one run per directory. Two train.py processes on one --checkpoint_dir used to race: both
-# saved the same steps and one died with a misleading reason ("No such file or directory ... free
-# space"). A run holds the directory with fcntl.flock on LOCK_FILE inside it, from before it
+# NOTE: one run per directory. Two train.py processes on one --checkpoint_dir would race (both
+# saving the same steps, one dying with a misleading "No such file or directory ... free space"),
+# so a run holds the directory with fcntl.flock on LOCK_FILE inside it, from before it
 # compiles to its end; the kernel drops the lock when the process ends however it ends, so a killed
 # run leaves no stale lock (at most the file, which the next run takes). The file names its holder
 # (pid, host, start time) for the refusal. A run unlinks the file before it lets go; a taker checks

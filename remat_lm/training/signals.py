@@ -1,9 +1,9 @@
 """SIGINT and SIGTERM for train.py: exit 130 / 143 with one line, no traceback, no segfault.
 
 # NOTE: why a watcher thread. Python runs signal handlers only in the main thread, between
-# bytecodes, so a Ctrl-C during XLA compilation (a long C++ call) used to surface as a
-# KeyboardInterrupt when the compile returned, and the interpreter then shut down while XLA's
-# compile threads were still running: a segfault (rc -11, 9 of 9 tries). Here the C-level handler
+# bytecodes, so a Ctrl-C during XLA compilation (a long C++ call) would surface as a
+# KeyboardInterrupt when the compile returned, and the interpreter would then shut down while XLA's
+# compile threads still run: a segfault (rc -11). So the C-level handler
 # writes the signal number to a pipe (`signal.set_wakeup_fd`) and a daemon thread reads it at
 # once, whatever the main thread is doing:
 #   - before training writes anything (preparing, compiling, restoring): print one line and leave
