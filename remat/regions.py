@@ -56,6 +56,14 @@ class Layers(abc.ABC):
     def value(self):
         return getattr(self, dataclasses.fields(self)[0].name)
 
+    def __repr__(self):
+        return f"{self._name}({self.value()})"
+
+    def _require_positive(self, meaning: str) -> None:
+        v = self.value()
+        if not is_int(v) or v < 1:
+            raise RecomputeConfigError(self.field, f"must be an integer >= 1 (got {v!r}): {meaning}", v)
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class _Megatron(Layers):
@@ -102,15 +110,8 @@ class Every(Layers):
     """Layers 0, k, 2k, ... are each a region of one layer; the layers between them are not
     rematerialized (PyTorch/Megatron `checkpoint_every=k`)."""
     k: int
-    field = "every"
-
-    def __post_init__(self):
-        if not is_int(self.k) or self.k < 1:
-            raise RecomputeConfigError("every", f"must be an integer >= 1 (got {self.k!r}): every k-th layer is a "
-                                       "region", self.k)
-
-    def __repr__(self):
-        return f"every({self.k})"
+    field, _name = "every", "every"
+    __post_init__ = lambda self: self._require_positive("every k-th layer is a region")  # noqa: E731
 
     def split(self, n_layers):
         segs = []
@@ -177,15 +178,8 @@ class Count(Layers):
     """`n` contiguous regions of near-equal size, the first L mod n one layer longer (DeepSpeed's
     `number_checkpoints`)."""
     n: int
-    field = "regions"
-
-    def __post_init__(self):
-        if not is_int(self.n) or self.n < 1:
-            raise RecomputeConfigError("regions", f"must be an integer >= 1 (got {self.n!r}): the number of "
-                                       "recompute regions", self.n)
-
-    def __repr__(self):
-        return f"count({self.n})"
+    field, _name = "regions", "count"
+    __post_init__ = lambda self: self._require_positive("the number of recompute regions")  # noqa: E731
 
     def split(self, n_layers):
         q, r = divmod(n_layers, self.n)

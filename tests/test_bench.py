@@ -113,8 +113,9 @@ def test_gpu_check_targets_on_both_sides():
 
 def test_temp_column_equals_compiled_memory_of_grad():
     """The table reads temp bytes off the value_and_grad executable it compiles (the one it times on
-    this host); they equal jax.grad's. Compiled by XLA:GPU for an H200 (`--target h200`), the full
-    remat row: the loss output adds no temp there."""
+    this host); they are jax.grad's. Compiled by XLA:GPU for an H200 (`--target h200`), the full
+    remat row: returning the loss too adds at most one buffer of XLA:GPU's 256-byte alignment
+    (measured: 192,104 vs 191,848 B, +256; on XLA:CPU the two are equal)."""
     need("cuda")
     full = [s for s in policies.default_settings(TINY["n_layer"]) if s.name == "full"]
     res = policies.run("gpt2", "ref", steps=1, settings=full, target=GPU, log=lambda _: None, **TINY)
@@ -124,7 +125,8 @@ def test_temp_column_equals_compiled_memory_of_grad():
     params, idx, tgt = policies.inputs(cfg, TINY["batch"], seq)  # the table's inputs (fixed seed)
     f = lambda p, i, t: gpt2.loss_fn(p, cfg, i, t)
     assert res["rows"][0]["step_ms"] is None  # built for the target, not run here
-    assert res["rows"][0]["temp_bytes"] == compiled_memory(jax.grad(f), params, idx, tgt, target=GPU).temp > 0
+    grad_temp = compiled_memory(jax.grad(f), params, idx, tgt, target=GPU).temp
+    assert 0 < grad_temp <= res["rows"][0]["temp_bytes"] <= grad_temp + 256, (res["rows"][0]["temp_bytes"], grad_temp)
 
 
 def test_interleaved_ms_rotates_and_skips_warmup():

@@ -72,8 +72,8 @@ def test_remat_module_keeps_parameter_paths_and_gradients():
 
 @pytest.mark.slow  # ~10 s; tests/test_linen_remat.py keeps remat_module against nn.remat fast
 def test_remat_module_saves_and_compiles_as_nn_remat():
-    vs = {w: Net(w).init(KEY, X) for w in (None, "nn.remat", "nothing_saveable")}  # nn.remat renames: CheckpointBlock_0
     need("cuda")  # the temps are XLA:GPU's for an H200 (deviceless)
+    vs = {w: Net(w).init(KEY, X) for w in (None, "nn.remat", "nothing_saveable")}  # nn.remat renames: CheckpointBlock_0
     temp = {w: compiled_memory(jax.grad(_loss(Net(w))), v, target=GPU).temp for w, v in vs.items()}
     saved = {w: saved_residuals(_loss(Net(w)), v).intermediates for w, v in vs.items()}
     assert saved["nothing_saveable"] == saved["nn.remat"] < saved[None]

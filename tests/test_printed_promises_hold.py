@@ -55,7 +55,7 @@ def test_split_batch_is_the_largest_divisor():
                 assert preflight.split_batch(seqs, most, step) == ((brute[-1], seqs // brute[-1]) if brute else None)
 
 
-@pytest.mark.slow  # a real compiled advice (~7 s); the split arithmetic is tested fast above
+@pytest.mark.slow  # a real compiled advice (~30 s of XLA:GPU compiles); the split arithmetic is tested fast above
 def test_batch_advice_keeps_the_sequences_per_step():
     """A real advice, compiled by XLA:GPU for an H200 (`--target h200 --dry_run`, deviceless): 96
     sequences per step (48 x 2) with a capacity sized so that about 40 of them fit per micro-batch

@@ -174,7 +174,7 @@ def _distributed_temp(mesh_shape, n_layer=8, batch=8, seq=64):
 
 
 @pytest.mark.slow  # ~25 s; test_distribute_saved_activations_flag_changes_compiled_step stays fast
-def test_distributed_saved_activations_cut_compiled_temp():
+def test_distributed_saved_activations_cut_compiled_temp_on_xla_cpu():
     """Per device, the compiled temp falls by at least (tensor-1)/tensor of the saved region inputs.
 
     "Saved inputs" are the region inputs kept while another region is recomputed: the backward
@@ -190,7 +190,7 @@ def test_distributed_saved_activations_cut_compiled_temp():
 
 
 @pytest.mark.slow
-def test_distributed_saved_activations_cut_compiled_temp_tensor4():
+def test_distributed_saved_activations_cut_compiled_temp_tensor4_on_xla_cpu():
     t = 4
     temps, saved_inputs, _ = _distributed_temp(dict(data=1, fsdp=1, tensor=t))
     assert temps[None] - temps["tensor"] >= (t - 1) / t * saved_inputs, (temps, saved_inputs)
@@ -198,7 +198,7 @@ def test_distributed_saved_activations_cut_compiled_temp_tensor4():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["f2t2", "d2f2t2"])
-def test_distributed_saved_activations_cut_compiled_temp_batch_axes(mesh_name):
+def test_distributed_saved_activations_cut_compiled_temp_batch_axes_on_xla_cpu(mesh_name):
     """The same cut on meshes with data/fsdp axes, 8 sequences of T=256 per data x fsdp shard.
 
     # NOTE: why another shape. With data/fsdp, XLA:CPU reduces the weight gradients over the batch
@@ -228,7 +228,7 @@ def test_distributed_saved_activations_cut_compiled_temp_batch_axes(mesh_name):
 
 
 @pytest.mark.slow  # ~12 s
-def test_distributed_saved_activations_on_data_fsdp_tensor_mesh():
+def test_distributed_saved_activations_on_data_fsdp_tensor_mesh_on_xla_cpu():
     """Distributed saved activations on data x fsdp x tensor: float32 gradients equal one device's, and
     the only all-gathers of a whole (B_local, T, C) activation are the region inputs gathered back
     along T before their recomputation, in the backward inside the blocks (none in the forward,
