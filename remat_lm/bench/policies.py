@@ -16,7 +16,7 @@ timed rounds, the settings round-robin (remat_lm.bench.common.interleaved_ms); t
 A step is the jitted `jax.value_and_grad(loss_fn)` on fixed random tokens, to
 `block_until_ready`. Columns:
   saved      `remat.memory.saved_residuals(loss).intermediates`: what the backward keeps (no params)
-  temp       XLA's temp buffer of the compiled step (= `remat.memory.compiled_memory(jax.grad(loss)).temp`)
+  temp       XLA's temp buffer of the compiled step (`remat.memory.compiled_memory(jax.grad(loss)).temp`, give or take one buffer)
   step ms    median step time
   GFLOPs     XLA's cost analysis of the compiled step
 each also as a ratio to the `none` row; the bf16 rows are relative to the bf16 no-remat row.
@@ -115,8 +115,8 @@ def prepare(model: str, config, setting: Setting, params, idx, targets, target: 
     compiled = common.compile_for(jax.value_and_grad(f), params, idx, targets, target=target)
     # NOTE: the timed step's own executable is measured, so that the memory and the time in a row
     # belong to one program and each setting compiles once (XLA:CPU compiles dominate this
-    # benchmark's run time). The loss output adds nothing: its temp bytes equal those of
-    # `compiled_memory(jax.grad(loss))` (tests/test_bench.py checks it).
+    # benchmark's run time). The loss output adds at most one aligned buffer to the temp of
+    # `compiled_memory(jax.grad(loss))` (tests/test_bench.py checks it on XLA:GPU).
     stats = compiled_stats(compiled)
     temp, flops = stats.temp, stats.flops
     if not common.timed(target):
