@@ -25,12 +25,15 @@ class LayerBytes:
     with no tag (norm statistics, the mid-layer residual sum, the attention log-sum-exp, bf16
     casts of weights); `constants` are closed-over tables (RoPE) that `jax.checkpoint` keeps too;
     `swaps` are tagged values that no-remat does not keep but a tag-saving policy does, in place
-    of an untagged value it then recomputes (the attention output instead of the residual sum).
+    of an untagged value it then recomputes (the attention output instead of the residual sum);
+    `internals` are what the layer's own `jax.checkpoint`s recompute and only a policy that saves
+    everything keeps.
     """
     tagged: dict
     untagged: int
     constants: int = 0
     swaps: dict = dataclasses.field(default_factory=dict)
+    internals: int = 0
 
     @property
     def total(self) -> int:
@@ -78,7 +81,7 @@ def _region_bytes(layer: LayerBytes, policy, reentrant: bool):
     if pol is None or op == "nothing":  # reentrant, or nothing saved in a region
         saved = frozenset()
     elif everything:
-        saved, untagged = frozenset(layer.tagged), layer.untagged
+        saved, untagged = frozenset(layer.tagged), layer.untagged + layer.internals
     else:
         rule = _policies.by_name(pol)
         if rule is None or rule.offload:
