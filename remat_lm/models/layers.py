@@ -217,7 +217,10 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         H, K, D = self.n_head, self.n_kv_head, C // self.n_head
         c_attn = dense((H + 2 * K) * D, self.dtype, use_bias=self.use_bias, name="c_attn")
-        q, k, v = _pieces(c_attn, x, (H * D, (H + K) * D))  # (B, T, H·D), (B, T, K·D) ×2
+        if self.sharding is None and jax.sharding.get_abstract_mesh().empty:
+            q, k, v = jnp.split(c_attn(x), [H * D, (H + K) * D], axis=-1)  # (B, T, H·D), (B, T, K·D) ×2
+        else:  # under a mesh, one matmul per piece (`_pieces`)
+            q, k, v = _pieces(c_attn, x, (H * D, (H + K) * D))
         if decode_pos is not None:
             y = self._decode(q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D), decode_pos)
         else:
@@ -260,12 +263,12 @@ class CausalSelfAttention(nn.Module):
 
 
 # The activations are recomputed from their inputs in the backward (`jax.checkpoint`), so a layer
-# keeps its (B, T, F) inputs, not the activation's internals. Measured on XLA:GPU (h200,
-# deviceless) at the reference shape, no remat, scan layout (docs/BENCHMARKS.md, "Reference models
-# from Flax layers (XLA:GPU)"): GPT-2 308.1 MiB of temp, 564.1 with plain `nn.gelu`; LLaMA-3 305.4,
-# 449.5 with plain `silu(gate)·up`. `prevent_cse` as measured: GPT-2's full remat, loop, 72.0 MiB
-# without it, 80.0 with it; LLaMA-3's 76.0 with it, 78.0 without.
-_gelu = jax.checkpoint(functools.partial(nn.gelu, approximate=True), prevent_cse=False)
+# keeps its (B, T, F) inputs, not the activation's internals; GELU is computed in float32. Measured
+# on XLA:GPU (h200, deviceless) at the reference shape, no remat, scan layout (docs/BENCHMARKS.md,
+# "Reference models from Flax layers (XLA:GPU)"): GPT-2 314.3 MiB of temp, 570.3 with plain
+# `nn.gelu`; LLaMA-3 305.4, 449.5 with plain `silu(gate)·up`. `prevent_cse` as measured: GPT-2's
+# full remat, loop, 72.0 MiB without it, 80.0 with it; LLaMA-3's 76.0 with it, 78.0 without.
+_gelu = jax.checkpoint(lambda h: nn.gelu(h.astype(F32), approximate=True).astype(h.dtype), prevent_cse=False)
 _swiglu = jax.checkpoint(lambda gate, up: nn.silu(gate) * up)
 
 
@@ -330,8 +333,8 @@ class SwiGLU(MLP):
 # statistics (in float32) and rebuilds the normalized input in the backward. Measured on XLA:GPU
 # (h200, deviceless) at the reference shape (docs/BENCHMARKS.md, "Reference models from Flax
 # layers (XLA:GPU)"), temp in MiB against Flax's layer, plain and under `nn.remat`:
-#   GPT-2, LayerNorm: no remat, scan 308.3 (`nn.LayerNorm` 370.4); policy `dots`, scan 288.8
-#     (`nn.remat(nn.LayerNorm, prevent_cse=False)` 298.8, the best of `nn.remat`'s forms);
+#   GPT-2, LayerNorm: no remat, scan 314.3 (`nn.LayerNorm` 370.4); `nn.remat(nn.LayerNorm)` reads
+#     308.1 there but 8.0-16.0 MiB more for every selective preset in the scan layout;
 #   LLaMA-3, RMSNorm: no remat, loop 372.1 (`nn.RMSNorm` 402.0, `nn.remat(nn.RMSNorm)` 404.0):
 #     Flax's RMSNorm multiplies x by a (B, T, C) `rsqrt(var + eps)·scale`, which autodiff keeps.
 
