@@ -54,7 +54,8 @@ def _env(**extra):
 
 
 def _digits_masked(line: str) -> str:
-    return re.sub(r"[0-9]+", "0", line.strip())
+    """`line` with every number as 0 and runs of spaces as one (glog pads process ids)."""
+    return re.sub(r"\s+", " ", re.sub(r"[0-9]+", "0", line.strip()))
 
 
 @functools.lru_cache(maxsize=None)

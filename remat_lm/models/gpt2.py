@@ -250,7 +250,7 @@ class GPT2Header(llmc_io.Header):
     padded = ("wte", "vocab_size", "padded_vocab_size")
     exporter = "train_gpt2.py"
     retired_versions = (1, 2)
-    retired = "the old llm.c format without vocab padding"
+    retired = "llm.c's format without vocab padding (versions before 3)"
 
     def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """`llmc_shapes` as `[(name, shape), ...]` in file order."""
