@@ -271,8 +271,8 @@ def _off_error(e: RecomputeConfigError, flags: Mapping[str, str], g: str,
                recompute_granularity: str | None) -> str | None:
     """A setting RecomputeConfig refused because recompute is off (granularity `g` is none), in flag
     words: the flag that would be ignored and how to turn recompute on; None for any other error."""
-    if g != "none" or e.field not in _OFF_FIELDS or "has no effect" not in e.message:
-        return None  # a bad value is refused as itself, recompute on or off
+    if g != "none" or e.field not in _OFF_FIELDS or "is not valid" in e.message:
+        return None  # a value that is not valid is refused as itself, recompute on or off
     flag = _flag_of(e.field, e.value, flags)
     on = "--activation_recompute" + (" --recompute_granularity selective" if e.field == "modules" else "")
     if recompute_granularity is not None:  # the user said none
