@@ -111,6 +111,7 @@ def test_gpu_check_targets_on_both_sides():
     assert not capped[2].met and "lower bound" in capped[2].note
 
 
+@pytest.mark.slow  # ~12 s; test_policy_table_rows_columns_and_ratios keeps the table fast
 def test_temp_column_equals_compiled_memory_of_grad():
     """The table reads temp bytes off the value_and_grad executable it compiles (the one it times on
     this host); they are jax.grad's. Compiled by XLA:GPU for an H200 (`--target h200`), the full
@@ -366,6 +367,7 @@ def test_policies_for_a_gpu_target_report_its_compiler_and_skip_timing():
     assert "compiled by XLA:GPU for NVIDIA H200" in text and "not run" in text
 
 
+@pytest.mark.slow  # ~15 s; tests/test_target_peaks.py keeps the per-compiler peaks fast
 def test_peaks_rows_and_merge_one_column_per_compiler(tmp_path):
     from remat_lm.bench import peaks
     import targethelp

@@ -133,6 +133,7 @@ def test_compiled_temp_is_the_settings(prepared, name):
     assert _temp(setup) == _temp(setup, _expected(setup, name)), name
 
 
+@pytest.mark.slow  # ~13 s; test_compiled_temp_is_the_settings keeps the compile path fast
 def test_compile_path_is_the_step_on_xla_cpu(data):
     """remat_lm.training.compile's program is the train step itself: the same temp as the step jitted by
     hand on this host (XLA:CPU: jax.jit here compiles for the host)."""

@@ -149,6 +149,7 @@ def test_plans_are_not_just_a_hand_setting():
     assert any(strictly)
 
 
+@pytest.mark.slow  # ~35 s (two XLA:GPU compiles of the step); test_cli_exit_2_one_line keeps the planner's refusals fast
 def test_budget_too_small_states_the_minimum():
     lo, _ = _bounds()
     with pytest.raises(ValueError) as e:
@@ -166,6 +167,7 @@ def test_no_remat_when_it_fits():
     assert plan.total_recompute_flops == 0 and plan.compiles == 1
 
 
+@pytest.mark.slow  # ~45 s; tests/test_stacks.py and tests/test_models.py keep gradients against no remat fast
 def test_gradients_equal_no_remat():
     _, plan = planned(0.45)
     assert len(set(plan.layer_policies)) > 1 or plan.layer_policies[0] is not None, plan.table()
