@@ -480,7 +480,8 @@ def test_saving_everything_through_an_inner_jit_forwards_the_input():
 
 # 6. custom_jvp / custom_vjp inside, grad inside, inner jit ---------------------------------------
 
-def test_custom_jvp_inside_a_dots_policy_region_and_a_scan():
+def _custom_jvp_chain():
+    """Three layers of a custom_jvp sine, as (remat.checkpoint, jax.checkpoint) regions saving dots."""
     @jax.custom_jvp
     def sin(x):
         return jnp.sin(x)
@@ -490,8 +491,11 @@ def test_custom_jvp_inside_a_dots_policy_region_and_a_scan():
         for _ in range(3):
             x = sin(jnp.dot(x, x) * 1e-3)
         return x
+    return both(f, policy=cp.checkpoint_dots)
 
-    fa, fb = both(f, policy=cp.checkpoint_dots)
+
+def test_custom_jvp_inside_a_dots_policy_region_and_a_scan():
+    fa, fb = _custom_jvp_chain()
     grads_agree(fa, fb, 3.0, order=2)
 
     @jax.custom_jvp
@@ -507,17 +511,7 @@ def test_custom_jvp_inside_a_dots_policy_region_and_a_scan():
 # Fast cover: test_custom_jvp_inside_a_dots_policy_region_and_a_scan, test_region_as_scan_body_and_scan_inside_a_region.
 @pytest.mark.slow
 def test_custom_jvp_region_as_a_scan_body():
-    @jax.custom_jvp
-    def sin(x):
-        return jnp.sin(x)
-    sin.defjvp(lambda p, t: (sin(p[0]), jnp.cos(p[0]) * t[0]))
-
-    def f(x):
-        for _ in range(3):
-            x = sin(jnp.dot(x, x) * 1e-3)
-        return x
-
-    fa, fb = both(f, policy=cp.checkpoint_dots)
+    fa, fb = _custom_jvp_chain()
     scan = lambda g: lambda x: lax.scan(lambda c, _: (g(c), None), x, None, length=2)[0]  # noqa: E731
     grads_agree(scan(fa), scan(fb), 3.0, order=2)
 
