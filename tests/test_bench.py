@@ -285,7 +285,7 @@ def test_loss_chunk_bench_rows_and_target():
 def test_gpu_check_attention_rows():
     assert list(gpu_check.attention_settings()) == ["attn tiled none", "attn tiled full", "attn cudnn none",
                                                     "attn cudnn full", "attn tiled@512 full"]
-    # timed-only rows run first: the attention rows and (issue 24) cpu_checkpointing
+    # timed-only rows run first: the attention rows and cpu_checkpointing
     assert list(gpu_check._all_settings(12))[:6] == list(gpu_check.attention_settings()) + ["cpu_checkpointing"]
     assert gpu_check.timed_settings()["cpu_checkpointing"] == ("auto", dict(granularity="full", offload_inputs=True))
     # A cuDNN row where cuDNN cannot run (this CPU) is reported unavailable, in-process worker.

@@ -1,4 +1,4 @@
-"""What the README and the messages promise, checked against what train.py really prints (issue 20, item 9).
+"""What the README and the messages promise, checked against what train.py really prints.
 
 - the preflight's smaller-batch advice keeps the sequences per step (batch_size x grad_accum_steps);
 - `--cpu_checkpointing` on a CPU backend says, in the summary and in `--memory_report`, that nothing moves;
