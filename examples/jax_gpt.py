@@ -73,7 +73,7 @@ def sample(params, prompt, steps):
     return out
 
 
-SETTINGS = {"original": None, "jax.checkpoint": "jax.checkpoint", "remat.checkpoint": "nothing_saveable",
+SETTINGS = {"original": None, "jax.checkpoint": "jax.checkpoint", "remat.checkpoint": "full",
             "remat.checkpoint save_names:mlp_act": "save_names:mlp_act"}
 
 

@@ -16,11 +16,21 @@ from remat.config import RecomputeConfig
 from remat.regions import Segment
 from remat import regions
 from remat.regions import block, count, every, per_layer, segments, uniform
-from remat.plan.planner import BudgetPlan, plan_for_budget
+from remat.planning.planner import BudgetPlan, plan_for_budget
 from remat.stack import apply_layers
 from remat import memory
 
 __all__ = ["BudgetPlan", "CheckpointError", "RecomputeConfig", "Segment", "apply_layers", "block", "checkpoint",
-           "count", "every", "memory", "names", "per_layer", "plan_for_budget", "policies", "regions",
+           "count", "every", "memory", "names", "per_layer", "plan", "plan_for_budget", "policies", "regions",
            "segments", "uniform"]
 __version__ = "0.1.0"
+
+
+def plan(n_layers: int, cfg: RecomputeConfig) -> list[Segment]:
+    """The regions of an `n_layers` stack under `cfg`: `cfg.split(n_layers)` in function form.
+
+    Example:
+      >>> [tuple(s) for s in plan(3, RecomputeConfig(granularity="full", method="block", num_layers=2))]
+      [(0, 1, True), (1, 2, True), (2, 3, False)]
+    """
+    return cfg.split(n_layers)

@@ -28,7 +28,7 @@ class CompiledMemory:
     flops: float | None  # None: the compiler gave no cost analysis
     host_argument: int = 0
     host_output: int = 0
-    flops_source: str = "compiler"  # or "jaxpr matmuls" (remat.plan.targets.matmul_flops)
+    flops_source: str = "compiler"  # or "jaxpr matmuls" (remat.planning.targets.matmul_flops)
 
     @property
     def peak_estimate(self) -> int:

@@ -53,7 +53,7 @@ class RecomputeConfig:
         and `layers=remat.block(n)`.)
       num_layers: the N of `uniform`/`block` (any other method takes only the default, 1).
       policy: what a region saves: a `remat.policies` name or a JAX policy callable (e.g.
-        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); default `nothing_saveable` (nothing,
+        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); default `full` (nothing,
         `jax.checkpoint_policies.nothing_saveable`) for granularity `full` and the `modules` preset
         for `selective`. Not with `modules` (a policy replaces the preset), `use_reentrant` or
         granularity `none`.

@@ -167,7 +167,7 @@ def remat_module(target, variables=True, rngs=True, concrete: bool = False, prev
       ...     @nn.compact
       ...     def __call__(self, x, deterministic):
       ...         return x + nn.Dropout(0.1, deterministic=deterministic)(nn.Dense(8)(x))
-      >>> Block = remat_module(MyBlock, policy="nothing_saveable", static_argnums=(2,))  # self, x, deterministic
+      >>> Block = remat_module(MyBlock, policy="full", static_argnums=(2,))  # self, x, deterministic
       >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 8)), True)
       >>> Block().apply(variables, jnp.ones((2, 8)), True).shape
       (2, 8)

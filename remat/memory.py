@@ -1,5 +1,5 @@
 """The memory API: what is saved for the backward pass (`remat.residuals`), what XLA compiled
-(`remat.compiled`; `compiled_memory`, on this host or for a target, from `remat.plan.targets`), the
+(`remat.compiled`; `compiled_memory`, on this host or for a target, from `remat.planning.targets`), the
 platform a program is built for (`remat.platform`), all re-exported here, and the analytic model of
 saved bytes (`LayerBytes`, `predict_saved`).
 """
@@ -11,7 +11,7 @@ from remat import names as _names
 from remat import policies as _policies
 from remat.compiled import GiB, MiB, CompiledMemory, compiled_stats, format_bytes
 from remat.config import RecomputeConfig
-from remat.plan.targets import compiled_memory
+from remat.planning.targets import compiled_memory
 from remat.platform import ACCELERATORS, PLATFORMS, building_for, host_platform, lowered_for, target_platform
 from remat.residuals import Residual, SavedResiduals, saved_residuals
 
@@ -28,12 +28,15 @@ class LayerBytes:
     with no tag (norm statistics, the mid-layer residual sum, the attention log-sum-exp, bf16
     casts of weights); `constants` are closed-over tables (RoPE) that `jax.checkpoint` keeps too;
     `swaps` are tagged values that no-remat does not keep but a tag-saving policy does, in place
-    of an untagged value it then recomputes (the attention output instead of the residual sum).
+    of an untagged value it then recomputes (the attention output instead of the residual sum);
+    `internals` are what the layer's own `jax.checkpoint`s recompute and only a policy that saves
+    everything keeps.
     """
     tagged: dict
     untagged: int
     constants: int = 0
     swaps: dict = dataclasses.field(default_factory=dict)
+    internals: int = 0
 
     @property
     def total(self) -> int:
@@ -81,7 +84,7 @@ def _region_bytes(layer: LayerBytes, policy, reentrant: bool):
     if pol is None or op == "nothing":  # reentrant, or nothing saved in a region
         saved = frozenset()
     elif everything:
-        saved, untagged = frozenset(layer.tagged), layer.untagged
+        saved, untagged = frozenset(layer.tagged), layer.untagged + layer.internals
     else:
         rule = _policies.by_name(pol)
         if rule is None or rule.offload:

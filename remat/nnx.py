@@ -436,7 +436,7 @@ def remat(f=None, *, prevent_cse: bool = True, static_argnums: int | tuple[int, 
       >>> class Block(nnx.Module):
       ...     def __init__(self, rngs):
       ...         self.dense, self.drop = nnx.Linear(8, 8, rngs=rngs), nnx.Dropout(0.1)
-      ...     @remat(policy="nothing_saveable")
+      ...     @remat(policy="full")
       ...     def __call__(self, x, rngs):
       ...         return x + self.drop(self.dense(x), rngs=rngs)
       >>> block, rngs = Block(nnx.Rngs(0)), nnx.Rngs(dropout=1)

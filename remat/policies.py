@@ -47,8 +47,9 @@ cp = jax.checkpoint_policies
 
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
-# The policy that saves nothing inside a region, named as JAX names it ("full" is a granularity).
-NOTHING = "nothing_saveable"
+# The policy that saves nothing inside a region (JAX's `nothing_saveable`): the word of the granularity
+# that recomputes everything.
+NOTHING = "full"
 
 
 def _wide_float(prim, avals, params) -> bool:
@@ -343,7 +344,7 @@ class ByName:
 def by_name(policy) -> ByName | None:
     """What a name-based registry policy (`save_names:`, the selective presets, `offload_names:`,
     `custom:`, also inside `bf16:`) saves and offloads by tag; None for any other policy (by
-    operation: `dots`, `nothing_saveable`; a JAX policy or a callable of your own).
+    operation: `dots`, `full`; a JAX policy or a callable of your own).
 
     Example:
       >>> by_name("core_attn").saves("attn_probs"), by_name("core_attn").saves("qkv")
@@ -361,7 +362,7 @@ def by_op(policy) -> str | None:
     `dots_no_batch`; None otherwise.
 
     Example:
-      >>> by_op("nothing_saveable"), by_op(jax.checkpoint_policies.everything_saveable), by_op("core_attn")
+      >>> by_op("full"), by_op(jax.checkpoint_policies.everything_saveable), by_op("core_attn")
       ('nothing', 'everything', None)
     """
     policy = resolve(policy)
@@ -476,13 +477,13 @@ def get(name: str) -> Policy:
     """Return the `Policy` for a registry name.
 
     Args:
-      name: a plain name (`nothing_saveable`, `core_attn`, ...), a '+'-combination of selective modules
+      name: a plain name (`full`, `core_attn`, ...), a '+'-combination of selective modules
         (`core_attn+mlp`), or an argument form (`save_names:qkv,mlp_up`, `offload_names:mlp_up`,
         `bf16:<policy>`).
     Example:
       >>> get("core_attn+mlp") is get("core_attn+mlp")   # cached: jit sees one policy
       True
-      >>> get("nothing_saveable")(jax.lax.sin_p) is jax.checkpoint_policies.nothing_saveable(jax.lax.sin_p)
+      >>> get("full")(jax.lax.sin_p) is jax.checkpoint_policies.nothing_saveable(jax.lax.sin_p)
       True
     """
     if not isinstance(name, str) or not name:

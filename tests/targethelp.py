@@ -1,4 +1,4 @@
-"""Tests that compile for a GPU or TPU target (remat.plan.targets): `need(platform)` at the top of a test.
+"""Tests that compile for a GPU or TPU target (remat.planning.targets): `need(platform)` at the top of a test.
 
 Where the target compilers are missing (the `targets` extra is not installed) a test skips, naming
 the install; under CI (`CI=true`, as `.ci/run` sets) it fails instead: CI installs the extra, so a
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from remat.plan import targets
+from remat.planning import targets
 
 GPU, TPU = "h200", "v5e"  # the targets the compiled-peak tests build for
 

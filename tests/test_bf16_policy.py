@@ -37,10 +37,10 @@ def _saved(model, policy, T=64):
 
 
 def _inside_regions(model, policy, T=64):
-    """The saved rows a policy adds to `nothing_saveable` (which keeps only region inputs and what lies outside
+    """The saved rows a policy adds to `full` (which keeps only region inputs and what lies outside
     the regions: the head's float32 logits, the final norm's statistics)."""
     key = lambda r: (r.source, r.shape, r.dtype)
-    base = collections.Counter(key(r) for r in _saved(model, "nothing_saveable", T).rows)
+    base = collections.Counter(key(r) for r in _saved(model, "full", T).rows)
     out = []
     for r in _saved(model, policy, T).rows:
         if base[key(r)]:

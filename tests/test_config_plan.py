@@ -97,7 +97,7 @@ def test_modules_accept_comma_string_and_effective_policy():
     cfg = RecomputeConfig(granularity="selective", modules="core_attn, mlp")
     assert cfg.modules == ("core_attn", "mlp")
     assert cfg.effective_policy() == "core_attn+mlp"
-    assert RecomputeConfig(granularity="full").effective_policy() == "nothing_saveable"
+    assert RecomputeConfig(granularity="full").effective_policy() == "full"
     assert RecomputeConfig(granularity="full", policy="dots").effective_policy() == "dots"
     assert RecomputeConfig().effective_policy() is None
     assert RecomputeConfig(granularity="full", use_reentrant=True).effective_policy() is None

@@ -166,7 +166,7 @@ def test_dry_run_compiles_the_same_program(data):
     out = io.StringIO()
     result = run(config_from_args(BASE + ["--data", data] + flags), out=out)
     assert result.stopped == "dry_run" and result.setup.mcfg.recompute == rc
-    assert "remat    full/uniform/2 (2 recompute regions, policy nothing_saveable)" in out.getvalue()
+    assert "remat    full/uniform/2 (2 recompute regions, policy full)" in out.getvalue()
 
 
 def test_verify_and_train_share_the_recompute_flags():

@@ -16,7 +16,7 @@ import remat
 from remat import RecomputeConfig, memory, names as N, policies
 from remat import linen as rlinen, nnx as rnnx
 from remat.config import RecomputeConfigError
-from remat.plan.planner import plan_for_budget
+from remat.planning.planner import plan_for_budget
 from tinyblocks import B, C, T, LinenBlock, NNXBlock, block, init_block, rel_err
 
 cp = jax.checkpoint_policies
@@ -33,7 +33,7 @@ PAIRS = [
     (cp.dots_with_no_batch_dims_saveable, "dots_no_batch"),
     (cp.save_any_names_but_these(N.ATTN_PROBS), "core_attn"),
 ]
-PAIR_IDS = ["nothing_saveable", "save_only_these_names", "dots_no_batch", "save_any_names_but_these"]
+PAIR_IDS = ["full", "save_only_these_names", "dots_no_batch", "save_any_names_but_these"]
 
 
 def _stack_bytes(policy):
@@ -178,21 +178,22 @@ def test_the_planner_takes_jax_policy_candidates():
     assert "jax.checkpoint_policies.nothing_saveable" in plan.table()
 
 
-def test_the_policy_that_saves_nothing_is_named_as_jax_names_it():
-    assert policies.NOTHING == "nothing_saveable" and policies.get("nothing_saveable") == policies.Policy("nothing")
-    assert policies.describe(policies.get("nothing_saveable")) == "jax.checkpoint_policies.nothing_saveable"
-    # `full` is a granularity only, never a policy name
-    assert "full" not in policies.names()
-    for call in (lambda: policies.get("full"), lambda: remat.checkpoint(jnp.sin, policy="full")(X),
-                 lambda: rlinen.remat_module(LinenBlock, policy="full")):
-        with pytest.raises(ValueError, match="unknown policy 'full'"):
+def test_the_policy_that_saves_nothing_has_the_granularitys_name():
+    """`full` is the one name of JAX's `nothing_saveable` in the registry, the word Megatron's
+    granularity uses for recomputing everything; JAX's attribute name is not a second registry name."""
+    assert policies.NOTHING == "full" and policies.get("full") == policies.Policy("nothing")
+    assert policies.describe(policies.get("full")) == "jax.checkpoint_policies.nothing_saveable"
+    assert "full" in policies.names() and "nothing_saveable" not in policies.names()
+    for call in (lambda: policies.get("nothing_saveable"), lambda: remat.checkpoint(jnp.sin, policy="nothing_saveable")(X),
+                 lambda: rlinen.remat_module(LinenBlock, policy="nothing_saveable")):
+        with pytest.raises(ValueError, match="unknown policy 'nothing_saveable'"):
             call()
-    with pytest.raises(RecomputeConfigError, match="unknown policy 'full'") as e:
-        RecomputeConfig(granularity="full", policy="full")
+    with pytest.raises(RecomputeConfigError, match="unknown policy 'nothing_saveable'") as e:
+        RecomputeConfig(granularity="full", policy="nothing_saveable")
     assert e.value.field == "policy"
-    with pytest.raises(RecomputeConfigError, match=r"per_layer policy \[1\]: unknown policy 'full'"):
-        RecomputeConfig(granularity="full", layers=remat.per_layer((None, "full")))
-    assert RecomputeConfig(granularity="full").effective_policy() == "nothing_saveable"
+    assert RecomputeConfig(granularity="full").effective_policy() == "full"
+    # the JAX callable itself is accepted wherever a name is, and means the same
+    assert policies.describe(policies.resolve(jax.checkpoint_policies.nothing_saveable)) == policies.describe(policies.get("full"))
 
 
 def test_jax_internals_are_imported_in_two_known_places_only():

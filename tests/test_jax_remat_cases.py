@@ -367,7 +367,7 @@ def _named(x):
 OFFLOAD = cp.save_and_offload_only_these_names(names_which_can_be_saved=["b"], names_which_can_be_offloaded=["a"],
                                                offload_src="device", offload_dst="pinned_host")
 POLICIES = {
-    "nothing": (None, _dots3), "nothing_saveable": (cp.nothing_saveable, _dots3),
+    "nothing": (None, _dots3), "full": (cp.nothing_saveable, _dots3),
     "everything": (cp.everything_saveable, _dots3), "dots": (cp.dots_saveable, _dots3),
     "checkpoint_dots": (cp.checkpoint_dots, _dots3),
     "dots_no_batch": (cp.dots_with_no_batch_dims_saveable, _einsum3),

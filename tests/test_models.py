@@ -269,11 +269,11 @@ def _rand(i, shape, scale=1.0):  # NumPy, so that building LEAN at import compil
 _C, _H = 32, 4
 _TARGETS = np.random.default_rng(17).integers(0, 200, (B, T)).astype(np.int32)
 LEAN = {  # id: (lean fn, plain fn, args)
-    "layer_norm": (lambda x, w, b: layers.layer_norm(x, w, b, 1e-5), _plain_ln,
-                   (_rand(0, (B, T, _C), 3.0) + 1.0, 1.0 + _rand(1, (_C,), 0.1), _rand(2, (_C,), 0.1))),
+    "layer_norm": (lambda x, w, b: gpt2.NORM(dtype=jnp.float32).apply({"params": {"scale": w, "bias": b}}, x),
+                   _plain_ln, (_rand(0, (B, T, _C), 3.0) + 1.0, 1.0 + _rand(1, (_C,), 0.1), _rand(2, (_C,), 0.1))),
     "rms_norm": (lambda x, w: layers.rms_norm(x, w, 1e-5), _plain_rms, (_rand(3, (B, T, _C), 3.0), 1.0 + _rand(4, (_C,), 0.1))),
-    "gelu_tanh": (layers.gelu_tanh, functools.partial(jax.nn.gelu, approximate=True), (_rand(5, (B, T, 4 * _C), 3.0),)),
-    "swiglu": (layers.swiglu, lambda g, u: jax.nn.silu(g) * u, (_rand(6, (B, T, 96), 3.0), _rand(7, (B, T, 96)))),
+    "gelu_tanh": (layers._gelu, functools.partial(jax.nn.gelu, approximate=True), (_rand(5, (B, T, 4 * _C), 3.0),)),
+    "swiglu": (layers._swiglu, lambda g, u: jax.nn.silu(g) * u, (_rand(6, (B, T, 96), 3.0), _rand(7, (B, T, 96)))),
     "attention_mha": (lambda q, k, v: attention.xla_causal_attention(q, k, v, _H, _H),
                       lambda q, k, v: _plain_attention(q, k, v, _H, _H),
                       (_rand(8, (B, T, _C)), _rand(9, (B, T, _C)), _rand(10, (B, T, _C)))),
@@ -286,9 +286,6 @@ LEAN = {  # id: (lean fn, plain fn, args)
     "cross_entropy": (lambda z: layers.cross_entropy(z, _TARGETS, 200),  # 256 columns, 200 valid
                       lambda z: _plain_ce(z, _TARGETS, 200),
                       (_rand(18, (B, T, 256), 3.0),)),
-    "embed": (lambda table: layers.embed(table, _TARGETS),  # repeated ids: their rows' grads add up
-              lambda table: jnp.take(table, _TARGETS, axis=0),
-              (_rand(19, (200, _C)),)),
 }
 
 
@@ -315,13 +312,19 @@ def test_lean_attention_keeps_no_square_tensors():
     assert saved.intermediates <= 4 * B * _H * T, saved.table()  # only the log-sum-exp
 
 
-def test_lean_loss_and_embedding_keep_only_their_arguments():
-    """The loss keeps the logits (recomputing its log-sum-exp), the embedding the ids it was given."""
-    table, logits = LEAN["embed"][2][0], LEAN["cross_entropy"][2][0]
-    emb = memory.saved_residuals(lambda t, ids: layers.embed(t, ids).sum(), table, _TARGETS)
-    ce = memory.saved_residuals(lambda z, y: layers.cross_entropy(z, y, 200), logits, _TARGETS)
-    assert emb.intermediates == 0 and ce.intermediates == 0, (emb.table(), ce.table())
-    assert {r.kind for r in ce.rows} == {"argument"} and logits.shape in [r.shape for r in ce.rows], ce.table()
+def test_lean_pieces_keep_only_their_inputs():
+    """The recomputed activations and norms keep their inputs; rms_norm its input and per-row rstd."""
+    x, w = LEAN["rms_norm"][2]
+    pieces = {"rms_norm": (lambda x: layers.rms_norm(x, w, 1e-5), x),
+              "layer_norm": (lambda x: LEAN["layer_norm"][0](x, w, w), x),
+              "gelu_tanh": (layers._gelu, LEAN["gelu_tanh"][2][0])}
+    for piece, (fn, arg) in pieces.items():
+        saved = memory.saved_residuals(lambda a: fn(a).sum(), arg)
+        kept = sum(r.bytes for r in saved.rows if r.kind == "intermediate")  # not the closed-over weights
+        assert kept <= 2 * 4 * B * T + 4, (piece, saved.table())  # at most mean and rstd per row
+    gate, up = LEAN["swiglu"][2]
+    saved = memory.saved_residuals(lambda g, u: layers._swiglu(g, u).sum(), gate, up)
+    assert saved.intermediates == 0, saved.table()
 
 
 def test_rope_scaling_branches():

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from remat import RecomputeConfig
-from remat.plan import targets
+from remat.planning import targets
 from remat.memory import compiled_memory, saved_residuals
 from remat import nnx as rnnx
 from targethelp import GPU, need

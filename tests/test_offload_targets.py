@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import remat
 from remat import RecomputeConfig, checkpoint, policies
-from remat.plan import planner
+from remat.planning import planner
 from remat.memory import CompiledMemory, MiB, building_for, lowered_for
 from remat_lm.bench import offload as B
 from tests.targethelp import GPU, TPU, need
@@ -74,7 +74,7 @@ def _blocks(policy=None, offload=(), n=3, reentrant=False):
     return loss, ws, jax.random.normal(ks[-1], (4, 16))
 
 
-@pytest.mark.parametrize("kw", [dict(policy="offload_names:mlp_up"), dict(policy="nothing_saveable", offload=(1,)),
+@pytest.mark.parametrize("kw", [dict(policy="offload_names:mlp_up"), dict(policy="full", offload=(1,)),
                                 dict(offload=(1,), reentrant=True)],
                          ids=["offload_names", "offload_inputs", "offload_inputs-reentrant"])
 def test_fenced_gradients_equal_no_remat(kw):
@@ -126,9 +126,9 @@ def _fake_step(peaks: dict):
 def test_planner_drops_an_offload_that_raises_device_memory(offload_peak, dropped):
     off = "offload_names:mlp_up"
     twin = policies.describe(policies.device_twin(off))
-    peaks = {None: 100, policies.describe(policies.resolve("nothing_saveable")): 10, twin: 60,
+    peaks = {None: 100, policies.describe(policies.resolve("full")): 10, twin: 60,
              policies.describe(policies.resolve(off)): offload_peak}
-    plan = planner.plan_for_budget(_fake_step(peaks), 4, 1000 + 4 * 95, candidates=("none", "nothing_saveable", off),
+    plan = planner.plan_for_budget(_fake_step(peaks), 4, 1000 + 4 * 95, candidates=("none", "full", off),
                                    peak="temp")
     names = [c.name for c in plan.candidates]
     assert (off not in names) == dropped, (names, plan.notes)

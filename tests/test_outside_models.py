@@ -66,25 +66,25 @@ def test_remat_module_keeps_parameter_paths_and_gradients():
     v, plain = Net(FULL).init(KEY, X), Net().init(KEY, X)
     assert jax.tree.structure(v) == jax.tree.structure(plain)  # Block_0 ... Block_3, as without remat
     ref = jax.grad(_loss(Net()))(plain)
-    for wrap in (FULL, "nothing_saveable", jax.checkpoint_policies.dots_saveable):
+    for wrap in (FULL, "full", jax.checkpoint_policies.dots_saveable):
         assert rel_err(jax.grad(_loss(Net(wrap)))(plain), ref) <= 1e-5
 
 
 @pytest.mark.slow  # ~10 s; tests/test_linen_remat.py keeps remat_module against nn.remat fast
 def test_remat_module_saves_and_compiles_as_nn_remat():
     need("cuda")  # the temps are XLA:GPU's for an H200 (deviceless)
-    vs = {w: Net(w).init(KEY, X) for w in (None, "nn.remat", "nothing_saveable")}  # nn.remat renames: CheckpointBlock_0
+    vs = {w: Net(w).init(KEY, X) for w in (None, "nn.remat", "full")}  # nn.remat renames: CheckpointBlock_0
     temp = {w: compiled_memory(jax.grad(_loss(Net(w))), v, target=GPU).temp for w, v in vs.items()}
     saved = {w: saved_residuals(_loss(Net(w)), v).intermediates for w, v in vs.items()}
-    assert saved["nothing_saveable"] == saved["nn.remat"] < saved[None]
-    assert temp["nothing_saveable"] == temp["nn.remat"], temp
+    assert saved["full"] == saved["nn.remat"] < saved[None]
+    assert temp["full"] == temp["nn.remat"], temp
 
 
 @pytest.mark.slow  # ~12 s; tests/test_linen_remat.py keeps Flax's static_argnums fast
 def test_remat_module_static_argnums_count_self_as_zero():
     with pytest.raises(ValueError, match="Flax counts `self` as argument 0"):
-        rlinen.remat_module(Block, policy="nothing_saveable", static_argnums=(0,))
-    blk = rlinen.remat_module(Block, policy="nothing_saveable", static_argnums=(2,))  # self, x, scale
+        rlinen.remat_module(Block, policy="full", static_argnums=(0,))
+    blk = rlinen.remat_module(Block, policy="full", static_argnums=(2,))  # self, x, scale
     v = blk().init(KEY, X, 0.5)
     g = jax.grad(lambda v: jnp.sum(blk().apply(v, X, 0.5)))(v)
     assert rel_err(g, jax.grad(lambda v: jnp.sum(Block().apply(v, X, 0.5)))(v)) <= 1e-5

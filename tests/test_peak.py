@@ -12,7 +12,7 @@ import pytest
 from remat_lm.bench.common import REFERENCE_BATCH, reference_config
 from remat_lm.models import gpt2
 from remat import RecomputeConfig
-from remat.plan import targets
+from remat.planning import targets
 
 import targethelp
 

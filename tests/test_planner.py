@@ -2,7 +2,7 @@
 hand setting that fits; the budget-too-small error; gradients; `train.py --recompute_method auto`.
 
 The compiled tests use a tiny GPT-2 (4 layers, C=64, 4 heads, T=64, B=4, vocab 256, float32) and
-the `jax.grad` of its loss compiled by XLA:GPU for an H200 (deviceless, `remat.plan.targets`; on
+the `jax.grad` of its loss compiled by XLA:GPU for an H200 (deviceless, `remat.planning.targets`; on
 XLA:CPU a Python loop of rematerialized layers compiles to the temp of no remat, so no budget lies
 between them); "peak" is XLA's arguments + outputs + temp − aliased (`CompiledMemory.peak_estimate`),
 the planner's default, and FLOPs are the traced program's matrix products (XLA:GPU gives no cost
@@ -28,10 +28,10 @@ from remat_lm.models.memory_model import activation_bytes
 from remat import RecomputeConfig
 from remat.memory import CompiledMemory
 from remat.memory import compiled_stats, format_bytes
-from remat.plan.planner import plan_for_budget
+from remat.planning.planner import plan_for_budget
 from remat_lm.argtypes import parse_size
 from remat_lm.training.config import UsageError, config_from_args
-from remat.plan import targets
+from remat.planning import targets
 from targethelp import GPU, need
 from trainhelp import ours
 
@@ -54,12 +54,12 @@ def _canonical(rc: RecomputeConfig) -> RecomputeConfig:
     test_hand_settings_compile_like_their_per_layer_form): selective c = c on every layer, block N =
     full on the first N layers, uniform 1 = full. Uniform N > 1 (multi-layer regions) stays as is."""
     if rc.granularity == "selective":
-        return remat.plan.planner.recompute_config(("+".join(rc.modules),) * L)
+        return remat.planning.planner.recompute_config(("+".join(rc.modules),) * L)
     if rc.granularity == "full" and not isinstance(rc.layers, remat.regions.PerLayer) and rc.policy is None and not rc.use_reentrant:
         if rc.method == "block":
-            return remat.plan.planner.recompute_config(("nothing_saveable",) * rc.num_layers + (None,) * (L - rc.num_layers))
+            return remat.planning.planner.recompute_config(("full",) * rc.num_layers + (None,) * (L - rc.num_layers))
         if rc.method == "none" or rc.num_layers == 1:
-            return remat.plan.planner.recompute_config(("nothing_saveable",) * L)
+            return remat.planning.planner.recompute_config(("full",) * L)
     return rc
 
 
@@ -155,7 +155,7 @@ def test_budget_too_small_states_the_minimum():
     with pytest.raises(ValueError) as e:
         plan_for_budget(compile_grad, L, lo - 1)
     msg = str(e.value)
-    assert f"minimum of {format_bytes(lo, up=True)} ({lo:,} bytes" in msg and "(nothing_saveable on every layer)" in msg
+    assert f"minimum of {format_bytes(lo, up=True)} ({lo:,} bytes" in msg and "(full on every layer)" in msg
     assert parse_size(format_bytes(lo, up=True).replace(" ", "")) >= lo
     assert "smaller micro-batch" in msg
 
@@ -190,7 +190,7 @@ def test_hand_settings_compile_like_their_per_layer_form(name):
 # The search itself, on a synthetic step (no compilation): exact against brute force, refinement.
 
 SYN = {None: (0, 0, 0.0), "norm": (30, 10, 1.0), "mlp": (55, 12, 4.0), "core_attn+mlp+norm": (60, 14, 4.5),
-       "nothing_saveable": (90, 20, 9.0)}   # candidate: (interior bytes freed, last-layer bytes freed, FLOPs)
+       "full": (90, 20, 9.0)}   # candidate: (interior bytes freed, last-layer bytes freed, FLOPs)
 
 
 def _syn_step(penalty=0):
@@ -253,7 +253,7 @@ def test_parse_size():
     (["--recompute_method", "auto"], "needs --memory_budget SIZE"),
     (["--recompute_method", "auto", "--memory_budget", "12 parsecs"], "e.g. 12GiB"),
     (["--recompute_method", "auto,none", "--memory_budget", "1GiB", "--memory_report"], "auto alone"),
-    (["--recompute_method", "auto", "--memory_budget", "1GiB", "--remat_policy", "nothing_saveable"], "drop --remat_policy"),
+    (["--recompute_method", "auto", "--memory_budget", "1GiB", "--remat_policy", "full"], "drop --remat_policy"),
     (["--recompute_method", "auto", "--memory_budget", "1GiB", "--scan_layers"], "drop --scan_layers"),
 ])
 def test_cli_usage_errors(args, match):
@@ -322,17 +322,17 @@ def test_bench_helpers():
 
     hs = bp.hand_settings(4)
     assert {"full", "uniform 2", "uniform 4", "block 1", "block 3", "selective core_attn+mlp+norm"} <= set(hs)
-    assert hs["block 2"] == remat.plan.planner.recompute_config(("nothing_saveable", "nothing_saveable", None, None))
+    assert hs["block 2"] == remat.planning.planner.recompute_config(("full", "full", None, None))
     a = 'HloModule m\n\nFileNames\n1 "a.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="x"}\n}'
     b = 'HloModule m\n\nFileNames\n1 "b.py"\n\nENTRY %e {\n  %p = f32[] parameter(0), metadata={op_name="y"}\n}'
     assert bp._fingerprint(a) == bp._fingerprint(b) != bp._fingerprint(a.replace("f32", "s32"))
 
 
 # ------------------------------------------------------------------------------------------------
-# The planner per tag (target=...): remat.plan.cost, remat.plan.tagplan, remat.plan.planner.front, --recompute_plan
+# The planner per tag (target=...): remat.planning.cost, remat.planning.tagplan, remat.planning.planner.front, --recompute_plan
 
-from remat.plan import cost as _cost
-from remat.plan import tagplan
+from remat.planning import cost as _cost
+from remat.planning import tagplan
 
 
 def test_plan_text_round_trip_and_bad_text():
@@ -340,7 +340,7 @@ def test_plan_text_round_trip_and_bad_text():
     text = tagplan.format_plan(lp)
     assert text == "save_names:mlp_up,qkv x3; custom:qkv=device,mlp_up=offload x1; none x1"
     assert tagplan.parse_plan(text, 5) == lp
-    for bad, match in (("nothing_saveable", "not 'POLICY xN'"), ("bogus x2", "bogus"), ("none x2", "covers 2 layers")):
+    for bad, match in (("full", "not 'POLICY xN'"), ("bogus x2", "bogus"), ("none x2", "covers 2 layers")):
         with pytest.raises(ValueError, match=match) as e:
             tagplan.parse_plan(bad, 3)
         assert "POLICY xN" in str(e.value) or "bogus" in str(e.value)
@@ -424,25 +424,25 @@ def test_front_on_xla_cpu_fits_every_budget_and_is_monotone():
     each plan's text parses back to the program that was compiled."""
     cs, ts, compiled = _tiny_scan()
     measured: dict = {}
-    f0 = remat.plan.planner.front(cs, ts, L, [], target="cpu", measured=measured)
+    f0 = remat.planning.planner.front(cs, ts, L, [], target="cpu", measured=measured)
     hi = measured[(None,) * L].peak_estimate
     budgets = [int(f0.model.p_full + k * (hi - f0.model.p_full) / 3) for k in (1, 2)]
-    f = remat.plan.planner.front(cs, ts, L, budgets, target="cpu", model=f0.model, measured=measured)
+    f = remat.planning.planner.front(cs, ts, L, budgets, target="cpu", model=f0.model, measured=measured)
     steps = [p.predicted_step_s for p in f.plans]
     assert all(p.compiled_peak <= p.budget for p in f.plans)
-    assert steps[1] <= steps[0] and steps[0] <= f0.model.predict(("nothing_saveable",) * L)[1]
+    assert steps[1] <= steps[0] and steps[0] <= f0.model.predict(("full",) * L)[1]
     for p in f.plans:
         rc = tagplan.recompute_config(tagplan.parse_plan(p.text, L))
         assert compiled_stats(cs(rc)).peak_estimate == p.compiled_peak
     with pytest.raises(ValueError, match="below the minimum"):
-        remat.plan.planner.front(cs, ts, L, [f0.model.p_full // 2], target="cpu", model=f0.model, measured=measured)
+        remat.planning.planner.front(cs, ts, L, [f0.model.p_full // 2], target="cpu", model=f0.model, measured=measured)
 
 
 @pytest.mark.slow  # 9 XLA:GPU compilations: 250 s on the shared 2-core machine
 def test_front_on_h200():
     """The same tiny model built by XLA:GPU for an H200 (no device): the plan fits what XLA:GPU compiled."""
     need("cuda")
-    import remat.plan.targets as rt
+    import remat.planning.targets as rt
 
     cfg, params, idx, tgt = _scan_data()
     t = rt.get("h200")
@@ -454,7 +454,7 @@ def test_front_on_h200():
     cs = lambda rc: rt.compiled_memory(fn(rc), params, target=t)
     ts = lambda rc: jax.jit(fn(rc)).trace(params).jaxpr
     measured: dict = {}
-    f0 = remat.plan.planner.front(cs, ts, L, [], target=t, measured=measured)
+    f0 = remat.planning.planner.front(cs, ts, L, [], target=t, measured=measured)
     hi = measured[(None,) * L].peak_estimate
     b = int((f0.model.p_full + hi) / 2)
     plan = remat.plan_for_budget(cs, L, b, target=t, trace_step=ts)
@@ -472,7 +472,7 @@ def test_recompute_plan_flag():
 
 
 def test_recompute_plan_cli_exit_2_one_line(text_file):
-    p = _train(["--recompute_plan", "nothing_saveable"] + SMALL + ["--data", text_file])
+    p = _train(["--recompute_plan", "full"] + SMALL + ["--data", text_file])
     lines = ours(p.stderr)
     assert p.returncode == 2 and len(lines) == 1 and "POLICY xN" in lines[0], p.stderr
 

@@ -14,7 +14,7 @@ KEY = jax.random.PRNGKey(0)
 
 def test_names_cover_the_required_policies_and_all_resolve():
     ns = policies.names()
-    for need in ("nothing_saveable", "everything", "dots", "dots_no_batch", "core_attn", "mlp", "norm", "bf16",
+    for need in ("full", "everything", "dots", "dots_no_batch", "core_attn", "mlp", "norm", "bf16",
                  "save_names:<name,...>", "offload_names:<name,...>", "bf16:<policy>"):
         assert need in ns
     for n in ns:
@@ -27,8 +27,8 @@ def test_names_cover_the_required_policies_and_all_resolve():
 @pytest.mark.parametrize("bad,needle", [
     ("nope", "unknown policy 'nope'"), ("save_names", "needs an argument"),
     ("save_names:", "needs an argument"), ("save_names:qkv,bogus", "bogus"),
-    ("everything:qkv", "takes no argument"), ("full", "unknown policy 'full'"),
-    ("full:qkv", "unknown policy 'full'"), ("core_attn+bogus", "bogus"), ("", "non-empty"),
+    ("everything:qkv", "takes no argument"), ("nothing_saveable", "unknown policy 'nothing_saveable'"),
+    ("full:qkv", "takes no argument"), ("core_attn+bogus", "bogus"), ("", "non-empty"),
     ("bf16:nope", "unknown policy 'nope'"),
 ])
 def test_bad_policy_names_say_what_is_valid(bad, needle):
@@ -65,9 +65,9 @@ def _saved(policy, n_layers=4, method="none", num_layers=1, dtype=jnp.float32, c
 
 
 def test_saved_bytes_strictly_ordered_full_core_attn_everything():
-    full, core, every = (_saved(p).total for p in ("nothing_saveable", "core_attn", "everything"))
+    full, core, every = (_saved(p).total for p in ("full", "core_attn", "everything"))
     assert full < core < every, (full, core, every)
-    assert _saved("nothing_saveable", method="uniform", num_layers=2).total < full
+    assert _saved("full", method="uniform", num_layers=2).total < full
 
 
 def test_save_names_saves_exactly_those_names():

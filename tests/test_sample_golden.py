@@ -58,7 +58,7 @@ def _case_id(case) -> str:
 
 @functools.cache
 def _loop_params(fam):
-    """Seeded NumPy weights for the loop layout: norm weights 1 + N(0, 0.1²), biases N(0, 0.1²),
+    """Seeded NumPy weights for the loop layout: norm scales 1 + N(0, 0.1²), biases N(0, 0.1²),
     embeddings N(0, 1/C), other matrices N(0, 4/fan_in) (weaker blocks let GPT-2's tied head repeat
     one token greedily), each leaf from its own seed (its index in the tree)."""
     cfg = CONFIGS[fam]()
@@ -66,12 +66,14 @@ def _loop_params(fam):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     out = []
     for i, (path, leaf) in enumerate(leaves):
-        z = np.random.default_rng(1000 + i).standard_normal(leaf.shape).astype(np.float32)
-        if len(leaf.shape) == 1:
-            z = (1.0 + 0.1 * z) if path[-1].key == "w" else 0.1 * z
+        kernel = path[-1].key == "kernel"  # drawn (out, in), as llm.c stores it, then transposed
+        shape = leaf.shape[::-1] if kernel else leaf.shape
+        z = np.random.default_rng(1000 + i).standard_normal(shape).astype(np.float32)
+        if len(shape) == 1:
+            z = (1.0 + 0.1 * z) if path[-1].key == "scale" else 0.1 * z
         else:
-            z = z * ((1.0 if path[0].key in ("wte", "wpe") else 2.0) / np.sqrt(leaf.shape[-1]))
-        out.append(jnp.asarray(z, jnp.float32))
+            z = z * ((1.0 if path[0].key in ("wte", "wpe") else 2.0) / np.sqrt(shape[-1]))
+        out.append(jnp.asarray(z.T if kernel else z, jnp.float32))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -100,8 +100,8 @@ def test_gradients_jitted():
 
 def test_scan_layout_of_every_k_is_one_scanned_group_not_one_run_per_layer():
     # a region and the k-1 plain layers after it are one group: two runs (the tail) for any depth
-    assert _runs(8, full(layers=remat.every(2))) == [(0, 4, ((1, True, "nothing_saveable"), (1, False, None)))]
-    assert _runs(5, full(layers=remat.every(2))) == [(0, 2, ((1, True, "nothing_saveable"), (1, False, None))), (4, 1, ((1, True, "nothing_saveable"),))]
+    assert _runs(8, full(layers=remat.every(2))) == [(0, 4, ((1, True, "full"), (1, False, None)))]
+    assert _runs(5, full(layers=remat.every(2))) == [(0, 2, ((1, True, "full"), (1, False, None))), (4, 1, ((1, True, "full"),))]
     assert len(_runs(64, full(layers=remat.every(4)))) == 1
 
 

@@ -206,7 +206,7 @@ def test_remat_module_counts_self_as_argument_zero():
 
     v = Stack(None).init(KEY, X)
     ref = jax.grad(lambda v: jnp.sum(Stack(None).apply(v, X)))(v)
-    for pol in ("nothing_saveable", "dots"):
+    for pol in ("full", "dots"):
         g = jax.jit(jax.grad(lambda v: jnp.sum(Stack(pol).apply(v, X))))(v)
         assert rel_err(g, ref) <= 1e-5
 
@@ -225,7 +225,7 @@ def test_loop_and_scan_layouts_initialize_the_same_weights():
         assert rel_err(jax.tree.map(lambda a: a[i], scan), loop[f"h_{i}"]) == 0.0
 
 
-MIXED = RecomputeConfig(granularity="full", layers=remat.per_layer((None, "nothing_saveable", "mlp", "core_attn+mlp")))
+MIXED = RecomputeConfig(granularity="full", layers=remat.per_layer((None, "full", "mlp", "core_attn+mlp")))
 
 
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])  # scan: ~11 s

@@ -17,7 +17,7 @@ import pytest
 
 import remat
 from remat import names
-from remat.plan import targets
+from remat.planning import targets
 from remat.memory import compiled_stats, format_bytes
 from remat_lm.training import config_from_args, prepare
 from remat_lm.training import target as run_target
@@ -105,7 +105,7 @@ def test_target_changes_the_compiled_program(capsys):
 
     # the planner's cost on a GPU target: the traced program's matmul FLOPs (XLA:GPU counts none)
     cm = step_stats(gpu)
-    assert cm.flops_source == "jaxpr matmuls" and cm.flops == remat.plan.targets.matmul_flops(
+    assert cm.flops_source == "jaxpr matmuls" and cm.flops == remat.planning.targets.matmul_flops(
         compiled_jaxpr(gpu)) and cm.flops > 0
 
     tpu = compile_train_step(prepare(config_from_args(BF16 + ["--target", "v5e", "--dry_run"])))

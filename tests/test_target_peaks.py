@@ -1,5 +1,5 @@
 """The compiled-peak claims on the compilers users train with: XLA:GPU for an H200 and XLA:TPU for a
-v5e, each compiling (not running) the gradient with no device (remat.plan.targets, through
+v5e, each compiling (not running) the gradient with no device (remat.planning.targets, through
 remat_lm.bench.peaks). tests/test_peak.py makes the same claims on XLA:CPU at the reference shape.
 
 Tiny GPT-2 (4 layers, C=64, 2 heads, T=128, B=4, vocabulary 256; float32 unless named) so that a
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from remat.plan import targets
+from remat.planning import targets
 from remat.memory import MiB, building_for, compiled_memory, compiled_stats
 from remat_lm.bench import common, peaks
 from remat_lm.models import attention as A
@@ -203,9 +203,10 @@ def test_pallas_attention_however_the_caller_shards():
         with jax.set_mesh(mesh):
             compiled["mesh"] = jax.jit(fn).trace(*structs).lower().compile()
         compiled["inputs"] = jax.jit(fn).trace(*structs).lower().compile()
-    for how, c in compiled.items():
-        assert "tpu_custom_call" in c.as_text(), how
-    assert compiled_stats(compiled["mesh"]).temp == compiled_stats(compiled["inputs"]).temp
+    calls = {how: c.as_text().count("tpu_custom_call") for how, c in compiled.items()}
+    # the same splash kernels either way; the temps may differ, as c_attn is one matmul per piece
+    # under a multi-device mesh and one fused matmul without one (remat_lm/models/layers.py)
+    assert calls["mesh"] == calls["inputs"] > 0, calls
 
 
 @pytest.mark.slow

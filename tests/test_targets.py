@@ -1,4 +1,4 @@
-"""remat.plan.targets: names, meshes, the compile for a GPU/TPU without one, and the defaults it decides.
+"""remat.planning.targets: names, meshes, the compile for a GPU/TPU without one, and the defaults it decides.
 
 Every figure is what the target's compiler allocated (remat.memory.compiled_memory(..., target=...)), compared
 with another compile, never with a number written here.
@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import remat
-from remat.plan import targets
+from remat.planning import targets
 from remat.memory import compiled_memory
 from targethelp import GPU, TPU, need
 
@@ -102,7 +102,7 @@ def test_matmul_flops_follow_scans_and_gradients():
 def test_missing_compiler_is_one_line_naming_the_extra():
     # a real missing module: the CUDA plugin package blocked from importing in a fresh interpreter
     code = ("import sys; sys.modules['jax_plugins.xla_cuda12'] = None\n"
-            "import jax, jax.numpy as jnp, remat.memory, remat.plan.targets as T\n"
+            "import jax, jax.numpy as jnp, remat.memory, remat.planning.targets as T\n"
             "try:\n"
             "    remat.memory.compiled_memory(jnp.sin, jax.ShapeDtypeStruct((4,), jnp.float32), target='h100')\n"
             "except T.TargetUnavailable as e:\n"

@@ -74,8 +74,8 @@ def _check(model, mesh_name, remat_name):
 
     # Parameters really are split over tensor: column-parallel output rows, row-parallel input columns.
     specs = compiled.input_shardings[0][0]["blocks"]["h_0"]
-    for path, axis in ((("attn", "c_attn", "w"), 0), (("attn", "c_proj", "w"), 1), (("mlp", "c_fc", "w"), 0),
-                       (("mlp", "c_proj", "w"), 1)) + ((((("mlp", "c_fc2", "w"), 0),) if model == "llama3" else ())):
+    for path, axis in ((("attn", "c_attn", "kernel"), 1), (("attn", "c_proj", "kernel"), 0), (("mlp", "c_fc", "kernel"), 1),
+                       (("mlp", "c_proj", "kernel"), 0)) + ((((("mlp", "c_fc2", "kernel"), 1),) if model == "llama3" else ())):
         spec = specs[path[0]][path[1]][path[2]].spec
         assert spec[axis] == "tensor", (path, spec)
         if mesh_shape["fsdp"] > 1:

@@ -115,7 +115,7 @@ SHARDING_SCRIPT = textwrap.dedent("""
     for mesh in ("data=1,fsdp=1", "data=2,fsdp=4"):
         res = run(TrainConfig(mesh=mesh, **base), out=io.StringIO())
         out[mesh] = [[h["loss"], h["grad_norm"]] for h in res.history]
-        w = res.state["params"]["blocks"]["h_0"]["attn"]["c_attn"]["w"]
+        w = res.state["params"]["blocks"]["h_0"]["attn"]["c_attn"]["kernel"]
         out[mesh + " spec"] = str(w.sharding.spec)
     try:
         run(TrainConfig(mesh="data=2,fsdp=4", **{**base, "batch_size": 6}), out=io.StringIO())
@@ -135,7 +135,7 @@ def test_mesh_2x4_matches_one_device(text_file):
     out = json.loads(p.stdout.strip().splitlines()[-1])
     one, mesh = out["data=1,fsdp=1"], out["data=2,fsdp=4"]
     from jax.sharding import PartitionSpec as P
-    assert out["data=2,fsdp=4 spec"] == str(P("fsdp", None)) and out["data=1,fsdp=1 spec"] == str(P())
+    assert out["data=2,fsdp=4 spec"] == str(P(None, "fsdp")) and out["data=1,fsdp=1 spec"] == str(P())
     # NOTE: tolerance. The sharded step sums the loss and gradients across devices in another order
     # (per-shard partial sums, then all-reduce): float32 results differ by a few ulps (measured: 2 ulp
     # of the loss, 1e-7 relative). Adam divides by sqrt(v), which keeps relative differences at that

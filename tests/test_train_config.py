@@ -138,7 +138,7 @@ def test_every_preset_is_a_valid_choice(model):
     (["--recompute_method", "sometimes", "--activation_recompute"], "--recompute_method: 'sometimes' is not valid"),
     (["--preset", "d99"], "not a gpt2 preset"),
     (["--remat_policy", "nothing_at_all", "--activation_recompute"], "unknown policy"),
-    (["--remat_policy", "full", "--activation_recompute"], "--remat_policy: unknown policy 'full'"),
+    (["--remat_policy", "nothing_saveable", "--activation_recompute"], "--remat_policy: unknown policy 'nothing_saveable'"),
     (["--recompute_modules", "attention", "--recompute_granularity", "selective"], "valid modules"),
     (["--batch_size", "0"], "--batch_size 0 must be"),
     (["--batch_size", "four"], "argument --batch_size: expected an integer, got 'four'"),

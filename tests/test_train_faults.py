@@ -176,7 +176,7 @@ def test_fifo_model_file_exits_2(tmp_path, text_file, alarm, capsys):
 def test_non_finite_weights_exit_2_naming_file_and_tensor(bad, tmp_path, text_file, capsys):
     cfg = gpt2.GPT2Config.preset("tiny")
     params = gpt2.init_params(cfg, jax.random.PRNGKey(0))
-    params["blocks"]["h_1"]["mlp"]["c_fc"]["w"] = params["blocks"]["h_1"]["mlp"]["c_fc"]["w"].at[3, 5].set(bad)
+    params["blocks"]["h_1"]["mlp"]["c_fc"]["kernel"] = params["blocks"]["h_1"]["mlp"]["c_fc"]["kernel"].at[3, 5].set(bad)
     path = tmp_path / "bad.bin"
     llmc.save(str(path), cfg, params)
     assert llmc_cli.main(["verify", str(path), str(tmp_path / "unused_state.bin")]) == 2

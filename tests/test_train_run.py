@@ -111,9 +111,9 @@ def test_weight_decay_mask_skips_norms_and_biases():
     from remat_lm.training.model import decay_mask
     cfg = gpt2.GPT2Config.preset("tiny")
     mask = decay_mask(jax.eval_shape(lambda: gpt2.init_params(cfg, jax.random.PRNGKey(0))))
-    assert mask["wte"] and mask["blocks"]["h_0"]["attn"]["c_attn"]["w"]
-    assert not mask["blocks"]["h_0"]["attn"]["c_attn"]["b"] and not mask["blocks"]["h_1"]["ln_2"]["w"]
-    assert not mask["ln_f"]["w"] and not mask["ln_f"]["b"]
+    assert mask["wte"] and mask["blocks"]["h_0"]["attn"]["c_attn"]["kernel"]
+    assert not mask["blocks"]["h_0"]["attn"]["c_attn"]["bias"] and not mask["blocks"]["h_1"]["ln_2"]["scale"]
+    assert not mask["ln_f"]["scale"] and not mask["ln_f"]["bias"]
 
 
 @pytest.mark.slow  # ~20 s; tests/test_resume_integrity.py keeps a bit-identical resume fast

@@ -15,7 +15,7 @@ compiled first and then timed round-robin
 A step is jitted `jax.value_and_grad(loss_fn)`; temp is XLA's compiled temp buffer of that step
 (`remat.memory.compiled_stats`). The layers run under `lax.scan` (`--no-scan` for the Python
 loop): the layer body compiles once, so T=4096 compiles in seconds rather than minutes.
-`--target` (a `remat.plan.targets` name) compiles with that target's compiler, no device needed, and adds
+`--target` (a `remat.planning.targets` name) compiles with that target's compiler, no device needed, and adds
 the fused kernels to `--cores` (`cudnn` on a GPU, bf16; `pallas` on a TPU); built for a target this
 host is not, nothing runs: the step-time columns and the time target are left out.
 """
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         return common.publish(tile_sweep(shapes, tiles, steps=a.steps), sweep_report,
                               "remat_lm.bench.attention", argv, a.json)
     cores = tuple(c for c in a.cores.split(",") if c)
-    from remat.plan import targets as rtargets
+    from remat.planning import targets as rtargets
     kernel = KERNELS.get(rtargets.get(a.target).platform)
     valid = CORES + ((kernel,) if kernel else ())
     if "xla" not in cores or any(c not in valid for c in cores):

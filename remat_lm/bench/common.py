@@ -132,16 +132,16 @@ def loadavg() -> list[float] | None:
 # ------------------------------------------------------------------------------------------------
 # Which compiler a figure comes from: `--target`.
 
-# NOTE: a benchmark's memory figures are one compiler's answer. `--target NAME` (a `remat.plan.targets`
+# NOTE: a benchmark's memory figures are one compiler's answer. `--target NAME` (a `remat.planning.targets`
 # name: cpu, h200, h200x4, v5e, v5e:2x2, ...) has the bench compile its programs with that target's
-# compiler, deviceless where this host is not the target (`remat.plan.targets.compile`), and every JSON
+# compiler, deviceless where this host is not the target (`remat.planning.targets.compile`), and every JSON
 # and report records the compiler (`source`, `source_line`). Step times are only meaningful where
 # the program runs: built for a target this host is not, a bench skips its timed columns and says so
 # (`timed(target)` is False).
 
 def target_name(text: str) -> str:
-    """argparse type of `--target`: a `remat.plan.targets` name, normalized (`H200x4` -> `h200x4`)."""
-    from remat.plan import targets
+    """argparse type of `--target`: a `remat.planning.targets` name, normalized (`H200x4` -> `h200x4`)."""
+    from remat.planning import targets
     try:
         return targets.get(text).name
     except ValueError as e:
@@ -157,7 +157,7 @@ def add_target(parser, default: str = "cpu"):
       'h200'
     """
     parser.add_argument("--target", default=default, type=target_name,
-                        help="compile for this remat.plan.targets name (cpu, h200, h200x4, a100-80g, v5e, v5e:2x2, ...): "
+                        help="compile for this remat.planning.targets name (cpu, h200, h200x4, a100-80g, v5e, v5e:2x2, ...): "
                              "its compiler's memory figures, no device needed; timed columns only where this "
                              f"host is the target (default {default})")
     return parser
@@ -166,7 +166,7 @@ def add_target(parser, default: str = "cpu"):
 def timed(target: str) -> bool:
     """True when a program built for `target` runs here (the target's platform is this host's):
     only then are step times measured."""
-    from remat.plan import targets
+    from remat.planning import targets
     from remat.memory import host_platform
     return targets.get(target).platform == host_platform()
 
@@ -174,7 +174,7 @@ def timed(target: str) -> bool:
 def compile_for(fn, *args, target: str = "cpu", mesh=None, specs=None):
     """`fn(*args)` jitted and compiled for `target`: on this host as `jax.jit` does when the host is
     the target and no mesh is asked (the figures every CPU table has always had), else by the
-    target's compiler with no device (`remat.plan.targets.compile`; `mesh`, `specs` as it takes them).
+    target's compiler with no device (`remat.planning.targets.compile`; `mesh`, `specs` as it takes them).
 
     Example:
       >>> import jax.numpy as jnp, jax
@@ -183,7 +183,7 @@ def compile_for(fn, *args, target: str = "cpu", mesh=None, specs=None):
     """
     import jax
 
-    from remat.plan import targets
+    from remat.planning import targets
     from remat.memory import building_for
     t = targets.get(target)
     if timed(t.name) and mesh is None and specs is None:
@@ -196,7 +196,7 @@ def compile_for(fn, *args, target: str = "cpu", mesh=None, specs=None):
 def source(target: str) -> dict:
     """Where a bench's figures come from: {"target", "compiler", "device", "timed", "libtpu_args"}
     (`libtpu_args`: LIBTPU_INIT_ARGS as this process started, which changes XLA:TPU's figures)."""
-    from remat.plan import targets
+    from remat.planning import targets
     t = targets.get(target)
     return {"target": t.name, "compiler": t.compiler, "device": t.hardware(), "timed": timed(t.name),
             "libtpu_args": os.environ.get("LIBTPU_INIT_ARGS", "") if t.platform == "tpu" else ""}
@@ -212,7 +212,7 @@ def source_line(src: dict) -> str:
     if src["timed"]:
         line = f"compiled by {src['compiler']} on this host"
     else:
-        line = (f"compiled by {src['compiler']} for {src['device']} with no device (remat.plan.targets); "
+        line = (f"compiled by {src['compiler']} for {src['device']} with no device (remat.planning.targets); "
                 f"not run, so no step times")
     if src.get("libtpu_args"):
         line += f"; LIBTPU_INIT_ARGS={src['libtpu_args']}"

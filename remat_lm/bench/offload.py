@@ -7,7 +7,7 @@
 The settings: no remat, full remat, full remat saving `qkv,mlp_up` on the device, full remat
 offloading them (`offload_names:qkv,mlp_up`), and full remat with the layer inputs in host memory
 (`offload_inputs`, train.py's `--cpu_checkpointing`). Each line is XLA's memory analysis of
-`jax.grad` of the model's loss for the target (remat.plan.targets), with what should move to host
+`jax.grad` of the model's loss for the target (remat.planning.targets), with what should move to host
 memory computed from the model's shapes (`activation_bytes`), and whether the offload meets its
 bar: `offload_names` at most midway between full remat and saving on the device, `offload_inputs`
 at most full remat, each with >= 90% of what it moves in host memory. `copies to host` counts the
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from remat import RecomputeConfig
-from remat.plan import targets
+from remat.planning import targets
 from remat.memory import MiB, compiled_stats
 from remat_lm.argtypes import Parser, integer
 from remat_lm.bench import common
@@ -144,7 +144,7 @@ def verdicts(rows: dict, moved: dict) -> dict:
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m remat_lm.bench.offload", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="h200", type=common.target_name, help="a remat.plan.targets name: h200, a100-80g, v5e, ...")
+    p.add_argument("--target", default="h200", type=common.target_name, help="a remat.planning.targets name: h200, a100-80g, v5e, ...")
     p.add_argument("--model", default="gpt2", choices=family.NAMES)
     p.add_argument("--preset", default="d12")
     p.add_argument("--batch", type=integer(1), default=8)

@@ -40,7 +40,7 @@ import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from remat import RecomputeConfig  # noqa: E402
-from remat.plan import targets
+from remat.planning import targets
 from remat.memory import MiB, compiled_stats  # noqa: E402
 from remat_lm.argtypes import Parser, integer  # noqa: E402
 from remat_lm.bench import common, offload  # noqa: E402

@@ -41,7 +41,7 @@ from remat_lm.models import gpt2
 from remat_lm.models.memory_model import activation_bytes
 from remat import RecomputeConfig
 from remat.memory import compiled_stats
-from remat.plan.planner import plan_for_budget, recompute_config
+from remat.planning.planner import plan_for_budget, recompute_config
 from remat_lm.argtypes import Parser, integer, real_list
 
 TOLERANCE = 0.03
@@ -50,11 +50,11 @@ MODULE_PRESETS = ["+".join(c) for r in (1, 2, 3) for c in itertools.combinations
 
 def hand_settings(L: int) -> dict:
     """{name: RecomputeConfig} of the hand settings, block/selective in their per-layer form."""
-    out = {"full": recompute_config(("nothing_saveable",) * L)}
+    out = {"full": recompute_config(("full",) * L)}
     for n in range(2, L + 1):
         out[f"uniform {n}"] = RecomputeConfig(granularity="full", method="uniform", num_layers=n)
     for n in range(1, L):
-        out[f"block {n}"] = recompute_config(("nothing_saveable",) * n + (None,) * (L - n))
+        out[f"block {n}"] = recompute_config(("full",) * n + (None,) * (L - n))
     for m in MODULE_PRESETS:
         out[f"selective {m}"] = recompute_config((m,) * L)
     return out
@@ -93,7 +93,7 @@ def legacy_main(argv=None) -> int:
         return compiled[rc]
 
     stats = lambda rc: compiled_stats(compile_step(rc))
-    lo, hi = stats(recompute_config(("nothing_saveable",) * L)).peak_estimate, stats(RecomputeConfig()).peak_estimate
+    lo, hi = stats(recompute_config(("full",) * L)).peak_estimate, stats(RecomputeConfig()).peak_estimate
     budgets = [int(lo + f * (hi - lo)) for f in fracs]
     layer_bytes = activation_bytes(cfg0, REFERENCE_BATCH, T)[0]
     plans = []

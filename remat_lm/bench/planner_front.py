@@ -30,10 +30,10 @@ import time
 import jax
 
 import remat
-import remat.plan.targets
-from remat.plan import tagplan
+import remat.planning.targets
+from remat.planning import tagplan
 from remat.memory import compiled_stats, format_bytes
-from remat.plan.planner import front
+from remat.planning.planner import front
 from remat_lm.argtypes import Parser, integer
 
 MiB, GiB = 2 ** 20, 2 ** 30
@@ -85,14 +85,14 @@ def _hooks_cpu(args):
 
     ts = lambda rc: fn(rc).trace(params, idx, tgt).jaxpr
     run = lambda rc: (lambda c=cs(rc): jax.block_until_ready(c(params, idx, tgt)))
-    return cs, ts, cfg0.n_layer, remat.plan.targets.get("cpu"), run
+    return cs, ts, cfg0.n_layer, remat.planning.targets.get("cpu"), run
 
 
 def parser() -> Parser:
     """The command line of the per-tag front (`python -m remat_lm.bench.planner --target NAME ...`)."""
     ap = Parser(prog="python -m remat_lm.bench.planner", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="a remat.plan.targets name: h200, h200x8, v5e, cpu, ...")
+    ap.add_argument("--target", required=True, help="a remat.planning.targets name: h200, h200x8, v5e, cpu, ...")
     ap.add_argument("--model", default="gpt2", choices=("gpt2", "llama3"))
     ap.add_argument("--preset", default=None, help="model preset (default: d12 on an accelerator, the bench "
                     "reference shape on cpu)")

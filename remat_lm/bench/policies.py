@@ -36,7 +36,7 @@ from remat_lm.bench.common import (REFERENCE, REFERENCE_BATCH, MiB, Target, fmt,
                           markdown_table, median, ratio, targets_markdown, cli)
 from remat_lm.models import family
 from remat import RecomputeConfig
-from remat.plan import targets as rtargets
+from remat.planning import targets as rtargets
 from remat.memory import building_for, compiled_stats, saved_residuals
 from remat_lm.argtypes import Parser, config_label, integer
 
@@ -106,7 +106,7 @@ class Case:
 
 def prepare(model: str, config, setting: Setting, params, idx, targets, target: str = "cpu") -> Case:
     """Trace, compile and measure one setting (saved residuals, compiled grad, the timed step) for
-    `target` (a `remat.plan.targets` name); `step` and `loss` are None where the program cannot run here."""
+    `target` (a `remat.planning.targets` name); `step` and `loss` are None where the program cannot run here."""
     fam = family.get(model)
     cfg = dataclasses.replace(config, recompute=setting.recompute, dtype=setting.dtype)
     f = lambda p, i, t: fam.loss_fn(p, cfg, i, t)

@@ -16,47 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from remat import RecomputeConfig, names
-from remat.linen import LayerStack
 from remat.memory import LayerBytes
-from remat_lm.models import llmc_io, parallel
+from remat_lm.models import layers, llmc_io
 from remat_lm.models.config import ModelConfig
 from remat_lm.models.family import Family
-from remat_lm.models.layers import MLP, CausalSelfAttention, LayerNorm, embed, lm_head
-from remat_lm.models.llmc_io import check_llmc_tensors, layer_params, layer_tensors
+from remat_lm.models.layers import MLP, LayerNorm, blocks, lm_head
 from remat_lm.models.memory_model import F32, lm_head_bytes, lse_bytes
 
-# Norm (LayerNorm), attention (CausalSelfAttention with n_kv_head = n_head, biases, no RoPE) and
-# MLP (c_fc → tanh-GELU → c_proj) are the shared pieces of remat_lm/models/layers.py.
-
-
-class Block(nn.Module):
-    """x + attn(ln_1(x)), then + mlp(ln_2(x)); tags block_input, ln_1, ln_2."""
-    config: "GPT2Config"
-
-    @nn.compact
-    def __call__(self, x, deterministic: bool = True, decode_pos=None):
-        cfg, dt = self.config, self.config.compute_dtype
-        # NOTE: GPT-2 (and llm.c) scale the init of residual projections by 1/sqrt(2·n_layer).
-        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        sc = cfg.sharding  # sequence parallelism: (B, T, C) split along T between the pieces
-        x = checkpoint_name(parallel.residual(x, sc), names.BLOCK_INPUT)  # (B, T, C)
-        h = checkpoint_name(parallel.residual(LayerNorm(dt, name="ln_1")(x), sc), names.LN_1)
-        x = x + CausalSelfAttention(cfg.n_head, cfg.n_head, dt, cfg.dropout, use_bias=True,
-                                    proj_std=proj_std, attention=cfg.attention,
-                                    attention_tile=cfg.attention_tile, sharding=sc, name="attn")(h, deterministic, decode_pos)
-        x = parallel.residual(x, sc)
-        h = checkpoint_name(parallel.residual(LayerNorm(dt, name="ln_2")(x), sc), names.LN_2)
-        return parallel.residual(x + MLP(4 * cfg.n_embd, dt, cfg.dropout, proj_std, sc, name="mlp")(h, deterministic), sc)
+NORM = functools.partial(LayerNorm, epsilon=1e-5)
 
 
 # Parameter counts with the padded vocabulary (tests/test_models.py checks them).
@@ -83,6 +57,8 @@ class GPT2Config(ModelConfig):
 
     PRESETS: ClassVar[dict] = PRESETS
     TITLE: ClassVar[str] = "GPT-2"
+    use_bias: ClassVar[bool] = True
+    rope: ClassVar[None] = None  # learned positions `wpe` instead
 
     def _check_shape(self):
         if self.padded_vocab_size is None:
@@ -124,31 +100,21 @@ class GPT2(nn.Module):
     (`apply({"params": p, "cache": c}, idx, decode_pos=pos, mutable=["cache"])`, loop layout;
     remat_lm.models.sample drives it).
     Example:
-      >>> model = GPT2(GPT2Config.preset("tiny"))
-      >>> logits, loss = jax.jit(model.apply)({"params": params}, idx, targets)
-      >>> logits.shape  # (B, T, Vp)
-      (2, 8, 256)
+      >>> logits, loss = GPT2(GPT2Config.preset("tiny")).apply({"params": params}, idx)
+      >>> logits.shape, loss  # (B, T, Vp); no targets, no loss
+      ((2, 8, 256), None)
     """
     config: GPT2Config
 
     @nn.compact
     def __call__(self, idx, targets=None, *, deterministic: bool = True, decode_pos=None):
-        cfg, dt = self.config, self.config.compute_dtype
-        B, T = idx.shape
-        if T > cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={cfg.block_size}")
+        cfg, T = self.config, idx.shape[1]
+        layers.check_length(cfg, T)
         wte = self.param("wte", _init_wte(cfg), (cfg.padded_vocab_size, cfg.n_embd), jnp.float32)
         wpe = self.param("wpe", nn.initializers.normal(0.02), (cfg.block_size, cfg.n_embd), jnp.float32)
         rows = wpe[:T] if decode_pos is None else jax.lax.dynamic_slice_in_dim(wpe, decode_pos, T, axis=0)  # (T, C)
-        x = (embed(wte, idx) + rows).astype(dt)  # (B, T, C)
-        x = nn.Dropout(cfg.dropout)(x, deterministic)
-        x = parallel.residual(x, cfg.sharding)  # the residual stream entering the blocks (NOTE in remat_lm.models.parallel)
-        decode = () if decode_pos is None else (decode_pos,)  # the blocks' third argument, only when decoding
-        # NOTE: the one place layers are grouped and rematerialized (remat.linen.LayerStack).
-        x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,
-                       scan=cfg.scan_layers, name="blocks")(x, deterministic, *decode)
-        x = LayerNorm(dt, name="ln_f")(x)  # (B, T, C)
-        return lm_head(x, wte, targets, cfg.vocab_size, cfg.loss_chunk)  # logits (B, T, Vp) or None, loss
+        x = blocks(self, jnp.take(wte, idx, axis=0) + rows, NORM, MLP, deterministic, decode_pos)  # (B, T, C)
+        return lm_head(x, wte, targets, cfg.vocab_size, cfg.loss_chunk, tied=True)  # logits (B, T, Vp) or None, loss
 
 
 def init_params(config: GPT2Config, key, batch_shape=(1, 1)):
@@ -160,9 +126,7 @@ def init_params(config: GPT2Config, key, batch_shape=(1, 1)):
       >>> sorted(params), params["wte"].shape
       (['blocks', 'ln_f', 'wpe', 'wte'], (256, 32))
     """
-    idx = jnp.zeros(batch_shape, jnp.int32)
-    # the parameters do not depend on the attention core; the xla core takes any T (Pallas: multiples of 128)
-    return GPT2(dataclasses.replace(config, attention="xla")).init({"params": key}, idx)["params"]
+    return layers.init_params(GPT2, config, key, batch_shape)
 
 
 def loss_fn(params, config: GPT2Config, idx, targets, dropout_key=None):
@@ -173,8 +137,7 @@ def loss_fn(params, config: GPT2Config, idx, targets, dropout_key=None):
       >>> jax.tree.structure(grads) == jax.tree.structure(params)
       True
     """
-    rngs = None if dropout_key is None else {"dropout": dropout_key}
-    return GPT2(config).apply({"params": params}, idx, targets, deterministic=dropout_key is None, rngs=rngs)[1]
+    return layers.loss_fn(GPT2, params, config, idx, targets, dropout_key)
 
 
 def num_params(config: GPT2Config) -> int:
@@ -196,17 +159,6 @@ def flops_per_token(config: GPT2Config, seq_len: int | None = None) -> float:
     T = config.block_size if seq_len is None else seq_len
     n = num_params(config) - config.block_size * config.n_embd
     return 6.0 * n + 6.0 * config.n_layer * config.n_embd * T
-
-
-# llm.c tensor name → path inside one block (per-layer tensors are stacked on a leading L axis).
-_LAYER_TENSORS = {
-    "ln_1.w": ("ln_1", "w"), "ln_1.b": ("ln_1", "b"),
-    "attn.c_attn.w": ("attn", "c_attn", "w"), "attn.c_attn.b": ("attn", "c_attn", "b"),
-    "attn.c_proj.w": ("attn", "c_proj", "w"), "attn.c_proj.b": ("attn", "c_proj", "b"),
-    "ln_2.w": ("ln_2", "w"), "ln_2.b": ("ln_2", "b"),
-    "mlp.c_fc.w": ("mlp", "c_fc", "w"), "mlp.c_fc.b": ("mlp", "c_fc", "b"),
-    "mlp.c_proj.w": ("mlp", "c_proj", "w"), "mlp.c_proj.b": ("mlp", "c_proj", "b"),
-}
 
 
 def llmc_shapes(config) -> dict:
@@ -283,18 +235,14 @@ def config_from_llmc(header: GPT2Header, **fields) -> GPT2Config:
 
 
 def to_llmc(config: GPT2Config, params) -> dict:
-    """Parameters → {llm.c tensor name: float32 np.ndarray}, in the model file's order.
+    """Parameters → {llm.c tensor name: float32 np.ndarray}, in the model file's order
+    (`remat_lm.models.llmc_io.to_llmc`: the one mapping of names and layouts).
 
     Example:
       >>> tensors = to_llmc(cfg, params); tensors["attn.c_attn.w"].shape  # (L, 3C, C)
       (2, 96, 32)
     """
-    b = params["blocks"]
-    out = {"wte": np.asarray(params["wte"], np.float32), "wpe": np.asarray(params["wpe"], np.float32)}
-    out.update(layer_tensors(b, _LAYER_TENSORS))
-    out["ln_f.w"] = np.asarray(params["ln_f"]["w"], np.float32)
-    out["ln_f.b"] = np.asarray(params["ln_f"]["b"], np.float32)
-    return out
+    return llmc_io.to_llmc(params, llmc_shapes(config))
 
 
 def from_llmc(config: GPT2Config, tensors) -> dict:
@@ -303,15 +251,10 @@ def from_llmc(config: GPT2Config, tensors) -> dict:
     Example:
       >>> scan_cfg = dataclasses.replace(cfg, scan_layers=True)
       >>> scan_params = from_llmc(scan_cfg, to_llmc(cfg, params))
-      >>> scan_params["blocks"]["h"]["attn"]["c_attn"]["w"].shape  # stacked: (L, 3C, C)
-      (2, 96, 32)
+      >>> scan_params["blocks"]["h"]["attn"]["c_attn"]["kernel"].shape  # stacked: (L, C, 3C)
+      (2, 32, 96)
     """
-    check_llmc_tensors("GPT-2", llmc_shapes(config), tensors)
-    f = lambda k: jnp.asarray(np.asarray(tensors[k], np.float32))
-    blocks = layer_params(tensors, _LAYER_TENSORS, config.scan_layers)
-    return {"wte": f("wte"), "wpe": f("wpe"), "blocks": blocks,
-            "ln_f": {"w": f("ln_f.w"), "b": f("ln_f.b")}}
-
+    return llmc_io.from_llmc("GPT-2", llmc_shapes(config), tensors, config.scan_layers)
 
 
 def activation_bytes(config: GPT2Config, batch: int, seq: int) -> tuple[LayerBytes, int]:
@@ -336,7 +279,8 @@ def activation_bytes(config: GPT2Config, batch: int, seq: int) -> tuple[LayerByt
     # the padded vocabulary and in bf16 the cast of the tied head, or chunked targets
     Vp = config.padded_vocab_size
     head = 2 * sbh + 2 * s * b * F32 + s * b * 4 + lm_head_bytes(config, s * b, Vp, Vp * h * a if a < F32 else 0)
-    return LayerBytes(tagged, untagged, swaps={names.ATTN_OUT: sbh}), head
+    # GELU's internals (four (s, b, 4h) values), recomputed from mlp_up: kept only by a save-everything policy
+    return LayerBytes(tagged, untagged, swaps={names.ATTN_OUT: sbh}, internals=4 * 4 * sbh), head
 
 
 FAMILY = Family(

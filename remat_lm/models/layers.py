@@ -1,210 +1,64 @@
-"""Shared transformer pieces for the GPT-2 and LLaMA-3 models (Flax Linen), lean in saved memory:
-custom-gradient primitives (norms, activations, embedding, cross-entropy, the LM head, RoPE) and
-the Linen building blocks made of them. The attention cores live in remat_lm/models/attention.py
-(`CausalSelfAttention` calls its switch); the llm.c tensor layout in remat_lm/models/llmc_io.py.
+"""The transformer pieces GPT-2 and LLaMA-3 share, in Flax Linen, built from Flax's own layers
+(`nn.Dense`, `nn.LayerNorm`, `nn.RMSNorm`) and optax's cross-entropy: the attention layer, the two
+MLPs, the one pre-norm `Block(norm, mlp)`, the LM head and its chunked loss, and RoPE. The
+attention cores live in remat_lm/models/attention.py (`CausalSelfAttention` calls its switch); the
+llm.c tensor layout in remat_lm/models/llmc_io.py.
 
-Shapes: B batch, T sequence, C n_embd, H query heads, K kv heads, G = H/K, D head dim, F MLP
-hidden width, V (padded) vocabulary. Every shape
-in models/ is written as a trailing comment on the line that makes the value: `y = f(x)  # (B, T, C)`.
+Shapes: B batch, T sequence, C n_embd, H query heads, K kv heads, D head dim, F MLP hidden width,
+V (padded) vocabulary. Every shape in models/ is written as a trailing comment on the line that
+makes the value: `y = f(x)  # (B, T, C)`.
 
 Activations are tagged with `checkpoint_name(x, remat.names.X)` at the points that
-remat/names.py lists; blocks tag block_input, ln_1 and ln_2, the modules here tag the rest.
-`attn_probs` tags only the cuDNN and Pallas kernels' residuals (remat_lm/models/attention.py): the tiled and
-xla cores never keep their probabilities.
-
-# NOTE: lean residuals. A plain JAX formulation keeps what autodiff finds convenient: GELU's and
-# LayerNorm's internals, (B, H, T, T) masks, exp(scores), softmax outputs: more than PyTorch
-# eager keeps for the same model (docs/BENCHMARKS.md compares them). Each piece below is a
-# `jax.custom_vjp` that keeps what PyTorch's kernels keep and recomputes the rest:
-#   layer_norm / rms_norm: the input and per-row statistics (the weights are arguments);
-#   gelu_tanh: its input; swiglu: its two inputs;
-#   the attention cores (remat_lm/models/attention.py): q, k, v and the per-row log-sum-exp
-#     (flash-attention style): scores and probabilities are rebuilt in the backward;
-#   cross_entropy: the logits (the per-row log-sum-exp is recomputed in the backward);
-#   embed: nothing but the token ids it was given (no int32 copy of them).
-# Inside remat regions the custom_vjp residuals are ordinary values to the policy: untagged, so
-# recomputed unless a tagged value they derive from is saved. Gradients match the plain
-# formulation to float32 rounding (tests/test_models.py).
+remat/names.py lists: `Block` tags block_input, ln_1 and ln_2, the modules here the rest.
+`attn_probs` tags only the cuDNN and Pallas kernels' residuals (remat_lm/models/attention.py).
+Parameters are float32; computation runs in the config's `dtype` (Flax casts at use).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from remat import names
+from remat.linen import LayerStack
 from remat_lm.models import attention as attention_lib
 from remat_lm.models import parallel
-from remat import names
 
 F32 = jnp.float32
 
-
-# ------------------------------------------------------------------------------------------------
-# Functional pieces with lean custom VJPs.
-
-def _ln_stats(x, eps):
-    xf = x.astype(F32)
-    mean = xf.mean(-1, keepdims=True)  # (..., 1)
-    rstd = lax.rsqrt(jnp.square(xf - mean).mean(-1, keepdims=True) + eps)  # (..., 1)
-    return xf, mean, rstd
+__all__ = ["F32", "dense", "cross_entropy", "lm_logits", "lm_head", "rope_frequencies", "apply_rope",
+           "layer_norm", "rms_norm", "LayerNorm", "RMSNorm", "CausalSelfAttention", "MLP", "SwiGLU", "Block", "check_length", "blocks", "init_params", "loss_fn"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def layer_norm(x, w, b, eps=1e-5):
-    """LayerNorm over the last axis, computed in float32, returned in x's dtype.
-
-    Args:
-      x: (..., C) input; w, b: (C,) scale and shift; eps: variance epsilon.
-    Example:
-      >>> y = layer_norm(x, jnp.ones(32), jnp.zeros(32))  # x: (B, T, 32)
-      >>> round(float(y.mean()), 4), round(float(y.std()), 2)
-      (0.0, 1.0)
-    """
-    return _ln_fwd(x, w, b, eps)[0]
-
-
-def _ln_fwd(x, w, b, eps):
-    xf, mean, rstd = _ln_stats(x, eps)
-    y = ((xf - mean) * rstd * w.astype(F32) + b.astype(F32)).astype(x.dtype)
-    return y, (x, mean, rstd, w, jnp.zeros((0,), b.dtype))  # the empty array carries b's dtype
-
-
-def _ln_bwd(eps, res, dy):
-    x, mean, rstd, w, b0 = res
-    xhat = (x.astype(F32) - mean) * rstd
-    dy = dy.astype(F32)
-    rows = tuple(range(x.ndim - 1))
-    g = dy * w.astype(F32)
-    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
-    return (dx.astype(x.dtype), (dy * xhat).sum(rows).astype(w.dtype), dy.sum(rows).astype(b0.dtype))
-
-
-layer_norm.defvjp(_ln_fwd, _ln_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rms_norm(x, w, eps=1e-5):
-    """RMSNorm `x·rsqrt(mean(x²)+eps)·w` over the last axis in float32, returned in x's dtype.
+def dense(features: int, dtype, *, use_bias: bool = True, std: float = 0.02, name: str | None = None,
+          **kw) -> nn.Dense:
+    """`nn.Dense` with float32 parameters, computing in `dtype`, kernel initialized N(0, std²).
 
     Example:
-      >>> y = rms_norm(x, jnp.ones(32), 1e-5)
-      >>> round(float(jnp.sqrt(jnp.mean(y ** 2))), 2)
-      1.0
+      >>> layer = dense(96, jnp.float32)
+      >>> variables = layer.init(jax.random.key(0), x)
+      >>> variables["params"]["kernel"].shape, layer.apply(variables, x).shape  # kernel: (in, out)
+      ((32, 96), (2, 8, 96))
     """
-    return _rms_fwd(x, w, eps)[0]
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=F32,
+                    kernel_init=nn.initializers.normal(std), name=name, **kw)
 
 
-def _rms_fwd(x, w, eps):
-    xf = x.astype(F32)
-    rstd = lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)  # (..., 1)
-    return (xf * rstd * w.astype(F32)).astype(x.dtype), (x, rstd, w)
-
-
-def _rms_bwd(eps, res, dy):
-    x, rstd, w = res
-    xhat = x.astype(F32) * rstd
-    dy = dy.astype(F32)
-    g = dy * w.astype(F32)
-    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdims=True))
-    return dx.astype(x.dtype), (dy * xhat).sum(tuple(range(x.ndim - 1))).astype(w.dtype)
-
-
-rms_norm.defvjp(_rms_fwd, _rms_bwd)
-
-_GELU_C = math.sqrt(2.0 / math.pi)
-
-
-@jax.custom_vjp
-def gelu_tanh(x):
-    """GELU, tanh approximation (GPT-2's), in float32; the backward keeps only x.
-
-    Example:
-      >>> gelu_tanh(jnp.array([-3.0, 0.0, 3.0])).round(3)
-      Array([-0.004,  0.   ,  2.996], dtype=float32)
-    """
-    xf = x.astype(F32)
-    return (xf * (0.5 * (1.0 + jnp.tanh(_GELU_C * (xf + 0.044715 * xf ** 3))))).astype(x.dtype)
-
-
-def _gelu_fwd(x):
-    return gelu_tanh(x), x
-
-
-def _gelu_bwd(x, dy):
-    xf = x.astype(F32)
-    t = jnp.tanh(_GELU_C * (xf + 0.044715 * xf ** 3))
-    dydx = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * xf * xf)
-    return ((dy.astype(F32) * dydx).astype(x.dtype),)
-
-
-gelu_tanh.defvjp(_gelu_fwd, _gelu_bwd)
-
-
-@jax.custom_vjp
-def swiglu(gate, up):
-    """`silu(gate) · up` in float32 (LLaMA's MLP activation); the backward keeps only its inputs.
-
-    Example:
-      >>> gate, up = jnp.array([0.0, 1.0, 2.0]), jnp.ones(3)
-      >>> [round(float(y), 3) for y in swiglu(gate, up)]   # silu(gate) · up
-      [0.0, 0.731, 1.762]
-    """
-    g = gate.astype(F32)
-    return (g * jax.nn.sigmoid(g) * up.astype(F32)).astype(up.dtype)
-
-
-def _swiglu_fwd(gate, up):
-    return swiglu(gate, up), (gate, up)
-
-
-def _swiglu_bwd(res, dy):
-    gate, up = res
-    g, u, dy = gate.astype(F32), up.astype(F32), dy.astype(F32)
-    s = jax.nn.sigmoid(g)
-    dgate = dy * u * s * (1.0 + g * (1.0 - s))
-    return dgate.astype(gate.dtype), (dy * g * s).astype(up.dtype)
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-@jax.custom_vjp
-def embed(table, idx):
-    """Rows of `table` (V, C) at integer `idx` (...) → (..., C); the backward keeps `idx` as given.
-
-    Example:
-      >>> embed(wte, idx).shape  # (B, T, C)
-      (2, 8, 32)
-    """
-    return jnp.take(table, idx, axis=0)
-
-
-def _embed_fwd(table, idx):
-    # NOTE: `table` is a parameter, alive anyway; keeping it costs nothing and gives its shape.
-    return jnp.take(table, idx, axis=0), (table, idx)
-
-
-def _embed_bwd(res, dy):
-    table, idx = res
-    return jnp.zeros_like(table).at[idx].add(dy.astype(table.dtype)), None
-
-
-embed.defvjp(_embed_fwd, _embed_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def cross_entropy(logits, targets, n_valid: int, total: int | None = None):
-    """Mean cross-entropy over all positions; vocabulary columns >= n_valid are left out.
+    """Mean cross-entropy (`optax.softmax_cross_entropy_with_integer_labels`, in float32);
+    vocabulary columns >= n_valid are left out of the softmax.
 
     Args:
-      logits: (..., V) float32; targets: (...) int; n_valid: the real vocabulary size.
+      logits: (..., V); targets: (...) int; n_valid: the real vocabulary size.
       total: divide the summed loss by this count instead of `targets.size` (a chunk's share of
         the mean over a whole batch, `lm_head`).
     Example:
@@ -212,54 +66,34 @@ def cross_entropy(logits, targets, n_valid: int, total: int | None = None):
       >>> round(float(cross_entropy(logits, targets % 200, 200)), 4), round(float(np.log(200)), 4)
       (5.2983, 5.2983)
     """
-    return _ce_fwd(logits, targets, n_valid, total)[0]
+    V = logits.shape[-1]
+    where = None if n_valid >= V else jnp.arange(V).reshape((1,) * (logits.ndim - 1) + (V,)) < n_valid
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(F32), targets, where=where)  # (...)
+    return nll.mean() if total is None else nll.sum() / total
 
 
-def _ce_masked(logits, n_valid):
-    if n_valid >= logits.shape[-1]:
-        return logits
-    col = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    return jnp.where(col < n_valid, logits, -jnp.inf)
-
-
-def _ce_fwd(logits, targets, n_valid, total=None):
-    z = _ce_masked(logits.astype(F32), n_valid)
-    picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), -1)[..., 0]
-    nll = jax.nn.logsumexp(z, axis=-1) - picked
-    return (nll.mean() if total is None else nll.sum() / total), (logits, targets)
-
-
-def _ce_bwd(n_valid, total, res, g):
-    logits, targets = res
-    z = _ce_masked(logits.astype(F32), n_valid)
-    p = jnp.exp(z - jax.nn.logsumexp(z, axis=-1, keepdims=True))  # the log-sum-exp is recomputed: one more pass over z
-    onehot = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1) == targets[..., None]
-    d = (p - onehot) * (g / (targets.size if total is None else total))
-    return d.astype(logits.dtype), None
-
-
-cross_entropy.defvjp(_ce_fwd, _ce_bwd)
-
-
-def lm_logits(x, w):
-    """The LM head: float32 logits x·wᵀ, computed in x's dtype, tagged `lm_head`.
+def lm_logits(x, kernel, tied: bool = False):
+    """The LM head: float32 logits x·kernel, computed in x's dtype, tagged `lm_head`.
 
     Args:
-      x: (B, T, C) final hidden states; w: (V, C) head weight (float32, cast to x's dtype).
+      x: (B, T, C) final hidden states; kernel: (C, V) head weight (float32, cast to x's dtype), or
+        with `tied` the (V, C) embedding table (no transposed copy of it is made or kept).
     Example:
-      >>> lm_logits(x, wte).shape  # (B, T, V)
+      >>> lm_logits(x, wte, tied=True).shape  # (B, T, V)
       (2, 8, 256)
     """
-    return checkpoint_name(jnp.einsum("btc,vc->btv", x, w.astype(x.dtype), preferred_element_type=F32),
+    spec = "btc,vc->btv" if tied else "btc,cv->btv"
+    return checkpoint_name(jnp.einsum(spec, x, kernel.astype(x.dtype), preferred_element_type=F32),
                            names.LM_HEAD)  # (B, T, V)
 
 
-def lm_head(x, w, targets=None, n_valid: int | None = None, chunk: int = 0):
+def lm_head(x, kernel, targets=None, n_valid: int | None = None, chunk: int = 0, tied: bool = False):
     """LM head and mean cross-entropy, optionally over T-chunks so the (B, T, V) logits never exist.
 
     Args:
-      x: (B, T, C) final hidden states; w: (V, C) head weight; targets: (B, T) int or None.
-      n_valid: vocabulary columns in the softmax (default all of w's rows).
+      x: (B, T, C) final hidden states; kernel: (C, V) head weight, or (V, C) with `tied`
+        (`lm_logits`); targets: (B, T) int or None.
+      n_valid: vocabulary columns in the softmax (default all of the kernel's).
       chunk: 0 for the plain head; N > 0 computes the loss over chunks of N positions (the last
         chunk may be shorter), each rematerialized: only (B, N, V) logits are live at a time, in
         the forward and in the backward.
@@ -267,44 +101,42 @@ def lm_head(x, w, targets=None, n_valid: int | None = None, chunk: int = 0):
       (logits, loss): logits (B, T, V) float32, or None when `chunk` > 0 and targets are given
       (call again without targets for them); loss None without targets.
     Example:
-      >>> _, chunked = lm_head(x, wte, targets, 256, chunk=4)  # logits never built whole: None
-      >>> _, plain = lm_head(x, wte, targets, 256)
+      >>> _, chunked = lm_head(x, wte, targets, 256, chunk=4, tied=True)  # logits never built whole: None
+      >>> _, plain = lm_head(x, wte, targets, 256, tied=True)
       >>> bool(jnp.allclose(chunked, plain, atol=1e-6))
       True
     """
-    n_valid = w.shape[0] if n_valid is None else n_valid
+    n_valid = kernel.shape[0 if tied else 1] if n_valid is None else n_valid
     if targets is None or not chunk:
-        logits = lm_logits(x, w)  # (B, T, V)
+        logits = lm_logits(x, kernel, tied)  # (B, T, V)
         return logits, None if targets is None else cross_entropy(logits, targets, n_valid)
-    return None, _chunked_loss(x, w, targets, n_valid, chunk)
+    return None, _chunked_loss(x, kernel, targets, n_valid, chunk, tied)
 
 
-# NOTE: the chunked loss. Each chunk's head projection + cross-entropy is one `jax.checkpoint`
-# region (saving nothing inside): the forward keeps only the chunk's input rows and targets, and
-# the backward recomputes that chunk's logits right before its own gradient, so at most one
-# chunk's (B, N, V) logits and their gradient are live. Chunks run under `lax.scan` (the body is
-# compiled once); a remainder T % N is one more region of its own size. Each chunk's loss is its
-# summed cross-entropy over B·T, so the chunks add up to the mean (`cross_entropy(..., total)`);
-# the weight gradient is accumulated across chunks by the scan's transpose.
-def _chunk_loss(x, w, t, n_valid, total):
-    return cross_entropy(lm_logits(x, w), t, n_valid, total)  # x (B, N, C) → logits (B, N, V)
+def _chunk_loss(x, kernel, t, n_valid, total, tied):
+    return cross_entropy(lm_logits(x, kernel, tied), t, n_valid, total)  # x (B, N, C) → logits (B, N, V)
 
 
-def _chunked_loss(x, w, targets, n_valid: int, chunk: int):
+def _chunked_loss(x, kernel, targets, n_valid: int, chunk: int, tied: bool):
+    # Each chunk's head projection + cross-entropy is one `jax.checkpoint` region saving nothing:
+    # the backward recomputes a chunk's logits right before its own gradient. Chunks run under
+    # `lax.scan`; a remainder T % N is one more region. Each chunk's loss is its summed
+    # cross-entropy over B·T, so the chunks add up to the mean.
     B, T, C = x.shape
     chunk = min(chunk, T)
     n, rem = divmod(T, chunk)  # n >= 1 full chunks, then a remainder
-    body = jax.checkpoint(functools.partial(_chunk_loss, n_valid=n_valid, total=B * T), prevent_cse=False)
+    body = jax.checkpoint(functools.partial(_chunk_loss, n_valid=n_valid, total=B * T, tied=tied), prevent_cse=False)
     xs = x[:, :n * chunk].reshape(B, n, chunk, C).swapaxes(0, 1)  # (n, B, N, C)
     ts = targets[:, :n * chunk].reshape(B, n, chunk).swapaxes(0, 1)  # (n, B, N)
-    loss, _ = lax.scan(lambda acc, xt: (acc + body(xt[0], w, xt[1]), None), jnp.zeros((), F32), (xs, ts))
+    loss, _ = lax.scan(lambda acc, xt: (acc + body(xt[0], kernel, xt[1]), None), jnp.zeros((), F32), (xs, ts))
     if rem:
-        loss = loss + body(x[:, n * chunk:], w, targets[:, n * chunk:])
+        loss = loss + body(x[:, n * chunk:], kernel, targets[:, n * chunk:])
     return loss
 
 
 def rope_frequencies(head_dim: int, theta: float, use_scaled: bool) -> np.ndarray:
-    """RoPE frequencies 1/theta^(2i/D) in float32, with LLaMA-3.1 scaling when `use_scaled`.
+    """RoPE frequencies 1/theta^(2i/D) in float32, with LLaMA-3.1 scaling when `use_scaled`
+    (llm.c's apply_scaling: factor 8, low/high frequency factors 1 and 4, original context 8192).
 
     Example:
       >>> rope_frequencies(128, 500000.0, True).shape
@@ -314,9 +146,7 @@ def rope_frequencies(head_dim: int, theta: float, use_scaled: bool) -> np.ndarra
     freqs = freqs.astype(np.float32)
     if not use_scaled:
         return freqs
-    # NOTE: llm.c's apply_scaling: factor 8, low/high frequency factors 1 and 4, original
-    # context 8192. Wavelengths below 8192/4 keep their frequency, above 8192/1 are divided by
-    # 8, in between they interpolate.
+    # wavelengths below 8192/4 keep their frequency, above 8192/1 are divided by 8, between interpolate
     scale, low, high, old_ctx = 8.0, 1.0, 4.0, 8192.0
     wavelen = (2 * math.pi / freqs).astype(np.float32)
     smooth = ((old_ctx / wavelen - low) / (high - low)).astype(np.float32)
@@ -350,89 +180,6 @@ def apply_rope(x, theta: float, use_scaled: bool, pos=None, max_len: int | None 
     x0, x1 = xr[..., 0], xr[..., 1]
     out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)  # (B, T, heads, D/2, 2)
     return out.reshape(x.shape).astype(x.dtype)
-
-
-# ------------------------------------------------------------------------------------------------
-# Linen modules. Parameters are float32; computation runs in `dtype` (parameters cast at use).
-
-class Linear(nn.Module):
-    """y = x·wᵀ (+ b), w stored (out_features, in_features) as PyTorch and llm.c store it.
-
-    Example:
-      >>> layer = Linear(96)
-      >>> variables = layer.init(jax.random.key(0), x)
-      >>> variables["params"]["w"].shape, layer.apply(variables, x).shape  # w: (out, in)
-      ((96, 32), (2, 8, 96))
-    """
-    # NOTE: PyTorch's weight layout instead of Flax's (in, out) `kernel` makes the llm.c mapping
-    # (models/*.py to_llmc/from_llmc) names and stacking only, no transposes; dot_general takes
-    # either layout at the same cost.
-    features: int
-    use_bias: bool = True
-    dtype: Any = F32
-    std: float = 0.02
-    out_dtype: Any = None  # e.g. float32 logits from bf16 inputs
-
-    @nn.compact
-    def __call__(self, x, splits: tuple[int, ...] | None = None):
-        """y (..., features); with `splits` (output offsets), the pieces of y, each its own matmul
-        with rows of w (under tensor parallelism each piece stays split by heads: no resharding)."""
-        w = self.param("w", nn.initializers.normal(self.std), (self.features, x.shape[-1]), F32)
-        b = self.param("b", nn.initializers.zeros, (self.features,), F32) if self.use_bias else None
-        if splits is not None:
-            bs = jnp.split(b, splits) if b is not None else [None] * (len(splits) + 1)
-            return tuple(self._apply(x, wi, bi) for wi, bi in zip(jnp.split(w, splits), bs))
-        return self._apply(x, w, b)
-
-    def _apply(self, x, w, b):
-        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), w.astype(self.dtype),
-                       preferred_element_type=self.out_dtype)
-        return y if b is None else y + b.astype(y.dtype)
-
-
-class LMHead(nn.Module):
-    """An untied LM head, param `w` (V, C) as `Linear(V, use_bias=False)` stores it, and its loss.
-
-    `__call__(x, targets=None)` returns `lm_head(x, w, targets, n_valid, chunk)`: (logits, loss).
-    Example:
-      >>> head = LMHead(256)
-      >>> variables = head.init(jax.random.key(0), x)
-      >>> logits, loss = head.apply(variables, x, targets)
-      >>> logits.shape, loss.shape
-      ((2, 8, 256), ())
-    """
-    features: int
-    n_valid: int | None = None
-    chunk: int = 0
-
-    @nn.compact
-    def __call__(self, x, targets=None):
-        w = self.param("w", nn.initializers.normal(0.02), (self.features, x.shape[-1]), F32)
-        return lm_head(x, w, targets, self.n_valid, self.chunk)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm (params `w`, `b`), float32 math, output in `dtype`."""
-    dtype: Any = F32
-    eps: float = 1e-5
-
-    @nn.compact
-    def __call__(self, x):
-        C = x.shape[-1]
-        w = self.param("w", nn.initializers.ones, (C,), F32)
-        b = self.param("b", nn.initializers.zeros, (C,), F32)
-        return layer_norm(x, w, b, self.eps).astype(self.dtype)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm (param `w`), float32 math, output in `dtype`."""
-    dtype: Any = F32
-    eps: float = 1e-5
-
-    @nn.compact
-    def __call__(self, x):
-        w = self.param("w", nn.initializers.ones, (x.shape[-1],), F32)
-        return rms_norm(x, w, self.eps).astype(self.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -469,11 +216,13 @@ class CausalSelfAttention(nn.Module):
     def __call__(self, x, deterministic: bool = True, decode_pos=None):
         B, T, C = x.shape
         H, K, D = self.n_head, self.n_kv_head, C // self.n_head
-        c_attn = Linear((H + 2 * K) * D, self.use_bias, self.dtype, name="c_attn")
-        if self.sharding is None:
+        c_attn = dense((H + 2 * K) * D, self.dtype, use_bias=self.use_bias, name="c_attn")
+        if self.sharding is None and jax.sharding.get_abstract_mesh().size <= 1:
+            # one matmul, split: on one device per-piece matmuls cost 8-10 MiB of temp on every
+            # selective preset of the scan layout (reference GPT-2, XLA:GPU)
             q, k, v = jnp.split(c_attn(x), [H * D, (H + K) * D], axis=-1)  # (B, T, H·D), (B, T, K·D) ×2
-        else:  # one matmul per piece: an even split of c_attn's output over tensor is not head-aligned
-            q, k, v = c_attn(x, splits=(H * D, (H + K) * D))
+        else:  # under a multi-device mesh, one matmul per piece (`_pieces`)
+            q, k, v = _pieces(c_attn, x, (H * D, (H + K) * D))
         if decode_pos is not None:
             y = self._decode(q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D), decode_pos)
         else:
@@ -487,7 +236,7 @@ class CausalSelfAttention(nn.Module):
                                                dropout_rate=rate, key=key,
                                                spec=None if self.sharding is None else self.sharding.split)  # (B, T, C)
         y = checkpoint_name(parallel.split(y, self.sharding), names.ATTN_CONTEXT)
-        y = Linear(C, self.use_bias, self.dtype, self.proj_std, name="c_proj")(y)
+        y = dense(C, self.dtype, use_bias=self.use_bias, std=self.proj_std, name="c_proj")(y)
         y = checkpoint_name(parallel.residual(y, self.sharding), names.ATTN_OUT)
         return nn.Dropout(self.dropout)(y, deterministic)
 
@@ -515,41 +264,218 @@ class CausalSelfAttention(nn.Module):
         return attention_lib.cached_attention(q, ck.value, cv.value, positions)  # (B, S, H·D)
 
 
-class _FeedForward(nn.Module):
-    """The fields both MLPs take: `hidden` units, compute `dtype`, `dropout`, the output projection's
-    init `proj_std`, and `sharding` (a `remat_lm.models.parallel.ShardingConfig` or None: hidden
-    units split over its tensor axis)."""
+# The activations are recomputed from their inputs in the backward (`jax.checkpoint`), so a layer
+# keeps its (B, T, F) inputs, not the activation's internals; GELU is computed in float32. Measured
+# on XLA:GPU (h200, deviceless) at the reference shape, no remat, scan layout (docs/BENCHMARKS.md,
+# "Reference models from Flax layers (XLA:GPU)"): GPT-2 308.3 MiB of temp, 564.3 with plain
+# `nn.gelu`; LLaMA-3 305.4, 449.5 with plain `silu(gate)·up`. `prevent_cse` as measured: GPT-2's
+# full remat, loop, 72.0 MiB without it, 80.0 with it; LLaMA-3's 76.0 with it, 78.0 without.
+_gelu = jax.checkpoint(lambda h: nn.gelu(h.astype(F32), approximate=True).astype(h.dtype), prevent_cse=False)
+_swiglu = jax.checkpoint(lambda gate, up: nn.silu(gate) * up)
+
+
+def _pieces(layer: nn.Dense, x, splits):
+    """`layer(x)` split at the output offsets `splits`, each piece its own matmul with its columns of
+    the kernel: each of q, k, v gets its own sharding (under tensor parallelism XLA moves weight
+    columns, not activations; LLaMA-3 8B under FSDP on h200x8 with full remat, cuDNN's attention
+    refuses the differently sharded q, k, v that slices of one fused output get). The slicing and
+    the matmuls are one `jax.checkpoint`, so the backward slices the kernel again instead of keeping
+    each layer's column blocks (in the scan layout autodiff stacks them: 6 MiB more temp for the
+    reference GPT-2 on XLA:GPU)."""
+    layer(x[..., :0, :])  # no positions: makes the parameters, computes nothing
+    p = layer.variables["params"]
+    with jax.named_scope(layer.name):  # the ops carry the layer's name, as `layer(x)`'s would
+        return _split_matmul(x.astype(layer.dtype), p["kernel"], p.get("bias"), tuple(splits), layer.dtype)
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(3, 4))
+def _split_matmul(x, kernel, bias, splits, dtype):
+    out = []
+    bias = [None] * (len(splits) + 1) if bias is None else jnp.split(bias, splits)
+    for w, b in zip(jnp.split(kernel, splits, axis=-1), bias):
+        y = jnp.einsum("...i,io->...o", x, w.astype(dtype))
+        out.append(y if b is None else y + b.astype(y.dtype))
+    return tuple(out)
+
+
+class MLP(nn.Module):
+    """GPT-2's MLP: c_fc → tanh-GELU → c_proj → dropout; tags mlp_up, mlp_act, mlp_out.
+
+    Fields (both MLPs): `hidden` units, compute `dtype`, `dropout`, the output projection's init
+    `proj_std`, `sharding` (a `remat_lm.models.parallel.ShardingConfig` or None: hidden units split
+    over its tensor axis).
+    """
     hidden: int
     dtype: Any = F32
     dropout: float = 0.0
     proj_std: float = 0.02
     sharding: Any = None
 
-
-class MLP(_FeedForward):
-    """GPT-2's MLP: c_fc → tanh-GELU → c_proj → dropout; tags mlp_up, mlp_act, mlp_out."""
+    def up(self, x):
+        """(B, T, C) → the activation (B, T, F), tagged."""
+        h = dense(self.hidden, self.dtype, name="c_fc")(x)
+        h = checkpoint_name(parallel.split(h, self.sharding), names.MLP_UP)  # (B, T, F)
+        return _gelu(h)
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
-        h = Linear(self.hidden, True, self.dtype, name="c_fc")(x)
-        h = checkpoint_name(parallel.split(h, self.sharding), names.MLP_UP)  # (B, T, F)
-        h = checkpoint_name(gelu_tanh(h), names.MLP_ACT)
-        y = Linear(x.shape[-1], True, self.dtype, self.proj_std, name="c_proj")(h)
+        h = checkpoint_name(self.up(x), names.MLP_ACT)  # (B, T, F)
+        y = dense(x.shape[-1], self.dtype, use_bias=self.use_bias, std=self.proj_std, name="c_proj")(h)
         y = checkpoint_name(parallel.residual(y, self.sharding), names.MLP_OUT)
         return nn.Dropout(self.dropout)(y, deterministic)
 
+    use_bias = True
 
-class SwiGLU(_FeedForward):
+
+class SwiGLU(MLP):
     """LLaMA's MLP: c_proj(silu(c_fc2(x)) · c_fc(x)) → dropout, no biases; tags mlp_up/gate/act/out."""
+    use_bias = False
+
+    def up(self, x):
+        sc = self.sharding
+        up = dense(self.hidden, self.dtype, use_bias=False, name="c_fc")(x)
+        up = checkpoint_name(parallel.split(up, sc), names.MLP_UP)  # (B, T, F)
+        gate = dense(self.hidden, self.dtype, use_bias=False, name="c_fc2")(x)
+        gate = checkpoint_name(parallel.split(gate, sc), names.MLP_GATE)  # (B, T, F)
+        return _swiglu(gate, up)
+
+
+# The norms are the models' hand-written backward passes: each keeps its input and per-row
+# statistics (in float32) and rebuilds the normalized input in the backward. Measured on XLA:GPU
+# (h200, deviceless) at the reference shape, temp in MiB against Flax's layer, plain and under
+# `nn.remat` (docs/BENCHMARKS.md, "Reference models from Flax layers (XLA:GPU)"):
+#   GPT-2, LayerNorm: no remat, scan 308.3 (`nn.LayerNorm` 368.6); `nn.remat(nn.LayerNorm)` reads
+#     304.1 there but 12.0 MiB more for selective core_attn and mlp in the scan layout (328.8, 200.8);
+#   LLaMA-3, RMSNorm: no remat, loop 372.1 (`nn.RMSNorm` 402.1, `nn.remat(nn.RMSNorm)` 404.0):
+#     Flax's RMSNorm multiplies x by a (B, T, C) `rsqrt(var + eps)·scale`, which autodiff keeps.
+
+def _norm_fwd(x, w, b, eps, center):
+    xf = x.astype(F32)
+    mean = xf.mean(-1, keepdims=True) if center else jnp.zeros((), F32)  # (..., 1)
+    rstd = lax.rsqrt(jnp.square(xf - mean).mean(-1, keepdims=True) + eps)  # (..., 1)
+    y = (xf - mean) * rstd * w.astype(F32)
+    y = (y if b is None else y + b.astype(F32)).astype(x.dtype)
+    return y, (x, mean, rstd, w, None if b is None else jnp.zeros((0,), b.dtype))  # the empty array: b's dtype
+
+
+def _norm_bwd(eps, center, res, dy):
+    x, mean, rstd, w, b0 = res
+    xhat = (x.astype(F32) - mean) * rstd
+    dy = dy.astype(F32)
+    rows = tuple(range(x.ndim - 1))
+    g = dy * w.astype(F32)
+    dx = rstd * (g - (g.mean(-1, keepdims=True) if center else 0.0) - xhat * (g * xhat).mean(-1, keepdims=True))
+    db = None if b0 is None else dy.sum(rows).astype(b0.dtype)
+    return dx.astype(x.dtype), (dy * xhat).sum(rows).astype(w.dtype), db
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _norm(x, w, b, eps, center):
+    return _norm_fwd(x, w, b, eps, center)[0]
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+def layer_norm(x, w, b, eps=1e-5):
+    """LayerNorm over the last axis, computed in float32, returned in x's dtype.
+
+    Example:
+      >>> y = layer_norm(x, jnp.ones(32), jnp.zeros(32))  # x: (B, T, 32)
+      >>> round(float(y.mean()), 4), round(float(y.std()), 2)
+      (0.0, 1.0)
+    """
+    return _norm(x, w, b, eps, True)
+
+
+def rms_norm(x, w, eps=1e-5):
+    """RMSNorm `x·rsqrt(mean(x²)+eps)·w` over the last axis in float32, returned in x's dtype.
+
+    Example:
+      >>> y = rms_norm(x, jnp.ones(32), 1e-5)
+      >>> round(float(jnp.sqrt(jnp.mean(y ** 2))), 2)
+      1.0
+    """
+    return _norm(x, w, None, eps, False)
+
+
+class LayerNorm(nn.Module):
+    """`nn.LayerNorm`'s interface and parameters (`scale`, `bias`) on `layer_norm`; output in `dtype`."""
+    epsilon: float = 1e-6
+    dtype: Any = None
+    param_dtype: Any = F32
+    center: ClassVar[bool] = True  # subtract the mean and add a bias (RMSNorm: neither)
 
     @nn.compact
-    def __call__(self, x, deterministic: bool = True):
-        sc = self.sharding
-        up = checkpoint_name(parallel.split(Linear(self.hidden, False, self.dtype, name="c_fc")(x), sc),
-                             names.MLP_UP)  # (B, T, F)
-        gate = checkpoint_name(parallel.split(Linear(self.hidden, False, self.dtype, name="c_fc2")(x), sc),
-                               names.MLP_GATE)  # (B, T, F)
-        h = checkpoint_name(swiglu(gate, up), names.MLP_ACT)  # (B, T, F)
-        y = Linear(x.shape[-1], False, self.dtype, self.proj_std, name="c_proj")(h)
-        y = checkpoint_name(parallel.residual(y, sc), names.MLP_OUT)
-        return nn.Dropout(self.dropout)(y, deterministic)
+    def __call__(self, x):
+        C = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (C,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (C,), self.param_dtype) if self.center else None
+        return _norm(x, scale, bias, self.epsilon, self.center).astype(self.dtype or x.dtype)
+
+
+class RMSNorm(LayerNorm):
+    """`nn.RMSNorm`'s interface and parameter (`scale`) on `rms_norm`; output in `dtype`."""
+    center: ClassVar[bool] = False
+
+
+class Block(nn.Module):
+    """The pre-norm block of both models: x + attn(ln_1(x)), then + mlp(ln_2(x)); tags
+    block_input, ln_1, ln_2.
+
+    Attributes:
+      config: the model config (`remat_lm.models.config.ModelConfig`): heads, width, dtype,
+        dropout, attention core, sharding; `use_bias` and `rope` (None, or (theta, use_scaled)).
+      norm: the norm's constructor, called `norm(dtype=..., name=...)` (`nn.LayerNorm`, `nn.RMSNorm`).
+      mlp: the MLP class (`MLP`, `SwiGLU`).
+    """
+    config: Any
+    norm: Callable[..., nn.Module]
+    mlp: Callable[..., nn.Module]
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True, decode_pos=None):
+        cfg, dt = self.config, self.config.compute_dtype
+        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # residual projections, as GPT-2 and llm.c scale them
+        sc = cfg.sharding  # sequence parallelism: (B, T, C) split along T between the pieces
+        theta, scaled = cfg.rope or (None, False)
+        x = checkpoint_name(parallel.residual(x, sc), names.BLOCK_INPUT)  # (B, T, C)
+        h = checkpoint_name(parallel.residual(self.norm(dtype=dt, name="ln_1")(x), sc), names.LN_1)
+        x = x + CausalSelfAttention(cfg.n_head, cfg.n_kv_head, dt, cfg.dropout, cfg.use_bias, theta, scaled,
+                                    proj_std, cfg.attention, cfg.attention_tile, sc, name="attn")(h, deterministic, decode_pos)
+        x = parallel.residual(x, sc)
+        h = checkpoint_name(parallel.residual(self.norm(dtype=dt, name="ln_2")(x), sc), names.LN_2)
+        y = self.mlp(cfg.ffn_hidden, dt, cfg.dropout, proj_std, sc, name="mlp")(h, deterministic)
+        return parallel.residual(x + y, sc)
+
+
+def init_params(model_cls, config, key, batch_shape=(1, 1)):
+    """Fresh float32 parameters of `model_cls(config)` (the family's `init_params`)."""
+    # the parameters do not depend on the attention core; the xla core takes any T (Pallas: multiples of 128)
+    model = model_cls(dataclasses.replace(config, attention="xla"))
+    return model.init({"params": key}, jnp.zeros(batch_shape, jnp.int32))["params"]
+
+
+def loss_fn(model_cls, params, config, idx, targets, dropout_key=None):
+    """Mean cross-entropy of `model_cls(config)`; dropout is on exactly when `dropout_key` is given."""
+    rngs = None if dropout_key is None else {"dropout": dropout_key}
+    return model_cls(config).apply({"params": params}, idx, targets, deterministic=dropout_key is None, rngs=rngs)[1]
+
+
+def check_length(config, T: int):
+    """Refuse a sequence longer than the model's `block_size`."""
+    if T > config.block_size:
+        raise ValueError(f"sequence length {T} exceeds block_size={config.block_size}")
+
+
+def blocks(module: nn.Module, x, norm, mlp, deterministic: bool, decode_pos=None):
+    """The model's layer stack inside `module` (a model whose `config` it reads): dropout on the
+    embedded input x (B, T, C), `Block(norm, mlp)` × n_layer grouped and rematerialized by
+    `remat.linen.LayerStack` (params `blocks`), then the final norm `ln_f`."""
+    cfg = module.config
+    x = nn.Dropout(cfg.dropout)(x.astype(cfg.compute_dtype), deterministic)
+    x = parallel.residual(x, cfg.sharding)  # the residual stream entering the blocks (remat_lm.models.parallel)
+    decode = () if decode_pos is None else (decode_pos,)  # the blocks' third argument, only when decoding
+    x = LayerStack(functools.partial(Block, cfg, norm, mlp), cfg.n_layer, cfg.recompute,
+                   scan=cfg.scan_layers, name="blocks")(x, deterministic, *decode)
+    return norm(dtype=cfg.compute_dtype, name="ln_f")(x)  # (B, T, C)

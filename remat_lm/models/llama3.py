@@ -11,58 +11,30 @@ How it differs from GPT-2 (remat_lm/models/gpt2.py):
   - Untied LM head `lm_head`; the vocabulary is not padded.
 
 Example:
-    >>> cfg = Llama3Config.preset("tiny", recompute=RecomputeConfig(granularity="full"))
-    >>> params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
-    >>> num_params(cfg)
-    41120
-    >>> idx = jnp.zeros((2, 8), jnp.int32)
-    >>> loss = jax.jit(loss_fn, static_argnums=1)(params, cfg, idx, idx)   # gradients: see loss_fn
+    >>> cfg = Llama3Config.preset("tiny", recompute=RecomputeConfig(granularity="selective"))
+    >>> num_params(cfg), cfg.n_kv_head, cfg.ffn_hidden   # SwiGLU width: `ffn_hidden`
+    (41120, 2, 96)
+    >>> params = init_params(cfg, jax.random.key(0))
+    >>> grads = jax.grad(loss_fn)(params, cfg, jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32))
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from remat import RecomputeConfig, names
-from remat.linen import LayerStack
 from remat.memory import LayerBytes
-from remat_lm.models import llmc_io, parallel
+from remat_lm.models import layers, llmc_io
 from remat_lm.models.config import ModelConfig
 from remat_lm.models.family import Family
-from remat_lm.models.layers import CausalSelfAttention, LMHead, RMSNorm, SwiGLU, embed
-from remat_lm.models.llmc_io import check_llmc_tensors, layer_params, layer_tensors
+from remat_lm.models.layers import RMSNorm, SwiGLU, blocks, cross_entropy, dense, lm_head
 from remat_lm.models.memory_model import F32, lm_head_bytes, lse_bytes
-
-# Norm (RMSNorm), attention (CausalSelfAttention with GQA and RoPE, no biases) and MLP (SwiGLU)
-# are the shared pieces of remat_lm/models/layers.py.
-
-
-class Block(nn.Module):
-    """x + attn(ln_1(x)), then + mlp(ln_2(x)); tags block_input, ln_1, ln_2."""
-    config: "Llama3Config"
-
-    @nn.compact
-    def __call__(self, x, deterministic: bool = True, decode_pos=None):
-        cfg, dt = self.config, self.config.compute_dtype
-        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        sc = cfg.sharding  # sequence parallelism: (B, T, C) split along T between the pieces
-        x = checkpoint_name(parallel.residual(x, sc), names.BLOCK_INPUT)  # (B, T, C)
-        h = checkpoint_name(parallel.residual(RMSNorm(dt, cfg.norm_eps, name="ln_1")(x), sc), names.LN_1)
-        x = x + CausalSelfAttention(cfg.n_head, cfg.n_kv_head, dt, cfg.dropout, use_bias=False,
-                                    rope_theta=cfg.rope_theta, use_scaled_rope=cfg.use_scaled_rope,
-                                    proj_std=proj_std, attention=cfg.attention,
-                                    attention_tile=cfg.attention_tile, sharding=sc, name="attn")(h, deterministic, decode_pos)
-        x = parallel.residual(x, sc)
-        h = checkpoint_name(parallel.residual(RMSNorm(dt, cfg.norm_eps, name="ln_2")(x), sc), names.LN_2)
-        return parallel.residual(x + SwiGLU(cfg.ffn_hidden, dt, cfg.dropout, proj_std, sc, name="mlp")(h, deterministic), sc)
-
 
 def ffn_hidden(n_embd: int, ffn_dim_multiplier: float, multiple_of: int) -> int:
     """SwiGLU width H, llm.c's rule: `h = int(m·int(8C/3))`, rounded up to a multiple of `multiple_of`.
@@ -112,6 +84,7 @@ class Llama3Config(ModelConfig):
 
     PRESETS: ClassVar[dict] = PRESETS
     TITLE: ClassVar[str] = "LLaMA-3"
+    use_bias: ClassVar[bool] = False
     _POSITIVE: ClassVar[tuple[str, ...]] = ModelConfig._POSITIVE + ("n_kv_head", "multiple_of")
 
     def _check_shape(self):
@@ -129,6 +102,11 @@ class Llama3Config(ModelConfig):
     def ffn_hidden(self) -> int:
         """SwiGLU width H (llm.c's rule, `ffn_hidden`)."""
         return ffn_hidden(self.n_embd, self.ffn_dim_multiplier, self.multiple_of)
+
+    @property
+    def rope(self) -> tuple[float, bool]:
+        """(theta, use_scaled) of the RoPE on q and k."""
+        return self.rope_theta, self.use_scaled_rope
 
 
 class Llama3(nn.Module):
@@ -149,18 +127,17 @@ class Llama3(nn.Module):
     @nn.compact
     def __call__(self, idx, targets=None, *, deterministic: bool = True, decode_pos=None):
         cfg, dt = self.config, self.config.compute_dtype
-        if idx.shape[1] > cfg.block_size:
-            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size={cfg.block_size}")
+        layers.check_length(cfg, idx.shape[1])
         wte = self.param("wte", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.n_embd), jnp.float32)
-        x = embed(wte, idx).astype(dt)  # (B, T, C)
-        x = nn.Dropout(cfg.dropout)(x, deterministic)
-        x = parallel.residual(x, cfg.sharding)  # the residual stream entering the blocks (NOTE in remat_lm.models.parallel)
-        decode = () if decode_pos is None else (decode_pos,)  # the blocks' third argument, only when decoding
-        # NOTE: the one place layers are grouped and rematerialized (remat.linen.LayerStack).
-        x = LayerStack(functools.partial(Block, cfg), cfg.n_layer, cfg.recompute,
-                       scan=cfg.scan_layers, name="blocks")(x, deterministic, *decode)
-        x = RMSNorm(dt, cfg.norm_eps, name="ln_f")(x)  # (B, T, C)
-        return LMHead(cfg.vocab_size, chunk=cfg.loss_chunk, name="lm_head")(x, targets)  # logits (B, T, V) or None
+        norm = functools.partial(RMSNorm, epsilon=cfg.norm_eps)
+        x = blocks(self, jnp.take(wte, idx, axis=0), norm, SwiGLU, deterministic, decode_pos)  # (B, T, C)
+        head = dense(cfg.vocab_size, dt, use_bias=False, name="lm_head",
+                     dot_general=functools.partial(lax.dot_general, preferred_element_type=jnp.float32))
+        if targets is None or not cfg.loss_chunk:
+            logits = checkpoint_name(head(x), names.LM_HEAD)  # (B, T, V) float32
+            return logits, None if targets is None else cross_entropy(logits, targets, cfg.vocab_size)
+        head(x[:, :0])  # no positions: makes the kernel at init, computes nothing
+        return lm_head(x, head.variables["params"]["kernel"], targets, cfg.vocab_size, cfg.loss_chunk)  # None, loss
 
 
 def init_params(config: Llama3Config, key, batch_shape=(1, 1)):
@@ -172,20 +149,12 @@ def init_params(config: Llama3Config, key, batch_shape=(1, 1)):
       >>> sorted(params)
       ['blocks', 'lm_head', 'ln_f', 'wte']
     """
-    # the parameters do not depend on the attention core; the xla core takes any T (Pallas: multiples of 128)
-    return Llama3(dataclasses.replace(config, attention="xla")).init({"params": key}, jnp.zeros(batch_shape, jnp.int32))["params"]
+    return layers.init_params(Llama3, config, key, batch_shape)
 
 
 def loss_fn(params, config: Llama3Config, idx, targets, dropout_key=None):
-    """Mean cross-entropy; dropout is on exactly when `dropout_key` is given.
-
-    Example:
-      >>> loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, cfg, idx, targets)
-      >>> jax.tree.structure(grads) == jax.tree.structure(params)
-      True
-    """
-    rngs = None if dropout_key is None else {"dropout": dropout_key}
-    return Llama3(config).apply({"params": params}, idx, targets, deterministic=dropout_key is None, rngs=rngs)[1]
+    """Mean cross-entropy (`remat_lm.models.layers.loss_fn`: dropout exactly when `dropout_key` is given)."""
+    return layers.loss_fn(Llama3, params, config, idx, targets, dropout_key)
 
 
 def num_params(config: Llama3Config) -> int:
@@ -207,13 +176,6 @@ def flops_per_token(config: Llama3Config, seq_len: int | None = None) -> float:
     T = config.block_size if seq_len is None else seq_len
     n = num_params(config) - config.vocab_size * config.n_embd
     return 6.0 * n + 6.0 * config.n_layer * config.n_embd * T
-
-
-_LAYER_TENSORS = {
-    "ln_1.w": ("ln_1", "w"), "attn.c_attn.w": ("attn", "c_attn", "w"), "attn.c_proj.w": ("attn", "c_proj", "w"),
-    "ln_2.w": ("ln_2", "w"), "mlp.c_fc.w": ("mlp", "c_fc", "w"), "mlp.c_fc2.w": ("mlp", "c_fc2", "w"),
-    "mlp.c_proj.w": ("mlp", "c_proj", "w"),
-}
 
 
 def llmc_shapes(config) -> dict:
@@ -331,18 +293,14 @@ def config_from_llmc(header: Llama3Header, **fields) -> Llama3Config:
 
 
 def to_llmc(config: Llama3Config, params) -> dict:
-    """Parameters → {llm.c tensor name: float32 np.ndarray}, in the model file's order.
+    """Parameters → {llm.c tensor name: float32 np.ndarray}, in the model file's order
+    (`remat_lm.models.llmc_io.to_llmc`).
 
     Example:
       >>> tensors = to_llmc(cfg, params); tensors["mlp.c_fc2.w"].shape  # (L, H, C)
       (2, 96, 32)
     """
-    b = params["blocks"]
-    out = {"wte": np.asarray(params["wte"], np.float32)}
-    out.update(layer_tensors(b, _LAYER_TENSORS))
-    out["ln_f.w"] = np.asarray(params["ln_f"]["w"], np.float32)
-    out["lm_head.w"] = np.asarray(params["lm_head"]["w"], np.float32)
-    return out
+    return llmc_io.to_llmc(params, llmc_shapes(config))
 
 
 def from_llmc(config: Llama3Config, tensors) -> dict:
@@ -350,13 +308,10 @@ def from_llmc(config: Llama3Config, tensors) -> dict:
 
     Example:
       >>> back = from_llmc(cfg, to_llmc(cfg, params))
-      >>> bool(jnp.array_equal(back["lm_head"]["w"], params["lm_head"]["w"]))
+      >>> bool(jnp.array_equal(back["lm_head"]["kernel"], params["lm_head"]["kernel"]))
       True
     """
-    check_llmc_tensors("LLaMA-3", llmc_shapes(config), tensors)
-    f = lambda k: jnp.asarray(np.asarray(tensors[k], np.float32))
-    blocks = layer_params(tensors, _LAYER_TENSORS, config.scan_layers)
-    return {"wte": f("wte"), "blocks": blocks, "ln_f": {"w": f("ln_f.w")}, "lm_head": {"w": f("lm_head.w")}}
+    return llmc_io.from_llmc("LLaMA-3", llmc_shapes(config), tensors, config.scan_layers)
 
 
 def activation_bytes(config: Llama3Config, batch: int, seq: int) -> tuple[LayerBytes, int]:
@@ -382,7 +337,8 @@ def activation_bytes(config: Llama3Config, batch: int, seq: int) -> tuple[LayerB
     # head: float32 logits and in bf16 the head's weight cast, or chunked targets
     V = config.vocab_size
     head = 2 * sbh + s * b * F32 + s * b * 4 + lm_head_bytes(config, s * b, V, V * h * a if a < F32 else 0)
-    return LayerBytes(tagged, untagged, constants, swaps={names.ATTN_OUT: sbh}), head
+    # SwiGLU's internals (three (s, b, H) values), recomputed from mlp_gate and mlp_up
+    return LayerBytes(tagged, untagged, constants, swaps={names.ATTN_OUT: sbh}, internals=3 * sbH), head
 
 
 FAMILY = Family(

@@ -768,17 +768,42 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray, kind: str = "gpt2"
 
 
 # ------------------------------------------------------------------------------------------------
-# The tensor layout of the model files' `to_llmc` / `from_llmc`: llm.c stacks each per-layer
-# parameter on a leading L axis; the layers' own layout is `remat.linen.LayerStack`'s
-# (`remat.linen.stack_layers` / `unstack_layers`, the one place that knows it).
+# The tensor layout of the model files' `to_llmc` / `from_llmc`, the one mapping between llm.c's
+# tensor names and the models' Flax parameters: llm.c stacks each per-layer parameter on a leading
+# L axis (the layers' own layout is `remat.linen.LayerStack`'s, `stack_layers` / `unstack_layers`)
+# and stores linear weights (out, in) as PyTorch does, where `nn.Dense` keeps its kernel (in, out).
 
-def layer_tensors(blocks, paths: dict) -> dict:
-    """{llm.c name: (L, ...) float32 np.ndarray}: the parameter at each path in every layer of a
-    LayerStack's params, stacked on a leading layer axis (JAX is imported here, on first use).
+BLOCK_MODULES = ("ln_1", "attn", "ln_2", "mlp")  # an llm.c name starting with one is per layer
+
+
+def param_path(name: str) -> tuple[str, ...]:
+    """The Flax parameter path of an llm.c tensor: `w` of a norm (`ln_*`) is its `scale`, of a
+    linear layer its `kernel`, `b` is `bias`; per-layer tensors are inside `blocks`; `wte`, `wpe`
+    are parameters of the model itself.
 
     Example:
-      >>> blocks = {"h_0": {"ln_1": {"w": np.ones(4)}}, "h_1": {"ln_1": {"w": np.zeros(4)}}}
-      >>> layer_tensors(blocks, {"ln_1.w": ("ln_1", "w")})["ln_1.w"].shape
+      >>> param_path("attn.c_attn.w"), param_path("ln_f.b"), param_path("wte")
+      (('blocks', 'attn', 'c_attn', 'kernel'), ('ln_f', 'bias'), ('wte',))
+    """
+    *mods, leaf = name.split(".")
+    if not mods:
+        return (leaf,)
+    leaf = "bias" if leaf == "b" else "scale" if mods[-1].startswith("ln") else "kernel"
+    return (("blocks",) if mods[0] in BLOCK_MODULES else ()) + tuple(mods) + (leaf,)
+
+
+def _flax_layout(path, a):
+    """llm.c's (..., out, in) ↔ a kernel's (..., in, out); everything else as it is (its own inverse)."""
+    return np.swapaxes(a, -1, -2) if path[-1] == "kernel" else a
+
+
+def to_llmc(params, shapes: dict) -> dict:
+    """Parameters → {llm.c name: float32 np.ndarray} for every name of `shapes` (a family's
+    `llmc_shapes`), in its order; per-layer tensors stacked on a leading layer axis.
+
+    Example:
+      >>> blocks = {"h_0": {"ln_1": {"scale": np.ones(4)}}, "h_1": {"ln_1": {"scale": np.zeros(4)}}}
+      >>> to_llmc({"blocks": blocks}, {"ln_1.w": (2, 4)})["ln_1.w"].shape
       (2, 4)
     """
     from remat.linen import unstack_layers
@@ -786,33 +811,45 @@ def layer_tensors(blocks, paths: dict) -> dict:
     def get(tree, path):
         for k in path:
             tree = tree[k]
-        return np.asarray(tree, np.float32)
-    layers = unstack_layers(blocks)
-    return {name: np.stack([get(layer, path) for layer in layers]) for name, path in paths.items()}
+        return _flax_layout(path, np.asarray(tree, np.float32))
+    layers = unstack_layers(params["blocks"])
+    out = {}
+    for name in shapes:
+        path = param_path(name)
+        out[name] = (np.stack([get(layer, path[1:]) for layer in layers]) if path[0] == "blocks"
+                     else get(params, path))
+    return out
 
 
-def layer_params(tensors: dict, paths: dict, scan: bool) -> dict:
-    """The inverse of `layer_tensors`: {llm.c name: (L, ...) array} → a LayerStack's params, float32
-    JAX arrays in the loop or scan layout (`remat.linen.stack_layers`).
+def from_llmc(title: str, shapes: dict, tensors: dict, scan: bool) -> dict:
+    """The inverse of `to_llmc`: {llm.c name: array} → parameters (float32 JAX arrays), the blocks in
+    the loop or scan layout (`remat.linen.stack_layers`); ValueError naming the tensor unless the
+    names and shapes are exactly `shapes` (`check_llmc_tensors`).
 
     Example:
-      >>> params = layer_params({"ln_1.w": np.ones((2, 4))}, {"ln_1.w": ("ln_1", "w")}, scan=False)
-      >>> sorted(params), params["h_1"]["ln_1"]["w"].shape
+      >>> params = from_llmc("GPT-2", {"ln_1.w": (2, 4)}, {"ln_1.w": np.ones((2, 4))}, scan=False)
+      >>> sorted(params["blocks"]), params["blocks"]["h_1"]["ln_1"]["scale"].shape
       (['h_0', 'h_1'], (4,))
     """
     import jax.numpy as jnp
     from remat.linen import stack_layers
 
-    def layer(index):
-        out: dict = {}
-        for name, path in paths.items():
-            node = out
-            for k in path[:-1]:
-                node = node.setdefault(k, {})
-            node[path[-1]] = jnp.asarray(np.asarray(tensors[name])[index], jnp.float32)
-        return out
-    n_layer = len(tensors[next(iter(paths))])
-    return stack_layers([layer(i) for i in range(n_layer)], scan=scan)
+    check_llmc_tensors(title, shapes, tensors)
+
+    def put(tree, path, a):
+        for k in path[:-1]:
+            tree = tree.setdefault(k, {})
+        tree[path[-1]] = jnp.asarray(_flax_layout(path, np.asarray(a, np.float32)))
+    out: dict = {}
+    per_layer = [(param_path(n)[1:], np.asarray(tensors[n])) for n in shapes if param_path(n)[0] == "blocks"]
+    for name in shapes:
+        if param_path(name)[0] != "blocks":
+            put(out, param_path(name), tensors[name])
+    layers = [{} for _ in range(len(per_layer[0][1]))] if per_layer else []
+    for path, stacked in per_layer:
+        for i, layer in enumerate(layers):
+            put(layer, path, stacked[i])
+    return {**out, "blocks": stack_layers(layers, scan=scan)}
 
 
 def check_llmc_tensors(model: str, shapes: dict, tensors) -> None:

@@ -23,11 +23,10 @@ c_fc, c_fc2: the output axis; row-parallel c_proj: the input axis). XLA inserts 
 #     heads and hidden units split, T whole. Going in, XLA all-gathers the norm's output along T;
 #     coming out of the row-parallel c_proj it reduce-scatters the partial sums along T (an
 #     all-reduce without sequence parallelism).
-#   - c_attn's rows are [q; k; v], so an even split of its output axis is not head-aligned. Under
-#     tensor parallelism the layer runs one matmul per piece (`Linear(splits=...)`), so XLA moves
-#     rows of the weight (collective-permutes of C×C pieces), not activations: splitting the fused
-#     output instead moved (B, T, C) activations. The llm.c parameter layout stays as it is
-#     (checkpoints and .bin files do not depend on the mesh).
+#   - c_attn's outputs are [q; k; v], so an even split of its output axis is not head-aligned: the
+#     layer runs one matmul per piece with columns of the one `nn.Dense` kernel
+#     (`remat_lm.models.layers._pieces`), so XLA moves columns of the weight, not activations.
+#     Checkpoints and .bin files do not depend on the mesh.
 # Annotations never change values: the gradients equal one device's (tests/test_tensor_parallel.py).
 
 Example:
@@ -47,11 +46,11 @@ from jax.sharding import PartitionSpec as P
 # (module, submodule, parameter) → the parameter's axis split over `tensor`, counted from the end so
 # the scan layout's leading layer axis does not matter. Everything else is not split over tensor.
 TENSOR_SPLIT = {
-    ("attn", "c_attn", "w"): -2, ("attn", "c_attn", "b"): -1,   # column-parallel: output features
-    ("attn", "c_proj", "w"): -1,                                # row-parallel: input features
-    ("mlp", "c_fc", "w"): -2, ("mlp", "c_fc", "b"): -1,
-    ("mlp", "c_fc2", "w"): -2,
-    ("mlp", "c_proj", "w"): -1,
+    ("attn", "c_attn", "kernel"): -1, ("attn", "c_attn", "bias"): -1,   # column-parallel: output features
+    ("attn", "c_proj", "kernel"): -2,                                   # row-parallel: input features
+    ("mlp", "c_fc", "kernel"): -1, ("mlp", "c_fc", "bias"): -1,
+    ("mlp", "c_fc2", "kernel"): -1,
+    ("mlp", "c_proj", "kernel"): -2,
 }
 
 
@@ -112,7 +111,7 @@ def param_tensor_axis(path: tuple[str, ...]) -> int | None:
 
     `path` is the parameter's key path (any prefix: optimizer state, `blocks/h_3`, ...).
     Example:
-      >>> param_tensor_axis(("params", "blocks", "h_0", "attn", "c_attn", "w"))
-      -2
+      >>> param_tensor_axis(("params", "blocks", "h_0", "attn", "c_attn", "kernel"))
+      -1
     """
     return TENSOR_SPLIT.get(tuple(path[-3:]))

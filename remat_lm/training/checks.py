@@ -15,7 +15,7 @@ import stat
 import tempfile
 
 from remat.memory import format_bytes
-from remat.plan.targets import host_memory_available
+from remat.planning.targets import host_memory_available
 from remat_lm.argtypes import UsageError
 
 # AdamW keeps the parameters, two moments and (transiently) the gradients, all float32.
@@ -143,7 +143,7 @@ def device_memory_limit(device) -> int | None:
 
 
 def host_available() -> int | None:
-    """Available host RAM in bytes (None where it cannot be read): `remat.plan.targets.host_memory_available`."""
+    """Available host RAM in bytes (None where it cannot be read): `remat.planning.targets.host_memory_available`."""
     return host_memory_available()
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import remat
-import remat.plan.targets
+import remat.planning.targets
 from remat_lm.training import sharding as sh
 from remat_lm.training.checks import is_oom
 from remat_lm.training import target as run_target
@@ -66,12 +66,12 @@ def compile_train_step(setup, mcfg=None):
 def step_stats(setup, mcfg=None) -> remat.memory.CompiledMemory:
     """XLA's memory and cost analysis of the train step (`remat.memory.compiled_stats`) with FLOPs
     always given: where the compiler gives none (XLA:GPU), the matmul FLOPs of the traced program per
-    device (`remat.plan.targets.matmul_flops`; `flops_source` says so). The planner's cost."""
+    device (`remat.planning.targets.matmul_flops`; `flops_source` says so). The planner's cost."""
     compiled, jaxpr = _compiled(setup, mcfg)
     cm = remat.memory.compiled_stats(compiled)
     if cm.flops:
         return cm
-    return dataclasses.replace(cm, flops=remat.plan.targets.matmul_flops(jaxpr) / setup.mesh.size,
+    return dataclasses.replace(cm, flops=remat.planning.targets.matmul_flops(jaxpr) / setup.mesh.size,
                                flops_source="jaxpr matmuls")
 
 
@@ -92,7 +92,7 @@ def _compiled(setup, mcfg=None):
         compiled = lowered.compile()
     except Exception as e:
         if setup.deviceless and is_oom(e):
-            flops = remat.plan.targets.matmul_flops(traced.jaxpr) / setup.mesh.size  # the planner's cost of it
+            flops = remat.planning.targets.matmul_flops(traced.jaxpr) / setup.mesh.size  # the planner's cost of it
             raise run_target.refused(setup.target, e, flops) from e
         raise
     _COMPILED[key] = (compiled, traced.jaxpr)
@@ -162,7 +162,7 @@ def plan_memory(setup, out=None):
             return remat.memory.CompiledMemory(temp=need, argument=0, output=0, alias=0, generated_code=0,
                                                host_temp=0, flops=e.flops, flops_source="jaxpr matmuls")
     try:
-        if setup.target is not None:   # per tag, priced on the target (remat.plan.tagplan), every plan compiled
+        if setup.target is not None:   # per tag, priced on the target (remat.planning.tagplan), every plan compiled
             trace = lambda rc: step_jaxpr(setup, dataclasses.replace(base, recompute=rc))
             plan = remat.plan_for_budget(measure, base.n_layer, request.budget, target=setup.target,
                                          trace_step=trace)

@@ -32,7 +32,7 @@ from remat_lm.training.checks import check_input_file, host_available
 from remat_lm.training import deepspeed as remat_deepspeed
 from remat_lm.training import flags as recompute_flags
 from remat_lm.training.flags import RecomputeFlags
-from remat.plan import targets as remat_targets
+from remat.planning import targets as remat_targets
 from remat_lm.training.flags import AutoRecompute
 
 __all__ = ["DEFAULT_PRESET", "DEFAULT_PROMPT_TOKENS", "DTYPES", "INT32_MAX", "MESH_AXES", "MODELS", "PATH_FLAGS",
@@ -282,11 +282,11 @@ class TrainConfig(RecomputeFlags):
 
     @property
     def target_budget(self) -> int | None:
-        """The target's memory per device that JAX may use (`remat.plan.targets.Target.memory_limit`): the
+        """The target's memory per device that JAX may use (`remat.planning.targets.Target.memory_limit`): the
         default --memory_budget; None without --target."""
         if self.target is None:
             return None
-        if _host_cpu(self.target):  # remat.plan.targets' cpu target: the host's available RAM
+        if _host_cpu(self.target):  # remat.planning.targets' cpu target: the host's available RAM
             return host_available()
         return remat_targets.get(self.target).memory_limit
 

@@ -311,7 +311,7 @@ def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
 def _plan_config(v: dict) -> tuple:
     """`--recompute_plan PLAN` → ("plan", RecomputeConfig) of its per-layer policies; every other
     recompute flag is then an error naming it (the plan sets them all)."""
-    from remat.plan.tagplan import parse_plan
+    from remat.planning.tagplan import parse_plan
 
     for f in FLAGS:
         if f.name in ("recompute_plan", "scan_layers") or v[f.name] == f.default:
@@ -323,7 +323,7 @@ def _plan_config(v: dict) -> tuple:
         lp = parse_plan(v["recompute_plan"])
     except ValueError as e:
         raise ValueError(f"--recompute_plan: {e}") from None
-    from remat.plan import recompute_config
+    from remat.planning import recompute_config
     return ("plan", recompute_config(lp))
 
 

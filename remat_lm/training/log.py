@@ -4,7 +4,7 @@
 
 MFU is model FLOPs per token (the model's `flops_per_token`, which does not count recomputation)
 times tokens per second, over the peak of the devices in use from the hardware table
-(`remat.plan.targets.SPECS`, which the planner and the preflight read too); devices not in it
+(`remat.planning.targets.SPECS`, which the planner and the preflight read too); devices not in it
 (every CPU) report "n/a". Memory is the device's `peak_bytes_in_use` when the backend
 reports `memory_stats()`, else XLA's compiled estimate of the step (arguments + outputs +
 temporaries - aliased), shown as `mem 1.20 GiB (compiled est.)`.
@@ -21,7 +21,7 @@ import os
 import jax
 
 from remat.memory import compiled_stats, format_bytes
-from remat.plan import targets
+from remat.planning import targets
 
 __all__ = ["JsonlWriter", "LogWriteError", "compiled_estimate", "device_memory", "format_line", "peak_flops",
            "truncate_after"]
@@ -29,7 +29,7 @@ __all__ = ["JsonlWriter", "LogWriteError", "compiled_estimate", "device_memory",
 
 def peak_flops(device, dtype: str) -> float | None:
     """Peak dense matrix FLOP/s of one device for `dtype` ("bfloat16", "float32"), from the hardware
-    table `remat.plan.targets.SPECS`; None for a device not in it (every CPU).
+    table `remat.planning.targets.SPECS`; None for a device not in it (every CPU).
 
     Example:
       >>> import types

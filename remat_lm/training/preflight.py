@@ -41,7 +41,7 @@ import math
 from remat import policies
 from remat.memory import GiB, MiB, compiled_stats
 from remat.memory import format_bytes
-from remat.plan import recompute_config
+from remat.planning import recompute_config
 from remat_lm.argtypes import parse_size
 from remat_lm.training.checks import device_memory_limit, host_available
 from remat_lm.training.compile import compile_train_step

@@ -70,7 +70,7 @@ class Setup:
     init_dir_step: int | None = None   # step to read params from for --init_from DIR
     sampler: Any = None                # remat_lm.training.samples.Sampler for --sample_every
     auto: AutoRecompute | None = None  # --recompute_method auto: the request plan_memory answers
-    target: Any = None                 # --target: the remat.plan.targets.Target every program is built for
+    target: Any = None                 # --target: the remat.planning.targets.Target every program is built for
     deviceless: bool = False           # the target's devices are compile-only (this host has not got them)
 
     @property

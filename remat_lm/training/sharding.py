@@ -36,7 +36,7 @@ BATCH_AXES = ("data", "fsdp")
 
 def make_mesh(shape: dict[str, int], global_batch: int | None = None, devices=None) -> Mesh:
     """A Mesh with axes ("data", "fsdp", "tensor") of the given sizes over the first data·fsdp·tensor
-    of `devices` (default `jax.devices()`; `--target`: its compile-only devices, `remat.plan.targets`).
+    of `devices` (default `jax.devices()`; `--target`: its compile-only devices, `remat.planning.targets`).
 
     An axis missing from `shape` has size 1. Raises UsageError when the mesh does not divide the
     device count or the batch.

@@ -1,6 +1,6 @@
-"""`--target NAME`: build the run's programs for an accelerator (`remat.plan.targets`), present or not.
+"""`--target NAME`: build the run's programs for an accelerator (`remat.planning.targets`), present or not.
 
-`resolve(cfg)` gives the run's `remat.plan.targets.Target` (None without `--target`) and whether its
+`resolve(cfg)` gives the run's `remat.planning.targets.Target` (None without `--target`) and whether its
 devices are compile-only ones (`deviceless`: this host has not got them) or this host's own (the
 host is the target: training works as without the flag). Everything the run compiles is then built
 for it (`building(setup)`: `remat.memory.building_for(platform)` and the mesh), the preflight
@@ -23,7 +23,7 @@ import re
 import jax
 
 import remat
-from remat.plan import targets as remat_targets
+from remat.planning import targets as remat_targets
 from remat_lm.argtypes import UsageError
 
 __all__ = ["Refused", "building", "check_mesh", "devices", "get", "host_has", "is_host_cpu", "limit_words",
@@ -31,7 +31,7 @@ __all__ = ["Refused", "building", "check_mesh", "devices", "get", "host_has", "i
 
 
 def get(name: str) -> remat_targets.Target:
-    """`remat.plan.targets.get(name)`, its ValueError as a UsageError naming `--target` and the valid names."""
+    """`remat.planning.targets.get(name)`, its ValueError as a UsageError naming `--target` and the valid names."""
     try:
         return remat_targets.get(name)
     except ValueError as e:
@@ -107,7 +107,7 @@ def resolve(cfg) -> tuple[remat_targets.Target | None, bool]:
 
 def devices(t: remat_targets.Target) -> list:
     """`t`'s compile-only devices; a missing compiler is a UsageError naming the install
-    (`remat.plan.targets.TargetUnavailable`)."""
+    (`remat.planning.targets.TargetUnavailable`)."""
     try:
         return t.devices()
     except remat_targets.TargetUnavailable as e:
@@ -141,7 +141,7 @@ def building(setup):
 
 class Refused(MemoryError):
     """The target's compiler refused a program too large for its memory (XLA:TPU's RESOURCE_EXHAUSTED):
-    one line naming the compiler and its words (`remat.plan.targets.compile`'s), `needed` (bytes, the
+    one line naming the compiler and its words (`remat.planning.targets.compile`'s), `needed` (bytes, the
     compiler's figure, or None) and `flops` (the program's matmul FLOPs per device, or None)."""
 
     def __init__(self, message: str, needed: int | None, flops: float | None = None):

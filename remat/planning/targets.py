@@ -11,7 +11,7 @@ and its preflight read, each Spec naming its `source`.
 
 Example:
     >>> import jax, jax.numpy as jnp, remat
-    >>> t = remat.plan.targets.get("h200")
+    >>> t = remat.planning.targets.get("h200")
     >>> t.platform, t.count, remat.memory.format_bytes(t.memory)
     ('cuda', 1, '141.00 GiB')
     >>> x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
@@ -185,7 +185,7 @@ class Target:
 
 
 def table_markdown() -> str:
-    """The targets as a Markdown table (docs/targets.md holds it; `python -m remat.plan.targets` prints it)."""
+    """The targets as a Markdown table (docs/targets.md holds it; `python -m remat.planning.targets` prints it)."""
     rows = ["| name | compiler | device | memory per device | memory bandwidth | dense bf16 | host link |",
             "|---|---|---|---|---|---|---|"]
     for s in SPECS.values():

@@ -43,7 +43,7 @@ class Roofline:
     def __post_init__(self):
         if not self.memory_bandwidth > 0 or not self.peak_flops:
             raise ValueError("Roofline needs a positive memory_bandwidth and peak_flops per dtype; for the host CPU "
-                             "use remat.plan.cost.measure_host()")
+                             "use remat.planning.cost.measure_host()")
 
     def flops_rate(self, dtype) -> float:
         name = np.dtype(dtype).name
@@ -51,11 +51,11 @@ class Roofline:
 
 
 def of_target(target) -> Roofline:
-    """The roofline of a `remat.plan.targets.Target` (its Spec's figures); the host CPU's is measured."""
+    """The roofline of a `remat.planning.targets.Target` (its Spec's figures); the host CPU's is measured."""
     spec = target.spec
     if spec.platform == "cpu" or not spec.memory_bandwidth:
         return measure_host()
-    return Roofline(spec.memory_bandwidth, dict(spec.peak_flops), spec.host_link, f"remat.plan.targets {spec.kind}")
+    return Roofline(spec.memory_bandwidth, dict(spec.peak_flops), spec.host_link, f"remat.planning.targets {spec.kind}")
 
 
 _HOST: list = []
@@ -87,7 +87,7 @@ def measure_host(n: int = 512) -> Roofline:
     flops = 2 * n ** 3 / best(mm, a)
     bw = 2 * big.nbytes / best(cp, big)
     _HOST.append(Roofline(bw, {"float32": flops, "bfloat16": flops, "float16": flops}, bw,
-                          "measured on this host (remat.plan.cost.measure_host)"))
+                          "measured on this host (remat.planning.cost.measure_host)"))
     return _HOST[0]
 
 

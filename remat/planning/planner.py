@@ -3,7 +3,7 @@
 The caller hands in `compile_step(recompute_config)` (the train step's `remat.memory.CompiledMemory`
 or `jax.stages.Compiled`), so the library stays model-agnostic. Without a target it picks a preset
 per layer at the least recompute FLOPs; with `target=` and `trace_step=` it plans per tag at the
-least predicted step time (`front`; remat.plan.tagplan). "Peak" is `CompiledMemory.peak_estimate`
+least predicted step time (`front`; remat.planning.tagplan). "Peak" is `CompiledMemory.peak_estimate`
 (arguments + outputs + temp − aliased) unless `peak="temp"`. docs/planner.md states both models.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 
 from remat import memory as _memory
 from remat import policies as _policies
-from remat.plan import tagplan as _tagplan
-from remat.plan.tagplan import recompute_config
+from remat.planning import tagplan as _tagplan
+from remat.planning.tagplan import recompute_config
 from remat.config import RecomputeConfig
 from remat.errors import is_int
 from remat.memory import compiled_stats, format_bytes
@@ -26,7 +26,7 @@ from remat.memory import compiled_stats, format_bytes
 __all__ = ["DEFAULT_CANDIDATES", "MAX_PLANS", "PEAKS", "BudgetPlan", "Candidate", "Front", "front", "plan_for_budget",
            "recompute_config"]
 
-# Candidate settings: None (not rematerialized), selective presets, and nothing_saveable (nothing saved).
+# Candidate settings: None (not rematerialized), selective presets, and full (nothing saved).
 DEFAULT_CANDIDATES = ("none", "norm", "mlp", "core_attn+mlp+norm", _policies.NOTHING)
 PEAKS = ("estimate", "temp")
 MAX_PLANS = 2_000_000  # compositions enumerated at most; beyond, layers are planned in equal groups
@@ -166,9 +166,9 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
       layer_bytes: the analytic bytes of one layer (`remat_lm.models.memory_model.activation_bytes`), only
         for the saved-bytes column of the table.
       log: called with one line per compilation (progress), e.g. `print`.
-      target, trace_step: plan per tag for a `remat.plan.targets` target (name or Target): every tagged
+      target, trace_step: plan per tag for a `remat.planning.targets` target (name or Target): every tagged
         activation of every layer saved, offloaded or recomputed, at the least predicted step time
-        on the target (remat.plan.tagplan, docs/planner.md); `trace_step(recompute_config)` returns the
+        on the target (remat.planning.tagplan, docs/planner.md); `trace_step(recompute_config)` returns the
         train step's jaxpr. `candidates` and `layer_bytes` are then not used.
     Returns:
       BudgetPlan; `.table()` prints it, `.recompute_config()` applies it.
@@ -245,7 +245,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
             notes.append(dropped)
     if not uniform:
         raise ValueError("plan_for_budget: every remat candidate was dropped (" + "; ".join(notes) + "); "
-                         "add one that keeps its values on the device, e.g. nothing_saveable")
+                         "add one that keeps its values on the device, e.g. full")
     best_c = min(uniform, key=lambda c: pk(uniform[c]))
     minimum = min(pk(uniform[best_c]), p_none)
     if budget < minimum:
@@ -377,12 +377,12 @@ def _result(lp, cands, table, budget, peak, predicted, cm, p_none, minimum, flop
 
 
 # ------------------------------------------------------------------------------------------------
-# The tag planner's front (target=...): remat.plan.tagplan's model, solved per budget, every plan compiled.
+# The tag planner's front (target=...): remat.planning.tagplan's model, solved per budget, every plan compiled.
 
 @dataclasses.dataclass(frozen=True)
 class Front:
     """Plans for increasing budgets (`plans`, one BudgetPlan per budget, monotone: a larger budget
-    never has a slower predicted step), the calibrated `model` (remat.plan.tagplan.Model) and every
+    never has a slower predicted step), the calibrated `model` (remat.planning.tagplan.Model) and every
     compiled plan (`measured`: per-layer policies -> CompiledMemory)."""
     plans: tuple
     model: _tagplan.Model
@@ -401,7 +401,7 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
         jax.stages.Compiled) / the step's jaxpr.
       n_layers: layers in the stack.
       budgets: bounds on the compiled peak, planned in increasing order.
-      target: a `remat.plan.targets` name or Target (its roofline prices time; None: this host's CPU).
+      target: a `remat.planning.targets` name or Target (its roofline prices time; None: this host's CPU).
       known: {per-layer policies: CompiledMemory} of plans compiled already (e.g. the baselines):
         a known plan that fits and is predicted faster than the solver's answer is taken instead.
       model, measured: a calibrated Model and its compiled plans, to share between calls.
@@ -411,7 +411,7 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
         f = front(compile_step, trace_step, 12, ["6GiB", "8GiB"], target="h200")
         [p.text for p in f.plans]
     """
-    from remat.plan import targets as _targets
+    from remat.planning import targets as _targets
 
     if peak not in PEAKS:
         raise ValueError(f"peak={peak!r} is not valid; use one of {', '.join(PEAKS)}")

@@ -1,7 +1,7 @@
 """The planner per tag: save on the device, offload to host or recompute each tagged activation of
 each layer, under a budget on the target's compiled peak, at the least predicted step time.
 
-`remat.plan_for_budget(..., target=..., trace_step=...)` and `remat.plan.planner.front` use it. The
+`remat.plan_for_budget(..., target=..., trace_step=...)` and `remat.planning.planner.front` use it. The
 caller hands in two model-specific hooks: `compile_step(recompute_config)` (the target's compiler's
 `CompiledMemory` of the train step) and `trace_step(recompute_config)` (its jaxpr, not compiled).
 docs/planner.md states the cost model, the solver and what they assume.
@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from remat.plan import cost as _cost
+from remat.planning import cost as _cost
 from remat import names as _names
 from remat import policies as _policies
 from remat.config import RecomputeConfig
@@ -51,8 +51,8 @@ def format_plan(layer_policies: Sequence) -> str:
     """The one-line text of a per-layer plan: runs of equal policies, `POLICY xN` joined by '; '.
 
     Example:
-      >>> format_plan(["nothing_saveable", "nothing_saveable", None])
-      'nothing_saveable x2; none x1'
+      >>> format_plan(["full", "full", None])
+      'full x2; none x1'
     """
     runs = []
     for p in layer_policies:
@@ -75,8 +75,8 @@ def parse_plan(text: str, n_layers: int | None = None) -> tuple:
     `remat.policies` name (or `none`), the counts adding up to `n_layers` when given.
 
     Example:
-      >>> parse_plan("nothing_saveable x2; none x1", 3)
-      ('nothing_saveable', 'nothing_saveable', None)
+      >>> parse_plan("full x2; none x1", 3)
+      ('full', 'full', None)
     """
     out = []
     for part in str(text).split(";"):
@@ -126,7 +126,7 @@ class Model:
     notes: tuple = ()
 
     def layer_choice(self, policy) -> dict | None:
-        """{tag: choice} of a policy (None for `none`); nothing_saveable recomputes everything."""
+        """{tag: choice} of a policy (None for `none`); full recomputes everything."""
         if policy is None:
             return None
         if policy == _policies.NOTHING:
