@@ -9,6 +9,10 @@ Example:
     >>> remat.checkpoint(layer, use_reentrant=True)(jnp.eye(4), jnp.ones((2, 4))).shape
     (2, 4)
 """
+from remat._host import prepare_host
+
+prepare_host()  # before any JAX backend starts: the CPU platform on a host without an accelerator
+
 from remat import names, policies
 from remat.check import CheckpointError
 from remat.checkpoint import checkpoint
@@ -21,7 +25,7 @@ from remat.stack import apply_layers
 from remat import memory
 
 __all__ = ["BudgetPlan", "CheckpointError", "RecomputeConfig", "Segment", "apply_layers", "block", "checkpoint",
-           "count", "every", "memory", "names", "per_layer", "plan", "plan_for_budget", "policies", "regions",
+           "count", "every", "memory", "names", "per_layer", "plan", "plan_for_budget", "prepare_host", "policies", "regions",
            "segments", "uniform"]
 __version__ = "0.1.0"
 

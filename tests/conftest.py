@@ -1,10 +1,10 @@
-"""Test configuration: CPU only, tests/ importable (tinyblocks, llmc_reference)."""
+"""Test configuration: tests/ importable (tinyblocks, llmc_reference), 8 CPU devices; JAX's platform
+is what `import remat` gives this host, as in a user's process (the CPU without an accelerator)."""
 import os
 import shutil
 import sys
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 CPU devices for the sharding tests; set before JAX starts.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -24,6 +24,7 @@ if _OWN_CACHE:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402  (after the environment above is set)
+import remat  # noqa: E402,F401  (the one call a user's script makes: remat.prepare_host)
 
 jax.config.update("jax_enable_compilation_cache", False)
 

@@ -128,3 +128,23 @@ def test_flag_changes_the_compiled_train_step(tmp_path):
     assert temps[0] - temps[16] >= logits - 2 * chunk, temps
     with pytest.raises(Exception, match="loss_chunk"):
         config_from_args(argv + ["--loss_chunk", "-3"])
+
+
+def test_the_default_chunks_where_a_device_s_logits_are_large(tmp_path):
+    """Without --loss_chunk, train.py chunks the loss when one device's float32 logits pass
+    CHUNK_LOGITS_MIB (here 8 x 1024 x 4096 x 4 = 128 MiB: chunks of 512 positions, whose logits
+    are 64 MiB), and the compiled step needs less than with `--loss_chunk 0`; with small logits
+    (T=64) it leaves the loss whole. XLA:GPU for an H200, deviceless."""
+    need("cuda")
+    data = tmp_path / "t.txt"
+    data.write_bytes(bytes(range(256)) * 64)
+    argv = ["--preset", "tiny", "--n_layer", "1", "--vocab_size", "4096", "--batch_size", "8",
+            "--val_every", "0", "--data", str(data), "--target", "h200", "--dry_run"]
+    long = argv + ["--sequence_length", "1024", "--block_size", "1024"]
+    temps = {}
+    for extra in ([], ["--loss_chunk", "0"]):
+        setup = prepare(config_from_args(long + extra))
+        temps[setup.mcfg.loss_chunk] = compile_train_step(setup).memory_analysis().temp_size_in_bytes
+    assert set(temps) == {512, 0}
+    assert temps[512] <= temps[0] - 64 * 2**20, temps  # measured: 278.2 -> 152.2 MiB
+    assert prepare(config_from_args(argv + ["--sequence_length", "64"])).mcfg.loss_chunk == 0

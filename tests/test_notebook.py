@@ -3,7 +3,7 @@ out/notebooks by default, leaving the committed figures in docs/img as they were
 
 Executed with nbclient on the tiny shape (REMAT_NB_SHAPE=tiny, ~30 s on 2 CPU cores); the kernel is
 the `python3` kernelspec of the interpreter running the tests (jupyter_client starts it with
-`sys.executable`), so it sees this virtualenv and the environment set in conftest.py.
+`sys.executable`), so it sees this virtualenv and conftest.py's environment, with no JAX_PLATFORMS: JAX starts as in a user's kernel.
 """
 import hashlib
 import os
@@ -35,6 +35,7 @@ def test_memory_explorer_runs_and_writes_plots(model, tmp_path, monkeypatch):
     README's figures in docs/img are not touched."""
     monkeypatch.setenv("REMAT_NB_SHAPE", "tiny")
     monkeypatch.setenv("REMAT_NB_MODEL", model)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("REMAT_WRITE_DOCS_IMG", raising=False)
     if model == "gpt2":
         monkeypatch.delenv("REMAT_NB_OUT", raising=False)
@@ -53,6 +54,10 @@ def test_memory_explorer_runs_and_writes_plots(model, tmp_path, monkeypatch):
     errors = [out for cell in nb.cells if cell.cell_type == "code"
               for out in cell.get("outputs", []) if out.get("output_type") == "error"]
     assert not errors, errors
+    # the kernel starts JAX as a user's would (no JAX_PLATFORMS here): no plugin traceback on a CPU host
+    stderr = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                     for out in cell.get("outputs", []) if out.get("name") == "stderr")
+    assert not any(n in stderr for n in ("Traceback", "INVALID_ARGUMENT")), stderr
     assert all(cell.get("execution_count") for cell in nb.cells if cell.cell_type == "code")
     for name in PLOTS:
         path = out / name

@@ -6,6 +6,7 @@ settings that compile the same program pay once.
 """
 import json
 import math
+import pathlib
 import os
 
 import jax
@@ -17,7 +18,7 @@ from remat_lm.models.llmc import save as save_llmc
 from remat_lm.training import TrainingDiverged, config_from_args, prepare
 from remat_lm.training import saving
 from remat_lm.training.resume import initial_state
-from trainhelp import _run, text_file  # noqa: F401 (text_file is a fixture)
+from trainhelp import COMMON, _run, text_file  # noqa: F401 (text_file is a fixture)
 
 # The acceptance commands (each also run with --model llama3 below).
 BASE = "--model gpt2 --preset tiny --num_iterations 3 --activation_recompute --recompute_method uniform " \
@@ -57,7 +58,7 @@ def _params():
 @pytest.mark.parametrize("model,variant", _params())
 def test_acceptance_command_runs_with_finite_losses(model, variant, baseline, text_file):
     argv = (BASE.replace("gpt2", model) + " " + VARIANTS[variant]).split() + ["--data", text_file] + QUIET
-    res, out = _run(argv)
+    res, out = _run(argv + ["--log_every", "1"])
     losses = [h["loss"] for h in res.history]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
     assert out.count("\nstep ") + out.startswith("step ") == 3
@@ -93,7 +94,7 @@ def test_log_line_and_jsonl(tmp_path, text_file):
         assert r["mfu"] is None and r["memory_source"] == "compiled_estimate" and r["memory_bytes"] > 0  # CPU
     np.testing.assert_allclose([r["lr"] for r in recs], [1e-4, 2e-4, 3e-4], rtol=1e-6)  # warmup 30, peak 3e-3
     assert "val_loss" in recs[-1] and math.isfinite(recs[-1]["val_loss"])
-    line = next(l for l in out.splitlines() if l.startswith("step 2/3"))
+    line = next(l for l in out.splitlines() if l.startswith("step 3/3"))  # the last step always has its line
     assert all(p in line for p in ("| loss ", "| norm ", "| lr ", " ms |", " tok/s |", "mfu n/a", "(compiled est.)"))
     assert "first step excluded" in out
 
@@ -263,3 +264,16 @@ def test_token_shards_train(tmp_path):
     res, out = _run(TINY + ["--data", str(tmp_path / "shard_*.bin"), "--val_data", str(tmp_path / "shard_1.bin"),
                             "--val_every", "3", "--val_steps", "1"])
     assert "2 token shards" in out and math.isfinite(res.history[-1]["val_loss"])
+
+
+def test_log_every_chooses_the_step_lines(text_file):
+    """--log_every N prints every N-th step plus the first and the last; the default (0) prints the
+    first and the last of a run of fast steps, whose lines would otherwise scroll by faster than read;
+    the JSONL log keeps every step either way."""
+    def printed(extra, tmp):
+        argv = COMMON + ["--data", text_file, "--num_iterations", "5", "--log_jsonl", str(tmp)] + extra
+        res, out = _run(argv)
+        lines = [int(l.split()[1].split("/")[0]) for l in out.splitlines() if l.startswith("step ")]
+        return lines, len(pathlib.Path(tmp).read_text().splitlines())
+    assert printed(["--log_every", "2"], text_file + ".a.jsonl") == ([1, 2, 4, 5], 5)
+    assert printed([], text_file + ".b.jsonl") == ([1, 5], 5)  # tiny steps: far under LOG_SECONDS apart

@@ -19,7 +19,8 @@ Example:
     2097152
 
 The compilers come with `pip install 'remat[targets]'` (`jax-cuda12-pjrt`, `libtpu`); on a host
-without a GPU, start Python with `JAX_PLATFORMS=cpu` so that the CUDA plugin registers.
+without a GPU `import remat` gives JAX the CPU platform first (`remat.prepare_host`), and the CUDA
+plugin registers its compiler.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
     python -m remat_lm.bench.attention                                  # T = 1024, 2048, 4096
     python -m remat_lm.bench.attention --seqs 1024 --steps 3 --json out/bench/attention.json
     python -m remat_lm.bench.attention --tile_sweep 64,128,256 --shapes 8x256,1x1024   # the default tile
-    JAX_PLATFORMS=cpu python -m remat_lm.bench.attention --target h200 --dtype bfloat16 --cores xla,tiled,cudnn
-    JAX_PLATFORMS=cpu python -m remat_lm.bench.attention --target v5e --cores xla,tiled,pallas
+    python -m remat_lm.bench.attention --target h200 --dtype bfloat16 --cores xla,tiled,cudnn
+    python -m remat_lm.bench.attention --target v5e --cores xla,tiled,pallas
 
 GPT-2, 8 layers, C=256, 4 heads, B=1, vocabulary 1024, float32 (the reference width at long
 sequences). Per T, the settings none / full / selective core_attn, each with `attention="xla"`

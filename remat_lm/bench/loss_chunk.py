@@ -3,7 +3,7 @@ with the plain head and with `loss_chunk` N.
 
     python -m remat_lm.bench.loss_chunk                       # d12, T=1024, B=4, chunks 128 and 256 (~1 min CPU)
     python -m remat_lm.bench.loss_chunk --chunks 64,128 --json out.json
-    JAX_PLATFORMS=cpu python -m remat_lm.bench.loss_chunk --target h200 --dtype bfloat16   # XLA:GPU's figures
+    python -m remat_lm.bench.loss_chunk --target h200 --dtype bfloat16   # XLA:GPU's figures
 
 Compile only: every row is `jax.jit(jax.grad(loss_fn)).lower(...).compile()` on abstract inputs
 (`remat_lm.bench.common.compile_for`), nothing runs, so the d12 shape is fine on a small CPU

@@ -1,8 +1,8 @@
 """What offloading to host memory frees on a target's compiler: the model's gradient compiled
 (not run) for a GPU or TPU, device temp and host bytes per setting (docs/offload.md).
 
-    JAX_PLATFORMS=cpu python -m remat_lm.bench.offload --target h200
-    JAX_PLATFORMS=cpu python -m remat_lm.bench.offload --target v5e --scan
+    python -m remat_lm.bench.offload --target h200
+    python -m remat_lm.bench.offload --target v5e --scan
 
 The settings: no remat, full remat, full remat saving `qkv,mlp_up` on the device, full remat
 offloading them (`offload_names:qkv,mlp_up`), and full remat with the layer inputs in host memory

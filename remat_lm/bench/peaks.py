@@ -2,8 +2,8 @@
 at the reference shape, compiled (not run) for this host, an H200 or a TPU v5e.
 
     python -m remat_lm.bench.peaks                          # XLA:CPU, this host
-    JAX_PLATFORMS=cpu python -m remat_lm.bench.peaks --target h200 --json out/peaks_h200.json
-    JAX_PLATFORMS=cpu python -m remat_lm.bench.peaks --target v5e --json out/peaks_v5e.json
+    python -m remat_lm.bench.peaks --target h200 --json out/peaks_h200.json
+    python -m remat_lm.bench.peaks --target v5e --json out/peaks_v5e.json
     python -m remat_lm.bench.peaks --merge out/peaks_cpu.json out/peaks_h200.json out/peaks_v5e.json
 
 Each row is XLA's memory analysis of `jax.grad` of the model's loss (`remat_lm.bench.offload.gradient`)

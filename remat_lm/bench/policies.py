@@ -3,7 +3,7 @@
     python -m remat_lm.bench.policies                                   # GPT-2, reference shape
     python -m remat_lm.bench.policies --model llama3 --preset ref --steps 7 --json out/policies.json
     python -m remat_lm.bench.policies --preset ref --n_layer 4 --seq 128 --batch 4
-    JAX_PLATFORMS=cpu python -m remat_lm.bench.policies --target h200    # XLA:GPU's figures, not timed
+    python -m remat_lm.bench.policies --target h200    # XLA:GPU's figures, not timed
 
 The reference shape (`--preset ref`, `remat_lm.bench.common.REFERENCE`): 8 layers, C=256, 4 heads,
 T=256, B=8, vocabulary 1024, float32. Other presets are the models' own (`d12`, `tiny`, `1b`, ...).

@@ -1,7 +1,7 @@
 """The compiled temp of the gradient for every selective preset, loop and scan layouts, by a target's
 compiler: the reference models (remat_lm.bench.common.REFERENCE), compiled, not run.
 
-    JAX_PLATFORMS=cpu python -m remat_lm.bench.selective --target h200 --json out/selective_h200.json
+    python -m remat_lm.bench.selective --target h200 --json out/selective_h200.json
 
 Rows: none, full, selective core_attn / mlp / norm / core_attn+mlp / core_attn+mlp+norm, policies
 dots and dots_no_batch, in the loop and the scan layout; uniform 2 and block 4 (loop); none and full

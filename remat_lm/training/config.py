@@ -35,7 +35,7 @@ from remat_lm.training.flags import RecomputeFlags
 from remat.planning import targets as remat_targets
 from remat_lm.training.flags import AutoRecompute
 
-__all__ = ["DEFAULT_PRESET", "DEFAULT_PROMPT_TOKENS", "DTYPES", "INT32_MAX", "MESH_AXES", "MODELS", "PATH_FLAGS",
+__all__ = ["DEFAULT_PRESET", "DEFAULT_PROMPT_TOKENS", "DTYPES", "CHUNK_LOGITS_MIB", "CHUNK_MAX", "CHUNK_MIN", "INT32_MAX", "LOG_SECONDS", "default_loss_chunk", "MESH_AXES", "MODELS", "PATH_FLAGS",
            "SAMPLE_LENGTH_MAX", "SEED_MAX", "TENSOR_AXIS", "TrainConfig", "UsageError", "build_parser",
            "config_from_args", "model_presets", "parse_mesh"]
 
@@ -48,6 +48,10 @@ DEFAULT_PROMPT_TOKENS = 32  # the default sample prompt: this many tokens from t
 INT32_MAX = 2**31 - 1  # JAX computes in int32 (x64 off): counts, indices and seeds must fit it
 SEED_MAX = INT32_MAX  # the seed enters the jitted init as an int32
 SAMPLE_LENGTH_MAX = INT32_MAX - 1  # a sample's positions (prompt + generated tokens) are int32 indices
+LOG_SECONDS = 5  # --log_every 0: about one step line this often
+# --loss_chunk's default: chunk the loss when one device's float32 (micro-batch, T, vocab) logits would
+# exceed this many MiB, in chunks whose logits fit in it (a power of two between CHUNK_MIN and CHUNK_MAX)
+CHUNK_LOGITS_MIB, CHUNK_MIN, CHUNK_MAX = 64, 128, 1024
 
 
 # Every flag that names a path, and the fix for an empty one.
@@ -123,8 +127,11 @@ class TrainConfig(RecomputeFlags):
                                                    "gathered before its recomputation (Megatron's "
                                                    "--distribute-saved-activations); needs granularity full, "
                                                    "--mesh tensor=N (N > 1) and --no-sequence_parallel")
-    loss_chunk: int = _f(0, "compute the LM head and cross-entropy over chunks of N positions, each "
-                            "rematerialized, so the (batch, T, vocab) float32 logits never exist (0: off)", lo=0)
+    loss_chunk: int | None = _f(None, "compute the LM head and cross-entropy over chunks of N positions, each "
+                                      "rematerialized, so the (batch, T, vocab) float32 logits never exist; 0: off; "
+                                      "default: chunks when a device's float32 logits would exceed %d MiB, of the "
+                                      "positions whose logits fit in that (a power of two, %d..%d)"
+                                      % (CHUNK_LOGITS_MIB, CHUNK_MIN, CHUNK_MAX), lo=0)
     attention: str = _f("auto", "attention core: tiled (query tiles, masked tiles skipped; any backend) | xla "
                                 "(the whole T x T scores) | cudnn (cuDNN flash attention: NVIDIA GPU, bfloat16, "
                                 "no dropout) | pallas (Pallas TPU splash attention: TPU, T a multiple of 128, no dropout) | auto "
@@ -152,6 +159,9 @@ class TrainConfig(RecomputeFlags):
     val_data: tuple[str, ...] = _f((), "validation data, as --data (default: the last 2%% of the training "
                                         "tokens are held out)")
     val_every: int = _f(250, "evaluate every N steps and at the last step (0: never)", lo=0)
+    log_every: int = _f(0, "print a step line every N steps; 0: one about every %d s, and always the first, "
+                           "the last and every step with a validation loss (--log_jsonl records every step)"
+                        % LOG_SECONDS, lo=0)
     val_steps: int = _f(8, "batches per evaluation", lo=1)
     # -- samples (remat_lm/training/samples.py)
     sample_every: int = _f(0, "print a short generation every N steps and at the last step (0: never)", lo=0)
@@ -399,6 +409,21 @@ class TrainConfig(RecomputeFlags):
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def default_loss_chunk(batch_per_device: int, seq: int, vocab: int) -> int:
+    """--loss_chunk's default: 0 while a device's float32 logits fit in CHUNK_LOGITS_MIB, else the
+    largest power of two N in CHUNK_MIN..CHUNK_MAX (and at most T) whose (batch, N, vocab) logits do.
+
+    Example:
+      >>> default_loss_chunk(8, 256, 1024), default_loss_chunk(8, 1024, 50304), default_loss_chunk(1, 8192, 128256)
+      (0, 128, 128)
+    """
+    row = batch_per_device * vocab * 4  # float32 logits of one position
+    if row * seq <= CHUNK_LOGITS_MIB * 2**20:
+        return 0
+    n = max(CHUNK_MIN, min(CHUNK_MAX, 1 << max(0, (CHUNK_LOGITS_MIB * 2**20 // row).bit_length() - 1)))
+    return min(n, seq)
 
 
 def _host_cpu(name: str) -> bool:

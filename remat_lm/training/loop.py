@@ -27,7 +27,7 @@ from remat_lm.training import sharding as sh
 from remat_lm.training import signals
 from remat_lm.training.checks import is_oom
 from remat_lm.training.compile import batch_struct
-from remat_lm.training.config import TrainConfig, UsageError
+from remat_lm.training.config import LOG_SECONDS, TrainConfig, UsageError
 from remat_lm.training.distributed import put_rows
 from remat_lm.training.model import config_dict
 from remat_lm.training.profile import StepProfiler
@@ -126,7 +126,7 @@ def train(setup, compiled, out, t_compile: float) -> RunResult:
                disable=(not cfg.progress or jax.process_index() != 0) or None, dynamic_ncols=True,
                leave=False)
     t_run = time.perf_counter()
-    stopped, n = None, start
+    stopped, n, last_line = None, start, -math.inf
     signals.set_phase("training")
     try:
         for step in range(start, cfg.num_iterations):
@@ -167,7 +167,9 @@ def train(setup, compiled, out, t_compile: float) -> RunResult:
             writer.write(rec)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            tqdm.write(log_lib.format_line(n, cfg.num_iterations, rec), file=out)
+            if _log_due(cfg, n, start, rec, last_line):
+                tqdm.write(log_lib.format_line(n, cfg.num_iterations, rec), file=out)
+                last_line = time.perf_counter()
             if setup.sampler is not None and setup.sampler.due(n):  # after the step's timing
                 tqdm.write(setup.sampler.report(state["params"], n), file=out)
             if cfg.checkpoint_dir and (n == cfg.num_iterations or (cfg.checkpoint_every and n % cfg.checkpoint_every == 0)):
@@ -203,3 +205,13 @@ def train(setup, compiled, out, t_compile: float) -> RunResult:
               + (f", val loss {val[-1]:.4f}" if val else "")
               + (f"; checkpoint step {last_saved} in {cfg.checkpoint_dir}" if cfg.checkpoint_dir else ""), file=out)
     return RunResult(history, state, setup)
+
+
+def _log_due(cfg, n: int, start: int, rec: dict, last_line: float) -> bool:
+    """Whether step n gets its line: every `log_every` steps, or (0) the first, the last, a step with
+    a validation loss and otherwise one about every LOG_SECONDS."""
+    if n in (start + 1, cfg.num_iterations) or "val_loss" in rec:
+        return True
+    if cfg.log_every:
+        return n % cfg.log_every == 0
+    return time.perf_counter() - last_line >= LOG_SECONDS

@@ -31,7 +31,7 @@ from remat_lm.training import saving
 from remat_lm.training import sharding as sh
 from remat_lm.training import target as run_target
 from remat_lm.training.compile import optimizer
-from remat_lm.training.config import TrainConfig, UsageError, parse_mesh
+from remat_lm.training.config import TrainConfig, UsageError, default_loss_chunk, parse_mesh
 from remat_lm.training.model import config_dict
 from remat_lm.training.optim import optimizer_settings
 from remat_lm.training.profile import profile_dir
@@ -84,7 +84,7 @@ class Setup:
 def flag_fields(cfg: TrainConfig) -> dict:
     """The model-config fields the run's flags set whatever the model's shape (from a preset or from an
     --init_from file's header): every one must reach the model either way."""
-    return dict(dtype=cfg.dtype, dropout=cfg.dropout, scan_layers=cfg.scan_layers, loss_chunk=cfg.loss_chunk,
+    return dict(dtype=cfg.dtype, dropout=cfg.dropout, scan_layers=cfg.scan_layers, loss_chunk=cfg.loss_chunk or 0,
                 attention=cfg.attention, attention_tile=cfg.attention_tile)
 
 
@@ -99,6 +99,11 @@ def _model_config(cfg: TrainConfig, fam: family.Family, recompute, vocab_size: i
                 over[k] = getattr(cfg, k)
     try:
         mcfg = fam.config(cfg.preset, **over) if shaped is None else dataclasses.replace(shaped, **over)
+        if cfg.loss_chunk is None:  # the default: chunked where a device's logits are large
+            mesh = parse_mesh(cfg.mesh)
+            per_device = max(1, cfg.batch_size // (mesh["data"] * mesh["fsdp"]))
+            vocab = getattr(mcfg, "padded_vocab_size", mcfg.vocab_size)
+            mcfg = dataclasses.replace(mcfg, loss_chunk=default_loss_chunk(per_device, cfg.sequence_length, vocab))
         # cudnn where it cannot run is a usage error now, not a trace-time failure later
         attention.resolve(mcfg.attention, mcfg.compute_dtype, mcfg.n_embd // mcfg.n_head, mcfg.dropout > 0,
                           seq_len=cfg.sequence_length)
