@@ -246,3 +246,18 @@ def test_paths_the_tree_points_at_exist():
             if not (ROOT / m.group(1)).exists():
                 dead.append(f"{name}: {m.group(1)}")
     assert not dead, f"pointers to files that do not exist: {sorted(set(dead))}"
+
+
+@pytest.mark.slow  # ~80 s: four XLA:GPU compiles of GPT-2 d12
+def test_the_readme_memory_report_summary_is_what_the_command_prints():
+    """The README's --memory_report summary table, re-run: every row as the command prints it."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"python train\.py --preset d12 --sequence_length 1024 --target h200 [^\n]*\\\n[^\n#]*--memory_report", readme).group(0)
+    table = re.search(r"```\n(  setting +saved \(intermediates\).*?)```", readme, re.S).group(1).strip("\n")
+    args = command.replace("\\\n", " ").split()[2:]
+    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    for row in table.splitlines():
+        assert row in r.stdout.splitlines(), (row, r.stdout)

@@ -7,6 +7,7 @@ settings that compile the same program pay once.
 import json
 import math
 import pathlib
+import re
 import os
 
 import jax
@@ -240,6 +241,25 @@ def test_memory_report_one_column_per_method(text_file, tmp_path):
     for row in ("total (intermediates)", "temp", "peak estimate", "<arguments>"):
         assert row in out
     assert os.listdir(tmp_path) == []
+
+
+def test_memory_report_has_no_remat_beside_and_the_peak_by_part(text_file, capsys):
+    """`no remat` is a column whatever the flags ask; the peak splits into parameters, optimizer state,
+    gradients, activations and the rest, which add up to the peak estimate; a line per compile goes
+    to stderr as it starts; the activations of no remat are what it saves (its intermediates)."""
+    from remat.memory import format_bytes
+    from remat_lm.training.report import PARTS
+    _, out = _run(TINY + ["--data", text_file, "--memory_report", "--activation_recompute"])
+    err = capsys.readouterr().err
+    assert "memory report: compiling 1/2 (no remat)" in err and "memory report: compiling 2/2 (full/none)" in err
+    header = next(l for l in out.splitlines() if "full/none" in l and "no remat" in l)
+    assert header.split().index("no") < header.split().index("full/none")
+    section = out[out.index("the peak estimate per device, by part"):].splitlines()
+    rows = {k: section[i + 2] for i, k in enumerate(PARTS)}
+    assert all(rows[k].split()[0] == k.split()[0] for k in PARTS), section
+    saved = re.search(r"^  total \(intermediates\)\s+(\S+ \S+)", out, re.M).group(1)
+    assert rows["activations"].split()[1:3] == saved.split(), (rows["activations"], saved)
+    assert rows["parameters"].split()[1:3] == rows["gradients"].split()[1:3]
 
 
 def test_memory_report_names_tagged_activations(text_file):

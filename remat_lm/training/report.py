@@ -8,8 +8,13 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
+import sys
+import time
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import remat
 from remat_lm.training import log as log_lib
@@ -33,13 +38,53 @@ def _saved_cell(res, name: str) -> str:
     return f"{count} x {fmt(total // count)}" if len(sizes) == 1 else f"{count}, {fmt(total)} total"
 
 
-def memory_report(setup) -> str:
-    """What the backward keeps (by tagged name) and XLA's compiled memory, one column per config."""
-    cfg = setup.cfg
+NO_REMAT = "no remat"  # the column of the same run with nothing recomputed, always in the report
+PARTS = ("parameters", "optimizer state", "gradients", "activations", "the rest")
+
+
+def _settings(setup) -> list:
+    """The report's columns: `no remat` (the run with nothing recomputed: the flags' own `none`
+    setting, or one added) and then the flags' settings."""
+    out = [(NO_REMAT if not m.recompute.enabled else label, m) for label, m in setup.mcfgs]
+    if all(m.recompute.enabled for _, m in setup.mcfgs):
+        out.insert(0, (NO_REMAT, dataclasses.replace(setup.mcfg, recompute=remat.RecomputeConfig())))
+    return out
+
+
+def _per_device(tree, shardings) -> int:
+    """Bytes of `tree` (abstract arrays) on one device under `shardings`."""
+    sizes = jax.tree.map(lambda a, sh: int(np.prod(sh.shard_shape(a.shape))) * a.dtype.itemsize, tree, shardings)
+    return int(sum(jax.tree.leaves(sizes)))
+
+
+def _parts(setup, res, peak) -> dict | None:
+    """The peak per device split into PARTS: the parameters and the optimizer state as the state's
+    shardings place them, gradients as large as the parameters (float32, alive together in the
+    update), the activations the backward keeps (`res.intermediates` of one micro-batch over the
+    batch's devices), and the rest (the batch, XLA's temporaries, what the estimates miss)."""
+    if peak is None:
+        return None
+    state, shard = setup.abstract_state, setup.state_sharding
+    p = _per_device(state["params"], shard["params"])
+    o = _per_device({k: v for k, v in state.items() if k != "params"}, {k: v for k, v in shard.items() if k != "params"})
+    batch_devices = setup.mesh.shape.get("data", 1) * setup.mesh.shape.get("fsdp", 1)
+    a = res.intermediates // batch_devices
+    return dict(zip(PARTS, (p, o, p, a, max(0, peak - 2 * p - o - a))))
+
+
+def memory_report(setup, progress=None) -> str:
+    """What the backward keeps (by tagged name) and XLA's compiled memory, one column per config,
+    `no remat` first; the peak split into PARTS; with --target, one verdict per setting. A line per
+    compile goes to `progress` (default stderr) as it starts."""
+    cfg, progress = setup.cfg, progress or sys.stderr
     params = setup.abstract_state["params"]
     xy = jax.ShapeDtypeStruct((cfg.batch_size, cfg.sequence_length), jnp.int32)
     cols, refused = [], {}
-    for label, mcfg in setup.mcfgs:
+    settings = _settings(setup)
+    by = run_target.words(setup.target) if setup.target is not None else "XLA"
+    for i, (label, mcfg) in enumerate(settings):
+        t0 = time.perf_counter()
+        print(f"memory report: compiling {i + 1}/{len(settings)} ({label}) by {by} ...", file=progress, flush=True)
         # the mesh: --distribute_saved_activations constrains with PartitionSpecs; --target: traced for its
         # platform (its attention core), as the compiled step below is
         with run_target.building(setup):
@@ -52,6 +97,7 @@ def memory_report(setup) -> str:
             refused[label] = e
             comp = dict.fromkeys(("temp", "arguments", "outputs", "aliased", "peak estimate"))
         cols.append((label, res, comp))
+        print(f"memory report: {label} compiled in {time.perf_counter() - t0:.1f} s", file=progress, flush=True)
     names = []
     for _, res, _ in cols:
         names += [k for k in res.by_name() if k not in names]
@@ -85,14 +131,32 @@ def memory_report(setup) -> str:
     for label, res, comp in cols:
         lines.append("  " + label.ljust(wl) + mib(res.intermediates).rjust(22) + mib(comp["temp"]).rjust(16)
                      + mib(comp["peak estimate"]).rjust(16))
+    lines += _breakdown(setup, cols, w0, w)
     if t is not None:
         lines += _verdicts(setup, cols, refused, wl)
     return "\n".join(lines)
 
 
+def _breakdown(setup, cols, w0, w) -> list[str]:
+    """The peak estimate per device split into PARTS, a column per setting, and a line where the
+    activations (what remat changes) are not its largest part."""
+    fmt = remat.memory.format_bytes
+    parts = [(label, _parts(setup, res, comp["peak estimate"])) for label, res, comp in cols]
+    lines = ["", "the peak estimate per device, by part (gradients: as large as the parameters; the rest: "
+                 "the batch and XLA's temporaries)", "".ljust(w0) + "".join(label.rjust(w) for label, _ in parts)]
+    for k in PARTS:
+        lines.append(f"  {k}".ljust(w0) + "".join(("refused" if d is None else fmt(d[k])).rjust(w) for _, d in parts))
+    base = dict(parts).get(NO_REMAT)
+    if base is not None:
+        top = max(PARTS, key=base.get)
+        if top != "activations":
+            lines.append(f"  with no remat the activations are {fmt(base['activations'])} of a {fmt(sum(base.values()))} "
+                         f"peak and {top} ({fmt(base[top])}) the largest part: remat lowers only the activations")
+    return lines
+
+
 def _verdicts(setup, cols, refused, wl) -> list[str]:
-    """With --target: one verdict per setting against the capacity (`preflight.capacity_of`), then a
-    line that sums them up ("full/uniform/2 fits with 61% headroom; none does not fit")."""
+    """With --target: one verdict per setting against the capacity (`preflight.capacity_of`)."""
     from remat_lm.training import preflight
 
     cap = preflight.capacity_of(setup)
@@ -100,7 +164,6 @@ def _verdicts(setup, cols, refused, wl) -> list[str]:
         return []
     fmt = remat.memory.format_bytes
     lines = ["", f"verdict against {fmt(cap.bytes)} per device, {cap.what}"]
-    short = []
     for label, _, comp in cols:
         peak = comp["peak estimate"]
         err = refused.get(label)
@@ -108,9 +171,6 @@ def _verdicts(setup, cols, refused, wl) -> list[str]:
         why = (f" ({err})" if err is not None else
                f" (needs {fmt(peak * cap.sharing)})")
         lines.append("  " + label.ljust(wl) + v + why)
-        short.append(f"{label} " + ("does not fit" if err is not None or peak * cap.sharing > cap.bytes
-                                    else f"fits with {preflight.headroom(peak * cap.sharing, cap)}% headroom"))
-    lines.append(f"  {'; '.join(short)}")
     return lines
 
 
