@@ -25,7 +25,7 @@ test-all: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "" $(PYTEST_ARGS)
 
 bench: install
-	$(BIN)/python -m remat_lm.bench.policies
+	$(BIN)/python -m remat_lm.bench.policies   # memory: XLA:GPU for an H200 (--target); times: this host
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then $(BIN)/python -m remat_lm.bench.torch_peer; \
 	else echo "remat_lm.bench.torch_peer skipped: PyTorch is not installed (pip install -e '.[peer]')"; fi
 

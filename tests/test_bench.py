@@ -78,7 +78,8 @@ def test_policy_table_report_and_targets(table):
     assert names == ["full remat step time ≤ 1.30× none", "selective core_attn step time ≤ 1.05× none",
                      "selective core_attn saves ≥ 40% fewer bytes than none"]
     text = policies.report(table)
-    assert "| setting | recompute | dtype | saved MiB |" in text and "| none (bf16) |" in text
+    assert "| setting | recompute | dtype | saved MiB (XLA:CPU) |" in text and "| step ms (XLA:CPU, this host) |" in text
+    assert "| none (bf16) |" in text
     for t in table["targets"]:  # each verdict printed is the one evaluate() reached
         assert Target(**t).line() in text
     json.dumps(table)  # the --json payload is serializable

@@ -39,7 +39,8 @@ def reference_config(model: str = "gpt2", **overrides):
     return family.get(model).config_cls(**{**REFERENCE[model], **overrides})
 
 
-def interleaved_ms(steps: Mapping[str, Callable[[], object]], n: int, warmup: int = 1) -> dict:
+def interleaved_ms(steps: Mapping[str, Callable[[], object]], n: int, warmup: int = 1,
+                   tick: Callable[[], object] | None = None) -> dict:
     """Time every callable `n` times, round-robin, after `warmup` untimed rounds.
 
     Each round runs every setting once; the order rotates from round to round so that no setting
@@ -51,6 +52,7 @@ def interleaved_ms(steps: Mapping[str, Callable[[], object]], n: int, warmup: in
       steps: {name: zero-argument callable doing one step}.
       n: timed rounds (the median of these is reported).
       warmup: untimed rounds first (compilation caches, allocator growth).
+      tick: called after every step, warm-up included (a progress bar's update).
     Returns:
       {name: [milliseconds per timed step, in round order]}.
     Example:
@@ -58,9 +60,11 @@ def interleaved_ms(steps: Mapping[str, Callable[[], object]], n: int, warmup: in
       >>> statistics.median(ms["a"])
     """
     names = list(steps)
+    tick = tick or (lambda: None)
     for _ in range(warmup):
         for k in names:
             steps[k]()
+            tick()
     out = {k: [] for k in names}
     for r in range(n):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -68,6 +72,7 @@ def interleaved_ms(steps: Mapping[str, Callable[[], object]], n: int, warmup: in
             t0 = time.perf_counter()
             steps[k]()
             out[k].append((time.perf_counter() - t0) * 1e3)
+            tick()
     return out
 
 

@@ -3,13 +3,15 @@
     python -m remat_lm.bench.policies                                   # GPT-2, reference shape
     python -m remat_lm.bench.policies --model llama3 --preset ref --steps 7 --json out/policies.json
     python -m remat_lm.bench.policies --preset ref --n_layer 4 --seq 128 --batch 4
-    python -m remat_lm.bench.policies --target h200    # XLA:GPU's figures, not timed
+    python -m remat_lm.bench.policies --target cpu     # every column from this host (XLA:CPU)
 
 The reference shape (`--preset ref`, `remat_lm.bench.common.REFERENCE`): 8 layers, C=256, 4 heads,
 T=256, B=8, vocabulary 1024, float32. Other presets are the models' own (`d12`, `tiny`, `1b`, ...).
-`--target NAME` compiles every setting with that target's compiler (`remat_lm.bench.common.compile_for`:
-XLA:GPU for an H200, XLA:TPU for a v5e, no device needed); a program built for a target this host is
-not is never run, so the step-time columns and the time targets are left out and the report says so.
+The memory columns (saved, temp) come from `--target`'s compiler (default `h200`: XLA:GPU for an
+H200, compiled with no device, `remat_lm.bench.common.compile_for`); the step times, the losses and the
+FLOPs from the same program compiled for this host and run here (`--no-time` leaves them out). Each
+column's header says which compiler it is from. A progress bar on stderr counts the compiles and the
+timed steps, with an estimate of what is left.
 
 One process, every setting compiled first; then one untimed warm-up step each and `--steps`
 timed rounds, the settings round-robin (remat_lm.bench.common.interleaved_ms); the median is reported.
@@ -30,6 +32,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from remat_lm.bench import common
 from remat_lm.bench.common import (REFERENCE, REFERENCE_BATCH, MiB, Target, fmt, interleaved_ms, machine,
@@ -154,9 +157,12 @@ def rows_from(cases: list[Case], times: dict) -> list[dict]:
     return out
 
 
-def table(rows: list[dict]) -> str:
-    header = ["setting", "recompute", "dtype", "saved MiB", "× none", "temp MiB", "× none",
-              "step ms", "× none", "GFLOPs", "× none"]
+def table(rows: list[dict], memory: str = "", time: str = "") -> str:
+    """The rows as markdown; `memory` and `time` name the compilers of the memory and the time
+    columns in their headers ("XLA:GPU", "XLA:CPU, this host")."""
+    m, t = (f" ({memory})" if memory else ""), (f" ({time})" if time else "")
+    header = ["setting", "recompute", "dtype", f"saved MiB{m}", "× none", f"temp MiB{m}", "× none",
+              f"step ms{t}", "× none", f"GFLOPs{t}", "× none"]
     body = [[r["setting"], r["recompute"], r["dtype"], fmt(r["saved_bytes"] / MiB, ".1f"),
              fmt(r["saved_ratio"]), fmt(r["temp_bytes"] / MiB, ".1f"), fmt(r["temp_ratio"]),
              fmt(r["step_ms"], ".0f"), fmt(r["time_ratio"]), fmt(None if r["flops"] is None else r["flops"] / 1e9, ".1f"),
@@ -192,8 +198,12 @@ def evaluate(rows: list[dict]) -> list[Target]:
 
 def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, n_head=None, seq=None,
         batch=None, vocab=None, steps: int = 5, settings: list[Setting] | None = None, target: str = "cpu",
-        log=None) -> dict:
+        time_here: bool = False, log=None, progress: bool = False) -> dict:
     """Measure every setting in one process, interleaved; returns {"meta", "rows", "targets"}.
+
+    Memory figures are `target`'s compiler's; step times, losses and FLOPs are this host's, from
+    the program built for `target` when it runs here, else (with `time_here`) from the same
+    setting compiled for this host; `progress` shows a tqdm bar.
 
     Example:
       >>> res = run("gpt2", "ref", n_layer=2, n_embd=32, seq=32, batch=2, steps=2)
@@ -206,16 +216,34 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
     batch = batch or REFERENCE_BATCH
     settings = settings or default_settings(config.n_layer)
     params, idx, targets = inputs(config, batch, seq)
-    cases = []
+    here = common.timed(target)
+    hosted = here or time_here  # step times from this host
+    bar = tqdm(total=len(settings) * (1 + (time_here and not here)) + (len(settings) * (steps + 1) if hosted else 0),
+               desc="bench", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True, leave=False)
+    cases, timed_cases = [], []
     for s in settings:
-        log(f"compiling {s.name} ...")
+        bar.set_postfix_str(f"compiling {s.name}", refresh=True)
+        if not progress:
+            log(f"compiling {s.name} ...")
         cases.append(prepare(model, config, s, params, idx, targets, target))
+        bar.update(1)
+        if time_here and not here:  # the same setting for this host: its time, loss and FLOPs
+            timed_cases.append(prepare(model, config, s, params, idx, targets, "cpu"))
+            bar.update(1)
+    timed_cases = cases if here else timed_cases
     times = {}
-    if common.timed(target):
-        log(f"timing {len(cases)} settings, {steps} interleaved rounds after 1 warm-up ...")
-        times = interleaved_ms({c.setting.name: c.step for c in cases}, n=steps, warmup=1)
+    if hosted:
+        bar.set_postfix_str(f"timing, {steps} interleaved rounds", refresh=True)
+        if not progress:
+            log(f"timing {len(cases)} settings, {steps} interleaved rounds after 1 warm-up ...")
+        times = interleaved_ms({c.setting.name: c.step for c in timed_cases}, n=steps, warmup=1,
+                               tick=lambda: bar.update(1))
+        if not here:
+            cases = [dataclasses.replace(c, flops=h.flops, loss=h.loss) for c, h in zip(cases, timed_cases)]
+    bar.close()
     rows = rows_from(cases, times)
     meta = dict(info, model=model, preset=preset, seq=seq, batch=batch, steps=steps, source=common.source(target),
+                time_source=common.source("cpu") if hosted else None,
                 config={k: v for k, v in dataclasses.asdict(config).items() if k != "recompute"}, command=None)
     return {"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}
 
@@ -224,12 +252,19 @@ def report(res: dict) -> str:
     m = res["meta"]
     c = m["config"]
     src = m.get("source") or common.source("cpu")
-    timing = f"; median of {m['steps']} interleaved steps after 1 warm-up" if src["timed"] else ""
+    tsrc = m.get("time_source") or (src if src["timed"] else None)
+    timing = (f"; step times on this host ({tsrc['compiler']}), median of {m['steps']} interleaved steps after "
+              f"1 warm-up" if tsrc else "")
+    where = common.source_line(src)
+    if tsrc is not None and not src["timed"]:  # the target's program is not run; its twin for this host is
+        where = where.split("; not run")[0]
     shape = (f"{m['model']} preset {m['preset']}: {c['n_layer']} layers, C={c['n_embd']}, {c['n_head']} heads, "
-             f"T={m['seq']}, B={m['batch']}, vocab {c['vocab_size']}; {common.source_line(src)}{timing}; "
+             f"T={m['seq']}, B={m['batch']}, vocab {c['vocab_size']}; memory {where}{timing}; "
              f"jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, "
              f"{common.load_note(m)})")
-    return "\n".join([shape, "", table(res["rows"]), "",
+    mem = src["compiler"]
+    tim = f"{tsrc['compiler']}, this host" if tsrc else "not run"
+    return "\n".join([shape, "", table(res["rows"], mem, tim), "",
                       "bf16 rows are relative to `none (bf16)` (bfloat16 compute, float32 parameters).", "",
                       "Targets:", targets_markdown([Target(**t) for t in res["targets"]])])
 
@@ -243,14 +278,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=integer(1), default=5,
                    help="timed interleaved rounds (median reported; >= 5 for a report)")
     p.add_argument("--json", default=None, help="also write meta, rows and targets here")
-    common.add_target(p)
+    p.add_argument("--time", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time each setting on this host (compiled for it) when --target is not this host")
+    common.add_target(p, default="h200")
     return p
 
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     res = run(a.model, a.preset, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq=a.seq,
-              batch=a.batch, vocab=a.vocab, steps=a.steps, target=a.target)
+              batch=a.batch, vocab=a.vocab, steps=a.steps, target=a.target, time_here=a.time,
+              progress=True)
     return common.publish(res, report, "remat_lm.bench.policies", argv, a.json)
 
 

@@ -264,7 +264,7 @@ def activation_bytes(config: GPT2Config, batch: int, seq: int) -> tuple[LayerByt
     Example:
       >>> layer, head = activation_bytes(GPT2Config.preset("tiny"), batch=2, seq=8)
       >>> layer.tagged["qkv"], head  # 3·s·b·h·4 bytes; the head's float32 logits dominate
-      (6144, 20672)
+      (6144, 20816)
     """
     a = jnp.dtype(config.compute_dtype).itemsize
     s, b, h = seq, batch, config.n_embd
