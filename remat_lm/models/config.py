@@ -108,6 +108,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def logits_width(self) -> int:
+        """Columns of the LM head's logits (the vocabulary, padded where the family pads it)."""
+        return self.vocab_size
+
     @classmethod
     def preset(cls, name: str, **overrides):
         """A preset from the family's PRESETS with fields overridden, e.g. `preset("d12", n_layer=6)`."""

@@ -71,6 +71,11 @@ class GPT2Config(ModelConfig):
                              f"choose n_head among the divisors of n_embd")
 
     @property
+    def logits_width(self) -> int:
+        """The padded vocabulary: the rows of `wte`."""
+        return self.padded_vocab_size
+
+    @property
     def n_kv_head(self) -> int:
         """Key/value heads: one per query head."""
         return self.n_head

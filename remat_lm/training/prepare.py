@@ -102,8 +102,8 @@ def _model_config(cfg: TrainConfig, fam: family.Family, recompute, vocab_size: i
         if cfg.loss_chunk is None:  # the default: chunked where a device's logits are large
             mesh = parse_mesh(cfg.mesh)
             per_device = max(1, cfg.batch_size // (mesh["data"] * mesh["fsdp"]))
-            vocab = getattr(mcfg, "padded_vocab_size", mcfg.vocab_size)
-            mcfg = dataclasses.replace(mcfg, loss_chunk=default_loss_chunk(per_device, cfg.sequence_length, vocab))
+            mcfg = dataclasses.replace(mcfg, loss_chunk=default_loss_chunk(per_device, cfg.sequence_length,
+                                                                           mcfg.logits_width))
         # cudnn where it cannot run is a usage error now, not a trace-time failure later
         attention.resolve(mcfg.attention, mcfg.compute_dtype, mcfg.n_embd // mcfg.n_head, mcfg.dropout > 0,
                           seq_len=cfg.sequence_length)
