@@ -69,8 +69,9 @@ def usage_exit(prog: str, message) -> NoReturn:
 
 
 def run(main: Callable[[], int], prog: str) -> int:
-    """Run a program's `main()`: a `SystemExit` carrying a message (bad input found after argument
-    parsing) becomes a usage error, `prog: error: message` and status 2, like argparse's own.
+    """Run a program's `main()`: a `UsageError`, or a `SystemExit` carrying a message (bad input
+    found after argument parsing), becomes a usage error, `prog: error: message` and status 2, like
+    argparse's own.
 
     Example:
       >>> if __name__ == "__main__":
@@ -78,6 +79,8 @@ def run(main: Callable[[], int], prog: str) -> int:
     """
     try:
         return main()
+    except UsageError as e:  # bad input a check found after parsing (a target, a mesh, a plan)
+        return usage_error(prog, str(e))
     except SystemExit as e:
         if isinstance(e.code, str):
             return usage_error(prog, e.code)

@@ -54,7 +54,12 @@ def test_the_readme_will_it_fit_block_as_written():
     (["-m", "remat_lm.llmc", "verify", "TRUNC", "TRUNC"], "python -m remat_lm.llmc verify: error: "),
     (["-m", "remat_lm.sample", "/nonexistent"], "python -m remat_lm.sample: error: /nonexistent"),
     (["-m", "remat_lm.bench.selective", "--models", "zz"], "python -m remat_lm.bench.selective: error: --models"),
-], ids=["train", "llmc", "sample", "bench"])
+    (["-m", "remat_lm.bench.planner", "--target", "zz"], "python -m remat_lm.bench.planner: error: --target 'zz'"),
+    (["-m", "remat_lm.bench.planner", "--model", "gpt2", "--target", "h200x8", "--mesh", "fsdp=3"],
+     "python -m remat_lm.bench.planner: error: --mesh fsdp=3 spans 3 devices"),
+    (["train.py", "--dry_run", "--recompute_plan", "full x" + "9" * 30],
+     "train.py: error: --recompute_plan: recompute plan 'full x999"),
+], ids=["train", "llmc", "sample", "bench", "planner-target", "planner-mesh", "plan-count"])
 def test_bad_input_is_one_line_with_no_traceback(args, says, tmp_path):
     trunc = tmp_path / "model.bin"
     trunc.write_bytes(b"\0" * 1000)  # a real truncated llm.c file: shorter than its header

@@ -465,6 +465,10 @@ def test_recompute_plan_flag():
     cfg = config_from_args(["--recompute_plan", "save_names:qkv x2; none x2", "--scan_layers"])
     label, rc = cfg.recompute_configs()[0]
     assert label == "plan" and rc == tagplan.recompute_config(("save_names:qkv",) * 2 + (None,) * 2)
+    # the way a Megatron user writes it: --activation_recompute agrees with a plan
+    with_flag = config_from_args(["--activation_recompute", "--recompute_plan", "save_names:qkv x2; none x2",
+                                  "--scan_layers"]).recompute_configs()[0]
+    assert with_flag == (label, rc)
     for bad, match in ((["--recompute_plan", "save_names:qkv"], "expected POLICY xN"),
                        (["--recompute_plan", "none x2", "--remat_policy", "dots"], "drop --remat_policy")):
         with pytest.raises(UsageError, match=match):
@@ -503,3 +507,13 @@ def test_cli_auto_with_a_target_plans_per_tag():
     assert p.returncode == 0, p.stderr
     plan = re.search(r"^plan: (.+)$", p.stdout, re.M)
     assert plan and "predicted step" in p.stdout and tagplan.parse_plan(plan.group(1), 2)
+
+
+def test_a_plan_count_is_bounded_before_any_list_is_built():
+    """`full x1000000000` or a 30-digit count: refused from the counts alone (no MemoryError, no
+    OverflowError), naming the layers it covers."""
+    from remat.planning.tagplan import parse_plan
+    with pytest.raises(ValueError, match="covers 1,000,000,000 layers but the model has 4"):
+        parse_plan("full x1000000000", 4)
+    with pytest.raises(ValueError, match="but a stack has at most 2,147,483,647"):
+        parse_plan("full x" + "9" * 30)

@@ -70,6 +70,9 @@ PLAN_FORM = "POLICY xN[; POLICY xN...], e.g. 'save_names:qkv,mlp_up x6; none x6'
 _RUN = re.compile(r"^\s*(\S+)\s+x(\d+)\s*$", re.ASCII)
 
 
+_MAX_LAYERS = 2**31 - 1  # layer indices are int32
+
+
 def parse_plan(text: str, n_layers: int | None = None) -> tuple:
     """The per-layer policies of a plan's one-line text (`format_plan`'s), checked: every policy a
     `remat.policies` name (or `none`), the counts adding up to `n_layers` when given.
@@ -78,7 +81,7 @@ def parse_plan(text: str, n_layers: int | None = None) -> tuple:
       >>> parse_plan("full x2; none x1", 3)
       ('full', 'full', None)
     """
-    out = []
+    runs, total = [], 0
     for part in str(text).split(";"):
         m = _RUN.match(part)
         if not m or int(m.group(2)) < 1:
@@ -89,11 +92,12 @@ def parse_plan(text: str, n_layers: int | None = None) -> tuple:
                 _policies.validate(p)
             except ValueError as e:
                 raise ValueError(f"recompute plan {text!r}: {e}") from None
-        out += [None if p == "none" else p] * int(m.group(2))
-    if n_layers is not None and len(out) != n_layers:
-        raise ValueError(f"recompute plan {text!r} covers {len(out)} layers but the model has {n_layers}; "
-                         f"expected {PLAN_FORM}")
-    return tuple(out)
+        runs.append((None if p == "none" else p, int(m.group(2))))
+        total += runs[-1][1]
+    if (n_layers is not None and total != n_layers) or total > _MAX_LAYERS:  # counted before any list is built
+        has = f"the model has {n_layers}" if n_layers is not None else f"a stack has at most {_MAX_LAYERS:,}"
+        raise ValueError(f"recompute plan {text!r} covers {total:,} layers but {has}; expected {PLAN_FORM}")
+    return tuple(p for p, n in runs for _ in range(n))
 
 
 def tag_policy(choice: dict) -> str | None:

@@ -316,8 +316,8 @@ def _plan_config(v: dict) -> tuple:
     for f in FLAGS:
         if f.name in ("recompute_plan", "scan_layers") or v[f.name] == f.default:
             continue
-        if f.name == "recompute_granularity" and v[f.name] == "full":
-            continue
+        if (f.name, v[f.name]) in (("recompute_granularity", "full"), ("activation_recompute", True)):
+            continue  # what a plan means anyway: Megatron users write them with it
         raise ValueError(f"--recompute_plan sets every layer's recompute itself; drop --{f.name}")
     try:
         lp = parse_plan(v["recompute_plan"])
