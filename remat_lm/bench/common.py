@@ -207,8 +207,10 @@ def source(target: str) -> dict:
             "libtpu_args": os.environ.get("LIBTPU_INIT_ARGS", "") if t.platform == "tpu" else ""}
 
 
-def source_line(src: dict) -> str:
-    """One line naming the compiler of a run's figures (from `source(target)`), for reports.
+def source_line(src: dict, timed_elsewhere: bool = False) -> str:
+    """One line naming the compiler of a run's figures (from `source(target)`), for reports;
+    `timed_elsewhere`: a program for a target not run here whose step times come from its twin
+    compiled for this host (the line then does not say "no step times").
 
     Example:
       >>> source_line(source("cpu")).startswith("compiled by XLA:CPU")
@@ -217,8 +219,8 @@ def source_line(src: dict) -> str:
     if src["timed"]:
         line = f"compiled by {src['compiler']} on this host"
     else:
-        line = (f"compiled by {src['compiler']} for {src['device']} with no device (remat.planning.targets); "
-                f"not run, so no step times")
+        line = f"compiled by {src['compiler']} for {src['device']} with no device (remat.planning.targets)"
+        line += "" if timed_elsewhere else "; not run, so no step times"
     if src.get("libtpu_args"):
         line += f"; LIBTPU_INIT_ARGS={src['libtpu_args']}"
     return line

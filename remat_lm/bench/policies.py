@@ -243,7 +243,7 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
     bar.close()
     rows = rows_from(cases, times)
     meta = dict(info, model=model, preset=preset, seq=seq, batch=batch, steps=steps, source=common.source(target),
-                time_source=common.source("cpu") if hosted else None,
+                time_source=common.source(target if here else "cpu") if hosted else None,
                 config={k: v for k, v in dataclasses.asdict(config).items() if k != "recompute"}, command=None)
     return {"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}
 
@@ -255,9 +255,7 @@ def report(res: dict) -> str:
     tsrc = m.get("time_source") or (src if src["timed"] else None)
     timing = (f"; step times on this host ({tsrc['compiler']}), median of {m['steps']} interleaved steps after "
               f"1 warm-up" if tsrc else "")
-    where = common.source_line(src)
-    if tsrc is not None and not src["timed"]:  # the target's program is not run; its twin for this host is
-        where = where.split("; not run")[0]
+    where = common.source_line(src, timed_elsewhere=tsrc is not None)
     shape = (f"{m['model']} preset {m['preset']}: {c['n_layer']} layers, C={c['n_embd']}, {c['n_head']} heads, "
              f"T={m['seq']}, B={m['batch']}, vocab {c['vocab_size']}; memory {where}{timing}; "
              f"jax {m['jax']} on {m['backend']} ({m['nproc']} CPUs, "
