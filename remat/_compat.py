@@ -7,6 +7,7 @@ of these cannot break `import remat` silently.
 |---|---|---|
 | `jax._src.interpreters.partial_eval.dce_jaxpr` | `remat.checkpoint`'s reentrant backward: only the equations the cotangents need (early stop) | a dead-code elimination of a jaxpr in `jax.extend` |
 | `jax._src.ad_checkpoint.saved_residuals` | `remat.residuals.saved_residuals` | a public form of `jax.ad_checkpoint.print_saved_residuals` that returns its rows instead of printing them |
+| `jax._src.config.enable_compilation_cache` (as a context manager) | `remat.planning.targets.compile`: a compile for an absent device skips the persistent compilation cache, whose entries need that device's client to load (JAX warns at every read) | a scoped form of `jax.config.update("jax_enable_compilation_cache", ...)` |
 
 Example:
     >>> import jax.numpy as jnp
@@ -16,8 +17,9 @@ Example:
 from __future__ import annotations
 
 from jax._src.ad_checkpoint import saved_residuals
+from jax._src.config import enable_compilation_cache
 from jax._src.interpreters.partial_eval import dce_jaxpr
 
-__all__ = ["JAX_TESTED", "dce_jaxpr", "saved_residuals"]
+__all__ = ["JAX_TESTED", "dce_jaxpr", "enable_compilation_cache", "saved_residuals"]
 
 JAX_TESTED = ("0.10.2",)

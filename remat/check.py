@@ -6,8 +6,8 @@ can recompute something else than the forward ran; `jax.checkpoint` traces once.
 - None (default): on the reentrant path, the recomputation's output shapes, dtypes and shardings
   against the forward's, at trace time (free at run time); nothing on `jax.checkpoint`.
 - False: no check.
-- With `use_reentrant=True` only: True (that same check), `"structure"` (also the traced programs,
-  `fingerprint`; the backward differentiates the forward's own program) or `"values"` (the forward's
+- With `use_reentrant=True` only: True or `"structure"` (also the traced programs, `fingerprint`;
+  the backward differentiates the forward's own program) or `"values"` (the forward's
   outputs kept and compared with the recomputed values at run time, above
   `remat.checkpoint.VALUES_RTOL`).
 

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
@@ -43,6 +44,17 @@ _JAX_CHECKPOINT = jax.checkpoint
 
 _OPTIONS = ("prevent_cse", "policy", "static_argnums", "static_argnames", "use_reentrant", "determinism_check",
             "name", "shard_inputs", "offload_inputs")
+_DEFAULTS = dict(prevent_cse=True, policy=None, static_argnums=(), static_argnames=(), use_reentrant=False,
+                 determinism_check=None, name=None, shard_inputs=None, offload_inputs=())
+
+
+def _names_parameter(fn, name: str) -> bool:
+    """Whether `fn` has a parameter called `name` that a keyword can set."""
+    try:
+        p = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
 def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[bool] = True, policy=None,
@@ -54,7 +66,8 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
     `checkpoint(fn, **options)` returns the wrapped function, as `jax.checkpoint` does
     (`@checkpoint` and `@functools.partial(checkpoint, policy=...)` decorate). The
     `torch.utils.checkpoint` form runs at once: `checkpoint(fn, *args, **kwargs)`, where a keyword
-    named like an option is the option and every other keyword goes to `fn`.
+    named like an option is the option and every other keyword goes to `fn` (an option that is
+    also a parameter of `fn` is refused as ambiguous).
 
     Args:
       fn: the function; omitted (`checkpoint(policy=...)`), a decorator is returned.
@@ -63,8 +76,8 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
       static_argnames: keyword arguments passed to `fn` as Python values (hashable to be reused).
       use_reentrant: True: a `jax.custom_vjp` that saves only the inputs and re-traces `fn` in the
         backward (reverse mode only).
-      determinism_check: with `use_reentrant=True`: None (the avals check), False, True,
-        `"structure"` or `"values"` (the rules: `remat.check`).
+      determinism_check: with `use_reentrant=True`: None (the avals check), False, True (the
+        traced programs too, as `"structure"`) or `"values"` (the rules: `remat.check`).
       name: the region's name in errors and warnings (default `fn.__name__`).
       shard_inputs: {argument index: (saved spec, recompute spec)}: those inputs are kept sharded
         as `saved` between the forward and the backward and resharded to `recompute` before
@@ -93,6 +106,16 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
     if fn is None:
         return functools.partial(checkpoint, **opts)
     if args:
+        clash = [k for k in _OPTIONS if opts[k] != _DEFAULTS[k] and _names_parameter(fn, k)]
+        if clash:
+            both = " and ".join(repr(k) for k in clash)
+            kws = ", ".join(f"{k}=..." for k in clash)
+            raise TypeError(
+                f"remat.checkpoint(fn, *args, {kws}): {both} {'is an option' if len(clash) == 1 else 'are options'} "
+                f"of remat.checkpoint and {'a parameter' if len(clash) == 1 else 'parameters'} of "
+                f"{getattr(fn, '__name__', 'fn')}, taken here as the option; pass {'it' if len(clash) == 1 else 'them'} "
+                f"to the function with remat.checkpoint(functools.partial(fn, {kws}), *args), or call "
+                f"remat.checkpoint(fn, **options)(*args, {kws})")
         return checkpoint(fn, **opts)(*args, **unknown)
     if not callable(fn):
         raise TypeError(f"remat.checkpoint: expected a function, got {type(fn).__name__} {fn!r}")
@@ -234,7 +257,8 @@ def _custom(fn, args, kwargs, *, argnums, policy, prevent_cse, region, use_reent
     shard = {i % n: v for i, v in (shard_inputs or {}).items()}
     storage = _storage(dyn, dyn_arg, shard, {i % n for i in offload_inputs})
     if use_reentrant:
-        check = True if determinism_check is None else determinism_check
+        # None: the avals check (free); an explicit True asks for the whole trace-time check
+        check = True if determinism_check is None else "structure" if determinism_check is True else determinism_check
         try:
             out = _reentrant(forward, again, inputs, name=region, determinism_check=check, storage=storage)
         except TypeError as e:

@@ -1,19 +1,22 @@
 """Flax Linen: `LayerStack` (layers grouped into regions per a RecomputeConfig), `remat_module`
-(`nn.remat` taking the library's policy names), and `stack_layers` / `unstack_layers` (a model's
+(`nn.remat` taking the library's policy names; `partitioning_remat` in `flax.linen.partitioning.remat`'s
+numbering), and `stack_layers` / `unstack_layers` (a model's
 per-layer variables to the stack's layout and back)."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from remat import policies as _policies
 from remat.config import RecomputeConfig
-from remat.stack import _select, _signature, apply_layers
+from remat.stack import _select, _signature, apply_layers, stack_trees
 
-__all__ = ["LayerStack", "remat_module", "stack_layers", "unstack_layers"]
+__all__ = ["LayerStack", "remat_module", "partitioning_remat", "stack_layers", "unstack_layers"]
 
 
 class LayerStack(nn.Module):
@@ -145,19 +148,23 @@ class LayerStack(nn.Module):
 
 def remat_module(target, variables=True, rngs=True, concrete: bool = False, prevent_cse: bool = True,
                  static_argnums: int | Sequence[int] = (), policy=None, methods=None, *,
-                 recompute: RecomputeConfig | None = None):
-    """`nn.remat` with the policy given by name or as a JAX policy callable.
+                 static_argnames: str | Sequence[str] = (), recompute: RecomputeConfig | None = None):
+    """`nn.remat` with the policy given by name or as a JAX policy callable, and static keywords.
 
     Takes every form and argument `nn.remat` takes (a Module class, a method as a decorator, a
     function taking a module first; `variables`, `rngs`, `concrete`, `prevent_cse`, `methods`;
     `static_argnums` counting `self` as 0) and returns what `nn.remat` returns, but for the class
     name: the class keeps its own, so auto-named submodules keep the paths they have without remat
-    (`Block_0`, where `nn.remat` names them `CheckpointBlock_0`).
+    (`Block_0`, where `nn.remat` names them `CheckpointBlock_0`). Keyword arguments are static (Python
+    values the body may branch on) when named in `static_argnames` or when they are a Python bool,
+    None or str (`deterministic=True`, `init_cache=False`); every other keyword is traced, as in
+    `nn.remat`.
 
     Args:
       target: a Linen Module class, a Module method (decorator form) or a function taking a module.
       variables, rngs, concrete, prevent_cse, static_argnums, methods: as `nn.remat`.
       policy: a `remat.policies` name or a JAX policy callable.
+      static_argnames: keyword arguments passed as static values (hashable) whatever their type.
       recompute: a RecomputeConfig instead of `policy`: granularity `none` returns `target` itself,
         otherwise its `effective_policy()` is the policy. A config that groups layers or needs the
         library's own region (`use_reentrant`, a determinism check, offloaded or sharded inputs) is
@@ -165,11 +172,11 @@ def remat_module(target, variables=True, rngs=True, concrete: bool = False, prev
     Example:
       >>> class MyBlock(nn.Module):
       ...     @nn.compact
-      ...     def __call__(self, x, deterministic):
+      ...     def __call__(self, x, deterministic=True):
       ...         return x + nn.Dropout(0.1, deterministic=deterministic)(nn.Dense(8)(x))
-      >>> Block = remat_module(MyBlock, policy="full", static_argnums=(2,))  # self, x, deterministic
-      >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 8)), True)
-      >>> Block().apply(variables, jnp.ones((2, 8)), True).shape
+      >>> Block = remat_module(MyBlock, policy="full")
+      >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 8)))
+      >>> Block().apply(variables, jnp.ones((2, 8)), deterministic=True).shape  # a static keyword
       (2, 8)
       >>> remat_module(MyBlock, recompute=RecomputeConfig()) is MyBlock   # granularity none: unchanged
       True
@@ -189,11 +196,83 @@ def remat_module(target, variables=True, rngs=True, concrete: bool = False, prev
     if bad:
         raise ValueError(f"remat_module: static_argnums {bad}: Flax counts `self` as argument 0, so the first call "
                          f"argument is 1 (as in nn.remat)")
-    out = nn.remat(target, variables, rngs, concrete, prevent_cse, static_argnums, _policies.resolve(policy),
-                   methods)
-    if isinstance(target, type):
-        out.__name__, out.__qualname__, out.__module__ = target.__name__, target.__qualname__, target.__module__
-    return out
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    # the static keywords travel as argument 1 of the lifted function, so the user's numbers move by one
+    lift = functools.partial(nn.remat, variables=variables, rngs=rngs, concrete=concrete, prevent_cse=prevent_cse,
+                             static_argnums=(1, *(i + 1 for i in argnums)), policy=_policies.resolve(policy))
+    if isinstance(target, nn.Module):  # an instance: nn.remat refuses it with Flax's own error
+        return nn.remat(target, variables, rngs, concrete, prevent_cse, static_argnums, _policies.resolve(policy))
+    if not isinstance(target, type):
+        return _static_keywords(target, lift, names, argnums)
+    if not issubclass(target, nn.Module):
+        raise TypeError(f"remat_module: {target!r} is not a flax.linen.Module class, method or function")
+    wrapped = {m: _static_keywords(getattr(target, m), lift, names, argnums) for m in (methods or ("__call__",))}
+    return type(target.__name__, (target,), {**wrapped, "__qualname__": target.__qualname__,
+                                             "__module__": target.__module__})
+
+
+def partitioning_remat(target, variables=True, rngs=True, concrete: bool = False, prevent_cse: bool = True,
+                       static_argnums: int | Sequence[int] = (), policy=None, methods=None, *,
+                       static_argnames: str | Sequence[str] = (), recompute: RecomputeConfig | None = None):
+    """`remat_module` with `flax.linen.partitioning.remat`'s numbering: `static_argnums` counts the first
+    call argument as 0 (not `self`), as Hugging Face's Flax models write it.
+
+    Example:
+      >>> class Layer(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x, deterministic):
+      ...         return nn.Dropout(0.1, deterministic=deterministic)(nn.Dense(8)(x))
+      >>> Checkpointed = partitioning_remat(Layer, static_argnums=(1,))  # deterministic: argument 1
+      >>> x = jnp.ones((2, 8))
+      >>> Checkpointed().apply(Checkpointed().init(jax.random.key(0), x, True), x, True).shape
+      (2, 8)
+    """
+    argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    if any(i < 0 for i in argnums):
+        raise ValueError(f"partitioning_remat: static_argnums {argnums}: the first call argument is 0")
+    return remat_module(target, variables, rngs, concrete, prevent_cse, tuple(i + 1 for i in argnums), policy,
+                        methods, static_argnames=static_argnames, recompute=recompute)
+
+
+def _static_keywords(fn: Callable, lift: Callable, names: tuple, argnums: tuple) -> Callable:
+    """`fn(module, *args, **kwargs)` under `lift` (nn.remat's function form), its static keywords
+    (`names`, and Python bools, None and strings) passed as one hashable argument; `argnums`: the
+    user's static_argnums, named when a traced value reaches a Python branch."""
+    def body(module, static, *args, **kwargs):
+        return fn(module, *args, **dict(static), **kwargs)
+    body.__dict__.update(fn.__dict__)  # Flax's marks on the method (`compact`) hold inside the region
+    lifted = lift(body)
+
+    @functools.wraps(fn)
+    def call(module, *args, **kwargs):
+        static = tuple((k, v) for k, v in kwargs.items() if k in names or isinstance(v, (bool, str, type(None))))
+        try:
+            hash(static)
+        except TypeError:
+            k = next(k for k, v in static if not _hashable(v))
+            raise TypeError(f"remat_module: static keyword {k}={kwargs[k]!r} is not hashable; pass a hashable value "
+                            f"or leave {k!r} out of static_argnames") from None
+        try:
+            return lifted(module, static, *args, **{k: v for k, v in kwargs.items() if k not in dict(static)})
+        except jax.errors.TracerBoolConversionError as e:
+            if not argnums:
+                raise
+            raise TypeError(
+                f"remat_module: a traced value reached a Python branch in {type(module).__name__}; static_argnums="
+                f"{argnums} count `self` as argument 0 (nn.remat's numbering). If they were written for "
+                f"flax.linen.partitioning.remat (Hugging Face's Flax models), which counts the first call argument "
+                f"as 0, use remat.linen.partitioning_remat or static_argnums={tuple(i + 1 for i in argnums)}. "
+                f"JAX: {str(e).splitlines()[0]}") from e
+    call.__dict__.update(lifted.__dict__)  # Flax's marks, as on what nn.remat returns (`compact`, wrapped once)
+    return call
+
+
+def _hashable(v) -> bool:
+    try:
+        hash(v)
+        return True
+    except TypeError:
+        return False
 
 
 def _check_one_region(recompute: RecomputeConfig) -> None:
@@ -231,7 +310,7 @@ def stack_layers(layers: Sequence, scan: bool = False) -> dict:
     """
     layers = list(layers)
     if scan:
-        return {"h": jax.tree.map(lambda *t: jnp.stack(t), *layers)}
+        return {"h": stack_trees(layers, "remat.linen.stack_layers", lambda *t: jnp.stack(t))}
     return {f"h_{i}": layer for i, layer in enumerate(layers)}
 
 
@@ -239,6 +318,13 @@ def unstack_layers(stacked) -> list:
     """The per-layer variables of a `LayerStack` collection (`h_0 ... h_{L-1}` or a stacked `h`),
     in layer order: the inverse of `stack_layers`."""
     if "h" in stacked:
-        n = jax.tree.leaves(stacked["h"])[0].shape[0]
-        return [jax.tree.map(lambda t, i=i: t[i], stacked["h"]) for i in range(n)]
-    return [stacked[f"h_{i}"] for i in range(len([k for k in stacked if k.startswith("h_")]))]
+        n = {np.shape(t)[:1] for t in jax.tree.leaves(stacked["h"])}
+        if len(n) != 1 or n == {()}:
+            raise ValueError("remat.linen.unstack_layers: the leaves under 'h' have no common leading layer axis "
+                             f"(sizes {sorted(n)}): not a stack built with scan=True")
+        return [jax.tree.map(lambda t, i=i: t[i], stacked["h"]) for i in range(n.pop()[0])]
+    keys = sorted((k for k in stacked if k.startswith("h_")), key=lambda k: (len(k), k))
+    if not keys or keys != [f"h_{i}" for i in range(len(keys))] or len(keys) != len(stacked):
+        raise ValueError(f"remat.linen.unstack_layers: expected a LayerStack collection ('h' stacked, or h_0 ... "
+                         f"h_(L-1)), got keys {sorted(stacked)}")
+    return [stacked[k] for k in keys]

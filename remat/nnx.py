@@ -13,7 +13,7 @@ from flax import nnx
 
 from remat import policies as _policies
 from remat.config import RecomputeConfig
-from remat.stack import _select, _signature, apply_layers
+from remat.stack import _select, _signature, apply_layers, stack_trees
 
 __all__ = ["LayerStack", "remat", "stack_layers", "unstack_layers"]
 
@@ -359,14 +359,20 @@ def stack_layers(state, stack: str = "layers", scan: bool = False, layer_axis_na
       [1, 2]
     """
     out = {k: _nested_dict(v) for k, v in state.items()}
-    if stack in out:
-        layers = out[stack]
-        if scan:
-            per_layer = [_nested_dict(layers[i]) for i in sorted(layers)]
-            layers = jax.tree.map(_stack, *per_layer, is_leaf=_is_var)
-            if layer_axis_name is not None:
-                layers = nnx.spmd.add_axis(layers, 0, {nnx.PARTITION_NAME: layer_axis_name})
-        out[stack] = {"layers": layers}
+    if stack not in out:
+        raise ValueError(f"remat.nnx.stack_layers: the state has no {stack!r} entry (its top level: {sorted(out, key=str)}); "
+                         f"pass stack= the attribute that holds the layer list")
+    layers = out[stack]
+    keys = sorted(layers, key=str) if not all(isinstance(k, int) for k in layers) else sorted(layers)
+    if keys != list(range(len(keys))):
+        raise ValueError(f"remat.nnx.stack_layers: {stack!r} holds {keys}, not a layer list 0 ... L-1 (as nnx.List "
+                         f"keeps one); a state with missing layers cannot be mapped to a stack")
+    if scan:
+        layers = stack_trees([_nested_dict(layers[i]) for i in keys], "remat.nnx.stack_layers", _stack,
+                             shape=lambda v: jnp.shape(v[...] if _is_var(v) else v), is_leaf=_is_var)
+        if layer_axis_name is not None:
+            layers = nnx.spmd.add_axis(layers, 0, {nnx.PARTITION_NAME: layer_axis_name})
+    out[stack] = {"layers": layers}
     return nnx.State(out) if isinstance(state, nnx.State) else out
 
 
@@ -375,16 +381,18 @@ def unstack_layers(state, stack: str = "layers", scan: bool = False, layer_axis_
     the stacked `layers/layers/...` sliced into `layers/i/...`; the stack's own `rngs` state, if
     any, is dropped: the model without the stack has none)."""
     out = {k: _nested_dict(v) for k, v in state.items()}
-    if stack in out and "layers" in out[stack]:
-        layers = _nested_dict(out[stack]["layers"])
-        if scan:
-            n = {_leading(v) for v in jax.tree.leaves(layers, is_leaf=_is_var)}
-            if len(n) != 1:
-                raise ValueError(f"remat.nnx.unstack_layers(scan=True): the leaves at {stack}/layers have no common "
-                                 f"leading layer axis (sizes {sorted(n, key=str)}); use scan=False for a loop layout")
-            layers = {i: jax.tree.map(lambda v, i=i: _slice(v, i, layer_axis_name), layers, is_leaf=_is_var)
-                      for i in range(n.pop())}
-        out[stack] = layers
+    if stack not in out or not isinstance(out[stack], dict) or "layers" not in out[stack]:
+        raise ValueError(f"remat.nnx.unstack_layers: the state has no {stack}/layers (a LayerStack stored at "
+                         f"{stack!r}); pass stack= where the model holds its LayerStack")
+    layers = _nested_dict(out[stack]["layers"])
+    if scan:
+        n = {_leading(v) for v in jax.tree.leaves(layers, is_leaf=_is_var)}
+        if len(n) != 1 or None in n:
+            raise ValueError(f"remat.nnx.unstack_layers(scan=True): the leaves at {stack}/layers have no common "
+                             f"leading layer axis (sizes {sorted(n, key=str)}); use scan=False for a loop layout")
+        layers = {i: jax.tree.map(lambda v, i=i: _slice(v, i, layer_axis_name), layers, is_leaf=_is_var)
+                  for i in range(n.pop())}
+    out[stack] = layers
     return nnx.State(out) if isinstance(state, nnx.State) else out
 
 

@@ -25,7 +25,7 @@ from remat.config import RecomputeConfig
 
 from remat.regions import Every
 
-__all__ = ["apply_layers"]
+__all__ = ["apply_layers", "stack_trees"]
 
 
 def _runs(n_layers: int, cfg: RecomputeConfig):
@@ -147,6 +147,30 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
 
         x, _ = lax.scan(body, x, xs)
     return x
+
+
+def stack_trees(trees, fn: str, stack: Callable, shape: Callable = np.shape, is_leaf=None):
+    """Layer trees combined leaf by leaf by `stack` (a new leading layer axis); ValueError naming
+    `fn`, the layer and the path where a layer's structure or a leaf's `shape` differs from layer 0's.
+
+    Example:
+      >>> stack_trees([{"w": np.zeros(2)}, {"w": np.ones(2)}], "f", lambda *a: np.stack(a))["w"].shape
+      (2, 2)
+    """
+    trees = list(trees)
+    if not trees:
+        raise ValueError(f"{fn}(scan=True): no layers to stack")
+    first = jax.tree_util.tree_flatten_with_path(trees[0], is_leaf=is_leaf)[0]
+    for i, t in enumerate(trees[1:], 1):
+        leaves = jax.tree_util.tree_flatten_with_path(t, is_leaf=is_leaf)[0]
+        if [p for p, _ in leaves] != [p for p, _ in first]:
+            raise ValueError(f"{fn}(scan=True): layer {i} holds other variables than layer 0: stacking needs "
+                             f"layers of one structure; use scan=False")
+        for (path, a), (_, b) in zip(leaves, first):
+            if shape(a) != shape(b):
+                raise ValueError(f"{fn}(scan=True): layer {i}'s {jax.tree_util.keystr(path)} has shape {shape(a)}, "
+                                 f"layer 0's {shape(b)}: stacking needs layers of one shape; use scan=False")
+    return jax.tree.map(stack, *trees, is_leaf=is_leaf)
 
 
 def _is_array(leaf) -> bool:

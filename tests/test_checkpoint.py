@@ -82,22 +82,22 @@ def test_reentrant_rejects_a_policy():
         remat.checkpoint(jnp.sin, use_reentrant=True, policy="dots")(X)
 
 
-# --- the determinism check: plant each kind of mismatch with a Python flag -----------------------
-FLIP = [False]
+# --- the determinism check: each kind of mismatch planted in a function that really traces
+# differently the second time (a Python-side trace counter, as a stateful function would) ---------
+def _second_trace(first, second):
+    """A function whose first trace is `first` and every later one `second`."""
+    traces = []
+
+    def h(x):
+        traces.append(1)
+        return (first if len(traces) == 1 else second)(x)
+    return h
 
 
 def _planted(kind):
-    def h(x):
-        y = x * 2
-        if FLIP[0]:
-            if kind == "dtype":
-                y = y.astype(jnp.bfloat16)
-            elif kind == "shape":
-                y = y[:, :-1]
-            elif kind == "tree":
-                y = (y, y)
-        return y
-    return h
+    changed = {"dtype": lambda y: y.astype(jnp.bfloat16), "shape": lambda y: y[:, :-1],
+               "tree": lambda y: (y, y)}[kind]
+    return _second_trace(lambda x: x * 2, lambda x: changed(x * 2))
 
 
 @pytest.mark.parametrize("kind,needles", [
@@ -105,14 +105,9 @@ def _planted(kind):
     ("tree", ["different output structure"])])
 def test_determinism_check_names_region_leaf_and_both_avals(kind, needles):
     x = jax.random.normal(KEY, (B, C))
-    FLIP[0] = False
     y, vjp = jax.vjp(lambda x: remat.checkpoint(_planted(kind), use_reentrant=True, name="blk")(x), x)
-    FLIP[0] = True
-    try:
-        with pytest.raises(remat.CheckpointError) as e:
-            vjp(jnp.ones_like(y))
-    finally:
-        FLIP[0] = False
+    with pytest.raises(remat.CheckpointError) as e:
+        vjp(jnp.ones_like(y))
     assert "'blk'" in str(e.value)
     for n in needles:
         assert n in str(e.value)
@@ -120,42 +115,37 @@ def test_determinism_check_names_region_leaf_and_both_avals(kind, needles):
 
 def test_determinism_check_catches_sharding_change():
     mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
-
-    def h(x):
-        y = x * 2
-        return jax.sharding.reshard(y, P()) if FLIP[0] else y
+    h = _second_trace(lambda x: x * 2, lambda x: jax.sharding.reshard(x * 2, P()))
 
     with jax.set_mesh(mesh):
         x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("x")))
         y, vjp = jax.vjp(lambda x: remat.checkpoint(h, use_reentrant=True)(x), x)
-        FLIP[0] = True
-        try:
-            with pytest.raises(remat.CheckpointError, match=r"sharded \('x', None\).*sharded \(None, None\)"):
-                vjp(jnp.ones_like(y))
-        finally:
-            FLIP[0] = False
+        with pytest.raises(remat.CheckpointError, match=r"sharded \('x', None\).*sharded \(None, None\)"):
+            vjp(jnp.ones_like(y))
 
 
 def test_structure_check_catches_a_change_that_keeps_avals():
-    # The recompute does the matmul in bf16 and casts back: same output aval, wrong gradients.
+    # The recompute does the matmul in bf16 and casts back: same output aval, wrong gradients. The
+    # function really traces differently the second time (a Python-side trace counter).
     w, x = jax.random.normal(KEY, (C, C)), jax.random.normal(KEY, (B, C))
 
-    def h(w, x):
-        if FLIP[0]:
-            return jnp.tanh((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32))
-        return jnp.tanh(x @ w)
+    def changing():
+        traces = []
 
-    for check, raises in ((True, False), ("structure", True)):
-        y, vjp = jax.vjp(lambda w: remat.checkpoint(h, use_reentrant=True, determinism_check=check)(w, x), w)
-        FLIP[0] = True
-        try:
-            if raises:
-                with pytest.raises(remat.CheckpointError, match="different program"):
-                    vjp(jnp.ones_like(y))
-            else:
-                vjp(jnp.ones_like(y))  # the aval check alone cannot see it
-        finally:
-            FLIP[0] = False
+        def h(w, x):
+            traces.append(1)
+            if len(traces) > 1:
+                return jnp.tanh((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32))
+            return jnp.tanh(x @ w)
+        return h
+
+    for check, raises in ((None, False), (True, True), ("structure", True)):
+        y, vjp = jax.vjp(lambda w: remat.checkpoint(changing(), use_reentrant=True, determinism_check=check)(w, x), w)
+        if raises:
+            with pytest.raises(remat.CheckpointError, match="different program"):
+                vjp(jnp.ones_like(y))
+        else:
+            vjp(jnp.ones_like(y))  # the aval check alone (the default) cannot see it
 
 
 def _hlo(check):
@@ -225,7 +215,7 @@ def test_values_check_catches_a_planted_rng_mismatch():
     x = jax.random.normal(KEY, (B, C))
     grad = lambda check: jax.grad(lambda x: jnp.sum(remat.checkpoint(
         layer, use_reentrant=True, determinism_check=check, name="drop")(x) ** 2))(x)
-    grad(True)  # the shape/dtype check cannot see it
+    grad(None)  # the default shape/dtype check cannot see it
     with pytest.raises(Exception, match=r"region 'drop'.*recomputed values differ"):
         jax.block_until_ready(grad("values"))
 

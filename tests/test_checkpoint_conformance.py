@@ -63,6 +63,11 @@ def test_a_function_parameter_named_like_an_option_receives_its_value():
     def g(x, name, policy):
         return x * name + policy
     assert float(ck(g, name="region")(2.0, name=3.0, policy=1.0)) == 7.0
+    # in the form that runs at once, such a keyword is ambiguous: refused, with both ways to say it
+    with pytest.raises(TypeError, match=r"'policy' and 'name' are options of remat.checkpoint and parameters of g.*"
+                                        r"functools.partial\(fn, policy=..., name=...\)"):
+        ck(g, 2.0, name=3.0, policy=1.0)
+    assert float(ck(functools.partial(g, name=3.0, policy=1.0), 2.0)) == 7.0
 
 
 # 2. Forward, reverse, higher order, through the transformations ---------------------------------

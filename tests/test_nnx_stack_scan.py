@@ -122,3 +122,29 @@ def test_saved_report_under_scan_counts_activations_only(cfg):
     # the same activations as the loop layout; the scan's stacked layer inputs hold a copy of its
     # first input too, an argument (x) in the loop layout
     assert saved[True].intermediates == saved[False].intermediates + X.nbytes
+
+
+def test_layer_maps_refuse_what_they_cannot_map():
+    """The state maps between a layer list and a stack say what is wrong instead of renumbering
+    layers, passing a state through unchanged, or failing inside jnp.stack."""
+    w = lambda *s: nnx.Param(jnp.ones(s))  # noqa: E731
+    gap = nnx.State({"layers": {0: {"w": w(2)}, 2: {"w": w(2)}}})
+    with pytest.raises(ValueError, match=r"'layers' holds \[0, 2\], not a layer list 0 \.\.\. L-1"):
+        rnnx.stack_layers(gap, scan=True)
+    with pytest.raises(ValueError, match=r"the state has no 'blocks' entry"):
+        rnnx.stack_layers(gap, stack="blocks")
+    shapes = nnx.State({"layers": {0: {"w": w(2)}, 1: {"w": w(3)}}})
+    with pytest.raises(ValueError, match=r"layer 1's \['w'\] has shape \(3,\), layer 0's \(2,\).*use scan=False"):
+        rnnx.stack_layers(shapes, scan=True)
+    with pytest.raises(ValueError, match=r"the state has no layers/layers"):
+        rnnx.unstack_layers(gap)  # a layer list, not a stack
+
+
+def test_linen_layer_maps_refuse_what_they_cannot_map():
+    from remat import linen as rlinen
+    with pytest.raises(ValueError, match=r"layer 1's \['w'\] has shape \(3,\), layer 0's \(2,\)"):
+        rlinen.stack_layers([{"w": jnp.ones(2)}, {"w": jnp.ones(3)}], scan=True)
+    with pytest.raises(ValueError, match=r"expected a LayerStack collection .* got keys \['block_0', 'block_1'\]"):
+        rlinen.unstack_layers({"block_0": {}, "block_1": {}})
+    with pytest.raises(ValueError, match=r"got keys \['h_0', 'h_2'\]"):
+        rlinen.unstack_layers({"h_0": {}, "h_2": {}})

@@ -470,7 +470,12 @@ def test_recompute_plan_flag():
                                   "--scan_layers"]).recompute_configs()[0]
     assert with_flag == (label, rc)
     for bad, match in ((["--recompute_plan", "save_names:qkv"], "expected POLICY xN"),
-                       (["--recompute_plan", "none x2", "--remat_policy", "dots"], "drop --remat_policy")):
+                       (["--recompute_plan", "none x2", "--remat_policy", "dots"], "drop --remat_policy"),
+                       # conflicts given at their default value are conflicts too
+                       (["--recompute_plan", "none x2", "--no-activation_recompute"], "drop --no-activation_recompute"),
+                       (["--recompute_plan", "none x2", "--recompute_num_layers", "1"], "drop --recompute_num_layers"),
+                       (["--recompute_method", "auto", "--memory_budget", "1GiB", "--recompute_num_layers", "1"],
+                        "drop --recompute_num_layers")):
         with pytest.raises(UsageError, match=match):
             config_from_args(bad).recompute_configs()
 

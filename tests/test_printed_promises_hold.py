@@ -98,6 +98,15 @@ def test_cpu_checkpointing_summary_says_nothing_moves(capsys):
     assert CPU_OFFLOAD not in run_summary(prepare(config_from_args(TINY + ["--activation_recompute"])))
 
 
+@pytest.mark.parametrize("flags", [["--recompute_plan", "offload_names:qkv x2"],
+                                   ["--activation_recompute", "--remat_policy", "offload_names:qkv"]])
+def test_an_offloading_policy_on_cpu_says_nothing_moves(flags):
+    """A plan or a policy that offloads is as silent on a CPU backend as --cpu_checkpointing would be."""
+    summary = run_summary(prepare(config_from_args(TINY + flags)))
+    lines = [l for l in summary.splitlines() if CPU_OFFLOAD in l]
+    assert len(lines) == 1 and "the recompute policy offloads" in lines[0], summary
+
+
 def test_memory_report_counts_each_saved_value(capsys):
     """The saved table of the real report: the offloaded region inputs (one per layer, B x T x C
     float32 each) read `2 x <one input>`, the line about CPU offload follows, and a row of values of

@@ -34,11 +34,12 @@ def _counter_fn():
     return lambda x: jnp.sin(x) * float(next(counter))  # the second trace multiplies by 2
 
 
+@pytest.mark.parametrize("check", ["structure", True])
 @pytest.mark.parametrize("jit", [False, True])
-def test_the_counter_function_raises_under_structure(jit):
+def test_the_counter_function_raises_under_structure(jit, check):
     # A check that ignored literal values would return 2·cos x for cos x here.
     with pytest.raises(remat.CheckpointError, match=r"'blk'.*different program.*1\.0.*2\.0"):
-        _grad(_counter_fn(), jit=jit)
+        _grad(_counter_fn(), jit=jit, determinism_check=check)
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -81,8 +82,10 @@ def test_structure_check_sees_each_kind_of_change(kind):
         _grad(f)
     for n in needles:
         assert n in str(e.value), str(e.value)
-    # ...which the aval check alone lets through (so it is the structure check that caught it)
-    _grad(_second_trace_differs(first, second), determinism_check=True)
+    # ...which the aval check alone (the default) lets through; an explicit True is the structure check
+    _grad(_second_trace_differs(first, second), determinism_check=None)
+    with pytest.raises(remat.CheckpointError):
+        _grad(_second_trace_differs(first, second), determinism_check=True)
 
 
 def test_what_the_structure_check_cannot_see_still_gets_the_forwards_gradient():

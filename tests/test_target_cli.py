@@ -315,3 +315,16 @@ def test_tpu_refusal_advice_fits(capsys):
     rc, out, err = _main(base + advice.group(1).split(), capsys)
     assert rc == 0, err
     assert re.search(r"fits on TPU v5e with \d+% headroom", out)
+
+
+@pytest.mark.parametrize("value", ["half", "7"])
+def test_a_bad_gpu_memory_fraction_is_one_line_exit_2(value):
+    """XLA_PYTHON_CLIENT_MEM_FRACTION is read by the CUDA plugin as it builds a deviceless GPU and by
+    the budget: a value that is not a fraction is named, not replaced by the default or a traceback."""
+    need("cuda")
+    env = _env(XLA_PYTHON_CLIENT_MEM_FRACTION=value)
+    env.pop("JAX_PLATFORMS")  # as a user's shell
+    p = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--dry_run", "--target", "h200"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    line = _one_line(p.stderr)
+    assert p.returncode == 2 and f"XLA_PYTHON_CLIENT_MEM_FRACTION={value}: not a fraction in (0, 1]" in line, p.stderr

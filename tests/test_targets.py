@@ -3,6 +3,7 @@
 Every figure is what the target's compiler allocated (remat.memory.compiled_memory(..., target=...)), compared
 with another compile, never with a number written here.
 """
+import os
 import subprocess
 import sys
 
@@ -156,3 +157,19 @@ def test_docs_table_is_the_registry():
     from pathlib import Path
     page = (Path(__file__).parent.parent / "docs" / "targets.md").read_text()
     assert targets.table_markdown() in page
+
+
+def test_a_deviceless_compile_with_a_compilation_cache_set_warns_nothing(tmp_path):
+    """With JAX_COMPILATION_CACHE_DIR set, a second process compiling the same program for an absent
+    device would read the first one's entry, which cannot be loaded without the device: JAX warns
+    "Error reading persistent compilation cache entry". Deviceless compiles skip the cache."""
+    need("cuda")
+    code = ("import jax, jax.numpy as jnp, remat\nfrom remat.planning import targets\n"
+            "targets.compile(lambda x: jnp.sin(x) @ x.T, jax.ShapeDtypeStruct((64, 64), jnp.float32), target='h200')\n")
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.pop("JAX_PLATFORMS", None)
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    assert not any("persistent compilation cache" in r.stderr for r in runs), runs[-1].stderr[-2000:]

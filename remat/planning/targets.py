@@ -40,7 +40,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from remat.compiled import CompiledMemory, GiB, compiled_stats, format_bytes
-from remat.platform import building_for
+from remat import _compat
+from remat.platform import building_for, host_platform
 
 __all__ = ["EXTRA", "GPU_MEM_FRACTION", "SPECS", "Spec", "Target", "TargetUnavailable", "available",
            "compile", "compiled_memory", "get", "host_memory_available", "lower", "matmul_flops", "mem_fraction", "names", "place",
@@ -210,12 +211,19 @@ def spec_of(device) -> Spec | None:
 
 
 def mem_fraction() -> float:
-    """JAX's GPU allocator fraction: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75."""
-    try:
-        f = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
-    except ValueError:
+    """JAX's GPU allocator fraction: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75; ValueError naming the
+    variable for a value that is not a fraction in (0, 1]."""
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if text is None:
         return GPU_MEM_FRACTION
-    return f if 0 < f <= 1 else GPU_MEM_FRACTION
+    try:
+        f = float(text)
+    except ValueError:
+        f = math.nan
+    if not 0 < f <= 1:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={text}: not a fraction in (0, 1] (the share of a GPU's "
+                         f"memory JAX may take, e.g. .90); unset it for JAX's default {GPU_MEM_FRACTION}")
+    return f
 
 
 _NAME = re.compile(r"^(?P<kind>[a-z0-9-]+?)(?:x(?P<count>\d+)|:(?P<topo>\d+(?:x\d+){1,2}))?$", re.ASCII)
@@ -335,6 +343,11 @@ def _topology_devices(name: str, platform: str, topology: str, config: str | Non
     from jax.experimental import topologies
 
     module, wheel = (("jax_plugins.xla_cuda12", "jax-cuda12-pjrt") if platform == "cuda" else ("libtpu", "libtpu"))
+    if platform == "cuda":
+        try:
+            mem_fraction()  # the CUDA plugin parses it as it builds the topology, with a traceback
+        except ValueError as e:
+            raise TargetUnavailable(str(e)) from None
     try:
         installed = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -419,11 +432,15 @@ def compile(fn, *args, target: str | Target, mesh=None, specs=None, static_argnu
 
     Raises TargetUnavailable (one line naming the install) when that compiler is missing, and
     MemoryError when the compiler itself refuses the program for lack of memory (XLA:TPU does).
+    The persistent compilation cache is not used for a device that is not here (its entries could
+    not be loaded without it).
     """
     lowered = lower(fn, *args, target=target, mesh=mesh, specs=specs, static_argnums=static_argnums,
                     donate_argnums=donate_argnums, **kwargs)
+    absent = get(target).platform != host_platform()
     try:
-        return lowered.compile()
+        with _compat.enable_compilation_cache(False) if absent else contextlib.nullcontext():
+            return lowered.compile()
     except Exception as e:  # noqa: BLE001
         if "RESOURCE_EXHAUSTED" in str(e):  # XLA's status for a program that does not fit
             t = get(target)

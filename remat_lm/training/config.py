@@ -334,6 +334,11 @@ class TrainConfig(RecomputeFlags):
                                                                                self.recompute_every,
                                                                                self.deepspeed_config)))
 
+    @property
+    def given_flags(self) -> frozenset | None:
+        """The fields whose flags the command line gave (`config_from_args`); None when built otherwise."""
+        return getattr(self, "_given", None)
+
     def recompute_configs(self) -> list:
         """[(label, RecomputeConfig)]: one entry, or one per method of a `--recompute_method` comma list;
         [("auto", remat_lm.training.flags.AutoRecompute)] for `--recompute_method auto` (the planner's request).
@@ -346,7 +351,7 @@ class TrainConfig(RecomputeFlags):
         try:
             out = recompute_flags.from_flags({k: getattr(self, k) for k in recompute_flags.BY_NAME},
                                              tensor_axis=self._partition_axis,
-                                             default_budget=self.target_budget,
+                                             default_budget=self.target_budget, given=self.given_flags,
                                              distribute_axis=TENSOR_AXIS if self.distribute_saved_activations else None)
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -481,5 +486,10 @@ def config_from_args(argv: Sequence[str] | None = None, prog: str = "train.py",
       >>> config_from_args(["--preset", "tiny", "--num_iterations", "3"]).num_iterations
       3
     """
-    ns = build_parser(prog, description).parse_args(argv)
-    return TrainConfig(**vars(ns))
+    parser = build_parser(prog, description)
+    ns = parser.parse_args(argv)
+    cfg = TrainConfig(**vars(ns))
+    unset = object()  # argparse leaves an attribute the namespace already has unless its flag is given
+    probe = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(ns), unset)))
+    object.__setattr__(cfg, "_given", frozenset(k for k, v in vars(probe).items() if v is not unset))
+    return cfg

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from remat_lm import argtypes
 from remat import names as _names
@@ -281,18 +281,22 @@ def _off_error(e: RecomputeConfigError, flags: Mapping[str, str], g: str,
 
 
 def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
-               distribute_axis: str | None = None, default_budget: int | None = None) -> list:
+               distribute_axis: str | None = None, default_budget: int | None = None,
+               given: Collection[str] | None = None) -> list:
     """Flag values ({flag name: value}; missing ones take their defaults) → [(label, RecomputeConfig)],
     one per `--recompute_method` entry, or [("auto", AutoRecompute)] for `--recompute_method auto`.
     `default_budget` (bytes; train.py's `--target` memory per device) is auto's budget
-    when `--memory_budget` is not given. ValueError naming the flag and the fix.
+    when `--memory_budget` is not given. `given`: the flags on the command line; a setting that
+    conflicts with `--recompute_plan` or auto is then refused even at its default value (without
+    it, a value other than the default counts as given). ValueError naming the flag and the fix.
     """
     v = {**defaults(), **{k: values[k] for k in BY_NAME if k in values}}
+    given = {f.name for f in FLAGS if v[f.name] != f.default} if given is None else set(given)
     methods = tuple(m.strip() for m in str(v["recompute_method"]).split(","))
     if v["recompute_plan"] is not None:
-        return [_plan_config(v)]
+        return [_plan_config(v, given)]
     if "auto" in methods or v["memory_budget"] is not None:
-        return [("auto", _auto_request(v, methods, default_budget))]
+        return [("auto", _auto_request(v, methods, default_budget, given))]
     deepspeed = None
     if v["deepspeed_config"] is not None:
         from remat_lm.training import deepspeed as _deepspeed
@@ -308,17 +312,22 @@ def from_flags(values: Mapping[str, Any], *, tensor_axis: str | None = None,
         tensor_axis=tensor_axis, distribute_axis=distribute_axis)
 
 
-def _plan_config(v: dict) -> tuple:
+def _spelled(f: Flag, value) -> str:
+    """How `value` of flag `f` is written on a command line: `--no-activation_recompute`, `--recompute_num_layers`."""
+    return f"--no-{f.name}" if f.type is bool and value is False else f"--{f.name}"
+
+
+def _plan_config(v: dict, given: set) -> tuple:
     """`--recompute_plan PLAN` → ("plan", RecomputeConfig) of its per-layer policies; every other
-    recompute flag is then an error naming it (the plan sets them all)."""
+    recompute flag given is then an error naming it (the plan sets them all)."""
     from remat.planning.tagplan import parse_plan
 
     for f in FLAGS:
-        if f.name in ("recompute_plan", "scan_layers") or v[f.name] == f.default:
+        if f.name in ("recompute_plan", "scan_layers") or f.name not in given:
             continue
         if (f.name, v[f.name]) in (("recompute_granularity", "full"), ("activation_recompute", True)):
             continue  # what a plan means anyway: Megatron users write them with it
-        raise ValueError(f"--recompute_plan sets every layer's recompute itself; drop --{f.name}")
+        raise ValueError(f"--recompute_plan sets every layer's recompute itself; drop {_spelled(f, v[f.name])}")
     try:
         lp = parse_plan(v["recompute_plan"])
     except ValueError as e:
@@ -327,7 +336,7 @@ def _plan_config(v: dict) -> tuple:
     return ("plan", recompute_config(lp))
 
 
-def _auto_request(v: dict, methods: tuple, default_budget: int | None = None) -> AutoRecompute:
+def _auto_request(v: dict, methods: tuple, default_budget: int | None, given: set) -> AutoRecompute:
     """`--recompute_method auto --memory_budget SIZE` → AutoRecompute (without the flag: `default_budget`,
     if any); the planner chooses every other recompute setting, so giving one is an error naming it."""
     if methods != ("auto",):
@@ -350,11 +359,12 @@ def _auto_request(v: dict, methods: tuple, default_budget: int | None = None) ->
     fixed = ("activation_recompute", "recompute_method", "memory_budget")
     for f in FLAGS:
         value = v[f.name]
-        if f.name in fixed or value == f.default or (f.name == "recompute_granularity" and value == "full"):
+        if f.name in fixed or f.name not in given or (f.name == "recompute_granularity" and value == "full"):
             continue
         if f.name == "scan_layers" and default_budget is not None:
             continue   # with --target the planner prices time from the jaxpr, scans included
         why = ("XLA's cost analysis counts a scanned layer once, so the planner needs the loop layout"
                if f.name == "scan_layers" else "auto chooses the policy of every layer itself")
-        raise ValueError(f"--recompute_method auto cannot be combined with --{f.name} ({why}); drop --{f.name}")
+        flag = _spelled(f, value)
+        raise ValueError(f"--recompute_method auto cannot be combined with {flag} ({why}); drop {flag}")
     return AutoRecompute(budget)

@@ -27,6 +27,11 @@ from remat_lm.training.compile import compile_train_step
 CPU_OFFLOAD = "on a cpu backend pinned host memory is the same host RAM: nothing moves"
 
 
+def _policy_offloads(rc, n_layers: int) -> bool:
+    """Whether some layer's policy under `rc` offloads saved values to host memory."""
+    return any(remat.policies.offloads(rc.effective_policy(i)) for i in range(n_layers))
+
+
 def _saved_cell(res, name: str) -> str:
     """One cell of the saved table: `count x bytes of each`, or `count, total` where sizes differ."""
     count, total = res.by_name().get(name, (0, 0))
@@ -199,8 +204,11 @@ def run_summary(setup, compiled=None) -> str:
     ]
     lines[2:2] = [f"deepspeed {note}" for note in cfg.deepspeed_notes()]
     ds = cfg.deepspeed
-    if rc.offload_inputs and setup.mesh.devices.flat[0].platform == "cpu" and not (ds and ds.cpu_checkpointing):
+    on_cpu = setup.mesh.devices.flat[0].platform == "cpu"
+    if rc.offload_inputs and on_cpu and not (ds and ds.cpu_checkpointing):
         lines.insert(2, f"offload  region inputs wait in pinned host memory (--cpu_checkpointing); {CPU_OFFLOAD}")
+    elif on_cpu and _policy_offloads(rc, m.n_layer):
+        lines.insert(2, f"offload  the recompute policy offloads saved values to pinned host memory; {CPU_OFFLOAD}")
     if compiled is not None:
         by = f" by {run_target.words(setup.target)}" if setup.target is not None else ""
         lines.append(f"memory   {remat.memory.format_bytes(log_lib.compiled_estimate(compiled))} per device "
