@@ -2,11 +2,11 @@
 
 Written the way Equinox/plain-JAX GPTs are (a block is a pure function of its weights and x; the
 model loops over the layers). Adopting the library is the lines marked `# remat:`: each block call
-goes through `remat.checkpoint`, whose regions wait for their cotangent before recomputing, and
-the MLP activation is tagged so that `save_names:mlp_act` can keep it. `remat=None` is the
-original; `"jax.checkpoint"` is the plain JAX baseline of the same setting.
+goes through `remat.checkpoint` (`jax.checkpoint` with a registry policy), and the MLP activation
+is tagged so that `save_names:mlp_act` can keep it. `remat=None` is the original;
+`"jax.checkpoint"` is the plain JAX baseline of the same setting.
 
-    python -m examples.jax_gpt     # gradients, saved bytes and compiled temp
+    python -m examples.jax_gpt     # saved bytes, compiled temp on XLA:GPU (h200) and on XLA:CPU
 """
 from __future__ import annotations
 
@@ -73,13 +73,14 @@ def sample(params, prompt, steps):
     return out
 
 
+TARGET = "h200"  # the first temp column: XLA:GPU for it, no GPU needed (pip install 'remat[targets]')
 SETTINGS = {"original": None, "jax.checkpoint": "jax.checkpoint", "remat.checkpoint": "full",
             "remat.checkpoint save_names:mlp_act": "save_names:mlp_act"}
 
 
-def measure(batch=2, seq=33, labels=None):
-    """{setting: (grads, saved bytes, compiled temp bytes)} at a tiny float32 shape."""
-    from remat.memory import compiled_stats, saved_residuals
+def measure(batch=2, seq=33, labels=None, target=TARGET):
+    """{setting: (grads, saved bytes, `target`'s temp, XLA:CPU temp)} of `jax.grad(loss)`, tiny float32 shapes."""
+    from remat.memory import compiled_memory, compiled_stats, saved_residuals
     key = jax.random.key(0)
     params, tokens = init(key), jax.random.randint(key, (batch, seq), 0, VOCAB)
     out = {}
@@ -87,11 +88,14 @@ def measure(batch=2, seq=33, labels=None):
         if labels is not None and label not in labels:
             continue
         loss = functools.partial(loss_fn, tokens=tokens, remat_policy=pol)
-        grad = jax.jit(jax.grad(loss)).lower(params).compile()  # one compile: the gradient and its temp
-        out[label] = (grad(params), saved_residuals(loss, params).intermediates, compiled_stats(grad).temp)
+        grad = jax.jit(jax.grad(loss)).lower(params).compile()  # this host: the gradient and its temp
+        out[label] = (grad(params), saved_residuals(loss, params).intermediates,
+                      compiled_memory(jax.grad(loss), params, target=target).temp, compiled_stats(grad).temp)
     return out
 
 
 if __name__ == "__main__":
-    for label, (_, saved, temp) in measure().items():
-        print(f"{label:<36} saved {saved / 2**20:6.2f} MiB   compiled temp {temp / 2**20:6.2f} MiB")
+    gpu = f"temp {remat.planning.targets.get(TARGET).compiler} ({TARGET})"
+    print(f"{'setting':<36} {'saved':>10} {gpu:>22} {'temp XLA:CPU (this host)':>26}")
+    for label, (_, saved, gpu_temp, cpu_temp) in measure().items():
+        print(f"{label:<36} {saved / 2**20:6.2f} MiB {gpu_temp / 2**20:18.2f} MiB {cpu_temp / 2**20:22.2f} MiB")

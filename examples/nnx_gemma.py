@@ -7,7 +7,7 @@ Adopting the library is the lines marked `# remat:`: the block list becomes a
 four activations are tagged for the selective presets. `remat=None` is the original model;
 `"nnx.remat"` wraps each block call in `nnx.remat`, the plain Flax baseline.
 
-    python -m examples.nnx_gemma     # gradients, saved bytes and compiled temp
+    python -m examples.nnx_gemma     # saved bytes, compiled temp on XLA:GPU (h200) and on XLA:CPU
 """
 from __future__ import annotations
 
@@ -132,13 +132,15 @@ def sample(model, prompt, steps):
     return out
 
 
+TARGET = "h200"  # the first temp column: XLA:GPU for it, no GPU needed (pip install 'remat[targets]')
 SETTINGS = {"original": None, "nnx.remat": "nnx.remat", "LayerStack": RecomputeConfig(granularity="full"),
             "LayerStack core_attn": RecomputeConfig(granularity="selective")}
 
 
-def measure(batch=2, seq=33, labels=None):
-    """{setting: (grads as a list of leaves, saved bytes, compiled temp bytes)}, tiny float32 shapes."""
-    from remat.memory import compiled_stats, saved_residuals
+def measure(batch=2, seq=33, labels=None, target=TARGET):
+    """{setting: (grads as a list of leaves, saved bytes, `target`'s temp, XLA:CPU temp)} of
+    `jax.grad(loss)`, tiny float32 shapes."""
+    from remat.memory import compiled_memory, compiled_stats, saved_residuals
     tokens = jax.random.randint(jax.random.key(0), (batch, seq), 0, Config.vocab)
     out = {}
     for label, r in SETTINGS.items():
@@ -147,12 +149,15 @@ def measure(batch=2, seq=33, labels=None):
         model = Transformer(Config(remat=r), nnx.Rngs(0))  # same seed: same weights in every setting
         graphdef, params = nnx.split(model)
         loss = lambda p: loss_fn(nnx.merge(graphdef, p), tokens)  # noqa: E731
-        grad = jax.jit(jax.grad(loss)).lower(params).compile()  # one compile: the gradient and its temp
+        grad = jax.jit(jax.grad(loss)).lower(params).compile()  # this host: the gradient and its temp
         out[label] = (jax.tree.leaves(grad(params)), saved_residuals(loss, params).intermediates,
+                      compiled_memory(jax.grad(loss), params, target=target).temp,
                       compiled_stats(grad).temp)
     return out
 
 
 if __name__ == "__main__":
-    for label, (_, saved, temp) in measure().items():
-        print(f"{label:<24} saved {saved / 2**20:6.2f} MiB   compiled temp {temp / 2**20:6.2f} MiB")
+    gpu = f"temp {remat.planning.targets.get(TARGET).compiler} ({TARGET})"
+    print(f"{'setting':<24} {'saved':>10} {gpu:>22} {'temp XLA:CPU (this host)':>26}")
+    for label, (_, saved, gpu_temp, cpu_temp) in measure().items():
+        print(f"{label:<24} {saved / 2**20:6.2f} MiB {gpu_temp / 2**20:18.2f} MiB {cpu_temp / 2**20:22.2f} MiB")

@@ -8,8 +8,8 @@ project's own modules (`remat`, `remat_lm`, `examples`) and `python train.py ...
 answer `--help` in one subprocess (one JAX import, each module run with `runpy` as `python -m`
 would), so the whole check costs a few seconds. A module with sub-commands (`llmc verify`) is
 asked for each sub-command's help too. The examples take no flags and are only looked up (they run
-whole in tests/test_examples.py). Commands under `## History` in docs/BENCHMARKS.md record
-what ran then: their modules must still exist, their flags may have changed since.
+whole in tests/test_examples.py). What the documented commands print is checked by
+tests/test_doc_figures.py.
 """
 from __future__ import annotations
 
@@ -39,19 +39,12 @@ def _code(text: str) -> list[str]:
     return blocks + [m.group(2) for m in _INLINE.finditer(prose)]
 
 
-def _current(path: pathlib.Path) -> str:
-    """The file's text, without docs/BENCHMARKS.md's `## History` part (commands as they ran then)."""
-    text = path.read_text()
-    return text.split("\n## History", 1)[0] if path.name == "BENCHMARKS.md" else text
-
-
-def commands(current_only: bool = False) -> list[tuple[str, str, tuple[str, ...]]]:
+def commands() -> list[tuple[str, str, tuple[str, ...]]]:
     """(doc, program, flags) for every documented command of this project, in order, deduplicated.
     The program is a module name or `train.py`."""
     seen, out = set(), []
     for path in DOCS:
-        text = _current(path) if current_only else path.read_text()
-        for code in _code(text):
+        for code in _code(path.read_text()):
             for m in _COMMAND.finditer(code):
                 program = m.group(1) or m.group(2)
                 if program.endswith(".") or program.split(".")[0] not in OWN + ("train",):
@@ -112,7 +105,7 @@ def helps() -> dict[str, tuple[int, str]]:
 
 def test_the_docs_document_commands():
     """The extractor finds the commands a user copies (so the checks below cannot pass empty)."""
-    programs = {p for _, p, _ in commands(current_only=True)}
+    programs = {p for _, p, _ in commands()}
     assert {"train.py", "remat_lm.bench.policies", "remat_lm.bench.attention"} <= programs, programs
 
 
@@ -121,7 +114,7 @@ def test_every_documented_program_answers_help(helps):
     assert not bad, f"these documented programs fail `--help`: {bad}"
 
 
-@pytest.mark.parametrize("doc,program,flags", commands(current_only=True),
+@pytest.mark.parametrize("doc,program,flags", commands(),
                          ids=lambda v: v if isinstance(v, str) else " ".join(v)[:60])
 def test_documented_flags_exist(helps, doc, program, flags):
     code, text = helps[program]
@@ -246,18 +239,3 @@ def test_paths_the_tree_points_at_exist():
             if not (ROOT / m.group(1)).exists():
                 dead.append(f"{name}: {m.group(1)}")
     assert not dead, f"pointers to files that do not exist: {sorted(set(dead))}"
-
-
-@pytest.mark.slow  # ~80 s: four XLA:GPU compiles of GPT-2 d12
-def test_the_readme_memory_report_summary_is_what_the_command_prints():
-    """The README's --memory_report summary table, re-run: every row as the command prints it."""
-    import re
-    readme = (ROOT / "README.md").read_text()
-    command = re.search(r"python train\.py --preset d12 --sequence_length 1024 --target h200 [^\n]*\\\n[^\n#]*--memory_report", readme).group(0)
-    table = re.search(r"```\n(  setting +saved \(intermediates\).*?)```", readme, re.S).group(1).strip("\n")
-    args = command.replace("\\\n", " ").split()[2:]
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert r.returncode == 0, r.stderr[-3000:]
-    for row in table.splitlines():
-        assert row in r.stdout.splitlines(), (row, r.stdout)

@@ -1,7 +1,8 @@
 """The memory explorer notebook runs top to bottom in a fresh kernel and writes its three plots, to
 out/notebooks by default, leaving the committed figures in docs/img as they were.
 
-Executed with nbclient on the tiny shape (REMAT_NB_SHAPE=tiny, ~30 s on 2 CPU cores); the kernel is
+Executed with nbclient on the tiny shape (REMAT_NB_SHAPE=tiny, about 2 min on 2 CPU cores, most of
+it section 3's train steps compiled for XLA:GPU, the default REMAT_NB_TARGET); the kernel is
 the `python3` kernelspec of the interpreter running the tests (jupyter_client starts it with
 `sys.executable`), so it sees this virtualenv and conftest.py's environment, with no JAX_PLATFORMS: JAX starts as in a user's kernel.
 """
@@ -28,7 +29,7 @@ def _snapshot(folder: pathlib.Path) -> dict:
             for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-@pytest.mark.slow  # ~25 s each; test_docs_img_is_written_only_on_request runs its settings cell fast
+@pytest.mark.slow  # ~2 min each; test_docs_img_is_written_only_on_request runs its settings cell fast
 @pytest.mark.parametrize("model", ["gpt2", "llama3"])
 def test_memory_explorer_runs_and_writes_plots(model, tmp_path, monkeypatch):
     """gpt2 with the default output folder (out/notebooks), llama3 with REMAT_NB_OUT: either way the
@@ -37,6 +38,7 @@ def test_memory_explorer_runs_and_writes_plots(model, tmp_path, monkeypatch):
     monkeypatch.setenv("REMAT_NB_MODEL", model)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("REMAT_WRITE_DOCS_IMG", raising=False)
+    monkeypatch.delenv("REMAT_NB_TARGET", raising=False)  # the default: XLA:GPU for an H200
     if model == "gpt2":
         monkeypatch.delenv("REMAT_NB_OUT", raising=False)
         out = DEFAULT_OUT
@@ -67,9 +69,9 @@ def test_memory_explorer_runs_and_writes_plots(model, tmp_path, monkeypatch):
     assert _snapshot(DOCS_IMG) == docs_before, "running the notebook rewrote docs/img"
 
 
-def _first_cell_out(monkeypatch, **env) -> pathlib.Path:
-    """Run the notebook's first code cell (imports and settings: no model work) with `env`; its OUT."""
-    for k in ("REMAT_NB_OUT", "REMAT_WRITE_DOCS_IMG"):
+def _first_cell(monkeypatch, **env) -> dict:
+    """Run the notebook's first code cell (imports and settings: no model work) with `env`; its globals."""
+    for k in ("REMAT_NB_OUT", "REMAT_WRITE_DOCS_IMG", "REMAT_NB_TARGET"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -77,7 +79,11 @@ def _first_cell_out(monkeypatch, **env) -> pathlib.Path:
     cell = next(c for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code")
     scope = {}
     exec(compile(cell.source, "memory_explorer.ipynb[1]", "exec"), scope)
-    return scope["OUT"]
+    return scope
+
+
+def _first_cell_out(monkeypatch, **env) -> pathlib.Path:
+    return _first_cell(monkeypatch, **env)["OUT"]
 
 
 def test_docs_img_is_written_only_on_request(monkeypatch, capsys):
@@ -86,3 +92,11 @@ def test_docs_img_is_written_only_on_request(monkeypatch, capsys):
     assert _first_cell_out(monkeypatch, REMAT_WRITE_DOCS_IMG="1") == DOCS_IMG
     with pytest.raises(ValueError, match="REMAT_WRITE_DOCS_IMG=1"):
         _first_cell_out(monkeypatch, REMAT_NB_OUT=os.path.relpath(DOCS_IMG, NOTEBOOK.parent))
+
+
+def test_target_is_read(monkeypatch, capsys):
+    """Section 3 compiles for REMAT_NB_TARGET (default h200); a name that is no target is refused."""
+    assert _first_cell(monkeypatch)["TARGET"].name == "h200"
+    assert _first_cell(monkeypatch, REMAT_NB_TARGET="v5e")["TARGET"].compiler == "XLA:TPU"
+    with pytest.raises(ValueError, match="not known"):
+        _first_cell(monkeypatch, REMAT_NB_TARGET="h999")

@@ -11,7 +11,7 @@ compile takes seconds. Every assertion compares two compiles of one compiler.
 # remat's). The TPU claims about remat are therefore asserted on XLA:TPU with VMEM placement off
 # (LIBTPU_INIT_ARGS=--xla_vf_vmem_memory_space_assignment=false, read by libtpu when it loads: a fresh
 # process, `_tpu_no_vmem`), which counts every buffer; `test_tpu_vmem_hides_temp` asserts what VMEM
-# placement does to the in-process figure. docs/BENCHMARKS.md ("Per compiler") has both.
+# placement does to the in-process figure. docs/BENCHMARKS.md ("peaks") has both.
 """
 import functools
 import json

@@ -161,13 +161,13 @@ def main(argv=None) -> int:
     print(f"{a.model} {a.preset}, B={a.batch} T={a.seq}, bf16, loss_chunk 128, "
           f"{'scan' if a.scan else 'loop'} layers; jax.grad of the loss compiled by {t.compiler} for {t.hardware()}")
     print(f"{'setting':<16}{'device temp MiB':>17}{'host MiB':>11}{'moves MiB':>11}{'copies to host':>16}"
-          f"{'late':>6}{'compile s':>11}")
+          f"{'late':>6}{'compile':>11}")
     rows, moved = {}, {}
     for s in wanted:
         rows[s], moved[s] = measure(s, a.target, **shape), moved_bytes(s, **shape)
         r = rows[s]
         print(f"{s:<16}{r.temp / MiB:>17.1f}{r.host / MiB:>11.1f}{moved[s] / MiB:>11.1f}{r.to_host:>16}{r.late:>6}"
-              f"{r.seconds:>11.1f}", flush=True)
+              f"{f'{r.seconds:.1f} s':>11}", flush=True)
     if {"full", "save_names"} <= set(rows):
         for s, (ok, why) in verdicts(rows, moved).items():
             print(f"{s}: {'frees device memory' if ok else 'DOES NOT free device memory'} ({why})")

@@ -41,17 +41,17 @@ from remat import names
 
 F32 = jnp.float32
 ATTENTION = ("auto", "tiled", "xla", "cudnn", "pallas")
-# NOTE: DEFAULT_TILE was measured on XLA:CPU (docs/BENCHMARKS.md, "The default tile"): one GPT-2
-# reference attention layer (C=256, 4 heads), forward + backward, with the online kernel. 128 was
-# the fastest at T=1024 and 4096 (tiles 256 and 512 lose: a (t, t) tile per step grows the temp and
-# the serial dependency through the running max); 64 ties at the reference T=256 and is slower at
-# T=4096 (more, smaller loop steps).
+# NOTE: DEFAULT_TILE was measured on XLA:CPU (`python -m remat_lm.bench.attention --tile_sweep
+# 64,128,256,512 --shapes 8x256,1x1024,1x4096`): one GPT-2 reference attention layer (C=256, 4
+# heads), forward + backward, with the online kernel. 128 was the fastest at T=1024 and 4096 (tiles
+# 256 and 512 lose: a (t, t) tile per step grows the temp and the serial dependency through the
+# running max); 64 ties at the reference T=256 and is slower at T=4096 (more, smaller loop steps).
 DEFAULT_TILE = 128
 # NOTE: the tile `auto` gives the tiled core on a GPU (float32, or a shape cuDNN refuses). The tiled
 # core runs its tile pairs one after another, n(n+1)/2 per pass with n = T/tile, each a small matmul
-# a GPU cannot fill: tile 128 at T=1024 is 36 sequential steps per layer per pass, tile 512 is 3
-# (docs/BENCHMARKS.md, "Built for the target"). Temp grows as B·H·T·tile, still far below the
-# (T, T) scores of the `xla` core. An explicit `--attention tiled` keeps the tile it is given.
+# a GPU cannot fill: tile 128 at T=1024 is 36 sequential steps per layer per pass, tile 512 is 3.
+# Temp grows as B·H·T·tile, still far below the (T, T) scores of the `xla` core. An explicit
+# `--attention tiled` keeps the tile it is given.
 GPU_TILE = 512
 
 
@@ -239,12 +239,6 @@ _xla.defvjp(_xla_fwd, _xla_bwd)
 # ------------------------------------------------------------------------------------------------
 # The tiled core.
 
-# NOTE: the static-prefix kernel (query tile i read its whole key prefix [0, end_i) in one
-# unrolled block; `tiled` until 2026-12-01) was removed. On a quiet 2-core CPU it ran a long-T
-# layer faster (one large matmul per tile), but its program grew as (T/tile)² (a bound on the tile
-# count widened the tile past 32 tiles), its compiled temp was larger, and nothing selected it but a benchmark flipping a module global. Its measured rows stay in
-# docs/BENCHMARKS.md ("Attention cores"); the code is in the git history.
-
 def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = DEFAULT_TILE,
                            dropout_rate: float = 0.0, key=None):
     """Causal GQA attention over tiles that skip the masked key tiles; keeps q, k, v and the lse.
@@ -284,7 +278,7 @@ def tiled_causal_attention(q, k, v, n_head: int, n_kv_head: int, *, tile: int = 
 # one rounding to k's dtype at the end). Keeping O as a fifth residual would save the first loop
 # (2 of the backward's 7 tile-pair matmuls) but break "q, k, v and the lse only", on which the
 # saved-bytes comparisons with PyTorch and the memory model rest; the measured cost of the
-# recompute is in the step times of docs/BENCHMARKS.md.
+# recompute is in the step times of `python -m remat_lm.bench.attention`.
 
 def _tile_major(x5, n, t):
     """(B, K, G, n·t, D) → (n, B, K, G·t, D): tile i's rows of all G heads of a kv group."""

@@ -114,7 +114,42 @@ def lm_head(x, kernel, targets=None, n_valid: int | None = None, chunk: int = 0,
 
 
 def _chunk_loss(x, kernel, t, n_valid, total, tied):
-    return cross_entropy(lm_logits(x, kernel, tied), t, n_valid, total)  # x (B, N, C) → logits (B, N, V)
+    return _chunk_cross_entropy(lm_logits(x, kernel, tied), t, n_valid, total)  # x (B, N, C) → logits (B, N, V)
+
+
+# A chunk's cross-entropy with its backward written out (softmax − one-hot, from the logits): inside
+# the chunked loss's remat region XLA:GPU keeps one (B, N, V) float32 buffer less than with optax's
+# loss. Measured for an H200 (deviceless), GPT-2 d12, B=8, T=1024, bf16, chunks of 128, loop layers
+# (`python -m remat_lm.bench.offload --target h200 --settings none,full`): temp 646.7 → 462.2 MiB
+# with full remat, 3986.8 → 3802.3 without; LLaMA-3 8B on h200x8 (fsdp=8, T=8192, chunks of 128)
+# unchanged (21.56, 54.67 GiB). The unchunked loss keeps optax's: there the rule costs the 8B
+# 2.5 GiB (25.23 → 27.73 GiB with full remat, --loss_chunk 0).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _chunk_cross_entropy(logits, targets, n_valid: int, total: int):
+    return _chunk_ce_fwd(logits, targets, n_valid, total)[0]
+
+
+def _valid_columns(z, n_valid: int):
+    if n_valid >= z.shape[-1]:
+        return z
+    return jnp.where(lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) < n_valid, z, -jnp.inf)
+
+
+def _chunk_ce_fwd(logits, targets, n_valid, total):
+    z = _valid_columns(logits.astype(F32), n_valid)
+    picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), -1)[..., 0]
+    return (jax.nn.logsumexp(z, axis=-1) - picked).sum() / total, (logits, targets)
+
+
+def _chunk_ce_bwd(n_valid, total, res, g):
+    logits, targets = res
+    z = _valid_columns(logits.astype(F32), n_valid)
+    p = jnp.exp(z - jax.nn.logsumexp(z, axis=-1, keepdims=True))
+    onehot = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1) == targets[..., None]
+    return ((p - onehot) * (g / total)).astype(logits.dtype), None
+
+
+_chunk_cross_entropy.defvjp(_chunk_ce_fwd, _chunk_ce_bwd)
 
 
 def _chunked_loss(x, kernel, targets, n_valid: int, chunk: int, tied: bool):
@@ -266,8 +301,8 @@ class CausalSelfAttention(nn.Module):
 
 # The activations are recomputed from their inputs in the backward (`jax.checkpoint`), so a layer
 # keeps its (B, T, F) inputs, not the activation's internals; GELU is computed in float32. Measured
-# on XLA:GPU (h200, deviceless) at the reference shape, no remat, scan layout (docs/BENCHMARKS.md,
-# "Reference models from Flax layers (XLA:GPU)"): GPT-2 308.3 MiB of temp, 564.3 with plain
+# on XLA:GPU (h200, deviceless) at the reference shape, no remat, scan layout (docs/models.md,
+# "The layers' forms"): GPT-2 308.3 MiB of temp, 564.3 with plain
 # `nn.gelu`; LLaMA-3 305.4, 449.5 with plain `silu(gate)·up`. `prevent_cse` as measured: GPT-2's
 # full remat, loop, 72.0 MiB without it, 80.0 with it; LLaMA-3's 76.0 with it, 78.0 without.
 _gelu = jax.checkpoint(lambda h: nn.gelu(h.astype(F32), approximate=True).astype(h.dtype), prevent_cse=False)
@@ -343,7 +378,7 @@ class SwiGLU(MLP):
 # The norms are the models' hand-written backward passes: each keeps its input and per-row
 # statistics (in float32) and rebuilds the normalized input in the backward. Measured on XLA:GPU
 # (h200, deviceless) at the reference shape, temp in MiB against Flax's layer, plain and under
-# `nn.remat` (docs/BENCHMARKS.md, "Reference models from Flax layers (XLA:GPU)"):
+# `nn.remat` (docs/models.md, "The layers' forms"):
 #   GPT-2, LayerNorm: no remat, scan 308.3 (`nn.LayerNorm` 368.6); `nn.remat(nn.LayerNorm)` reads
 #     304.1 there but 12.0 MiB more for selective core_attn and mlp in the scan layout (328.8, 200.8);
 #   LLaMA-3, RMSNorm: no remat, loop 372.1 (`nn.RMSNorm` 402.1, `nn.remat(nn.RMSNorm)` 404.0):
