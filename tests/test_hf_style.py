@@ -78,7 +78,7 @@ def _grads(module, *, deterministic=False):
     v = module.init(jax.random.key(0), X)
     loss = lambda p: jnp.mean(module.apply(p, X, deterministic=deterministic,  # noqa: E731
                                            rngs={"dropout": jax.random.key(2)}) ** 2)
-    return jax.grad(loss)(v)
+    return jax.jit(jax.grad(loss))(v)
 
 
 def test_keyword_bools_are_static_and_gradients_equal_the_model_without_remat():

@@ -228,6 +228,18 @@ def _syn_step_n(n):
     return step
 
 
+@pytest.mark.parametrize("target", [None, "h200"])
+def test_when_no_remat_fits_the_answer_comes_after_one_compile(target):
+    """Both planners compile no remat first; where it fits the budget nothing is traced or calibrated."""
+    compiled, traced = [], []
+    step = _syn_step()
+    plan = plan_for_budget(lambda rc: compiled.append(rc) or step(rc), 6, 1000, target=target,
+                           trace_step=None if target is None else lambda rc: traced.append(rc))
+    assert plan.layer_policies == (None,) * 6 and plan.compiles == 1 and plan.fits
+    assert [rc.enabled for rc in compiled] == [False] and traced == []
+    assert "no remat fits the budget" in plan.table()
+
+
 def test_refines_when_the_compiled_plan_does_not_fit():
     plan = plan_for_budget(_syn_step(penalty=25), 6, 777)
     assert plan.compiled_peak <= 777 and plan.iterations > 1
@@ -254,15 +266,16 @@ def test_parse_size():
     (["--recompute_method", "auto", "--memory_budget", "12 parsecs"], "e.g. 12GiB"),
     (["--recompute_method", "auto,none", "--memory_budget", "1GiB", "--memory_report"], "auto alone"),
     (["--recompute_method", "auto", "--memory_budget", "1GiB", "--remat_policy", "full"], "drop --remat_policy"),
-    (["--recompute_method", "auto", "--memory_budget", "1GiB", "--scan_layers"], "drop --scan_layers"),
 ])
 def test_cli_usage_errors(args, match):
     with pytest.raises(UsageError, match=match):
         config_from_args(args)
 
 
-def test_cli_accepts_auto_with_a_budget():
-    cfg = config_from_args(["--recompute_method", "auto", "--memory_budget", "512MiB"])
+@pytest.mark.parametrize("layout", [[], ["--scan_layers"]])
+def test_cli_accepts_auto_with_a_budget(layout):
+    """Either layout plans: the FLOPs of a scanned program count every layer (remat.compiled.hlo_matmul_flops)."""
+    cfg = config_from_args(["--recompute_method", "auto", "--memory_budget", "512MiB", *layout])
     label, auto = cfg.recompute_configs()[0]
     assert label == "auto" and auto.budget == 512 * 2**20
 
@@ -507,8 +520,9 @@ def test_acceptance_front(args, tmp_path):
 @pytest.mark.slow  # ~35 s: five XLA:GPU compilations of the tiny model
 def test_cli_auto_with_a_target_plans_per_tag():
     need("cuda")
+    # a budget between full remat's compiled peak (1.81 MiB) and no remat's (2.47 MiB): a plan is needed
     p = _train(["--preset", "tiny", "--batch_size", "4", "--sequence_length", "64", "--recompute_method", "auto",
-                "--target", "h200", "--dry_run", "--scan_layers"])
+                "--target", "h200", "--dry_run", "--scan_layers", "--memory_budget", "2.2MiB"])
     assert p.returncode == 0, p.stderr
     plan = re.search(r"^plan: (.+)$", p.stdout, re.M)
     assert plan and "predicted step" in p.stdout and tagplan.parse_plan(plan.group(1), 2)

@@ -103,10 +103,11 @@ def test_target_changes_the_compiled_program(capsys):
     assert int(fits.group(3)) == round(100 * targets.mem_fraction())
     assert int(fits.group(4)) == math.floor(100 * (1 - stats.peak_estimate / limit))
 
-    # the planner's cost on a GPU target: the traced program's matmul FLOPs (XLA:GPU counts none)
+    # the planner's cost on a GPU target: the optimized program's matmul FLOPs (XLA:GPU's cost
+    # analysis gives none without a device), as many as the traced program's matrix products
     cm = step_stats(gpu)
-    assert cm.flops_source == "jaxpr matmuls" and cm.flops == remat.planning.targets.matmul_flops(
-        compiled_jaxpr(gpu)) and cm.flops > 0
+    traced = remat.planning.targets.matmul_flops(compiled_jaxpr(gpu))
+    assert cm.flops_source == "optimized HLO matmuls" and 0.9 * traced <= cm.flops <= 1.1 * traced, (cm.flops, traced)
 
     tpu = compile_train_step(prepare(config_from_args(BF16 + ["--target", "v5e", "--dry_run"])))
     assert "tpu_custom_call" in tpu.as_text() and "__cudnn" not in tpu.as_text()

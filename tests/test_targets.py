@@ -88,7 +88,20 @@ def test_gpu_flops_are_counted_from_the_program():
     a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
     b = jax.ShapeDtypeStruct((512, 128), jnp.float32)
     cm = compiled_memory(lambda a, b: a @ b, a, b, target=GPU)
-    assert cm.flops_source == "jaxpr matmuls" and cm.flops == 2 * 256 * 512 * 128
+    assert cm.flops_source == "optimized HLO matmuls" and cm.flops == 2 * 256 * 512 * 128
+
+
+@pytest.mark.parametrize("target", ["cpu", GPU])
+def test_flops_of_a_scan_count_every_iteration(target):
+    """XLA's cost analysis counts a scan body once whatever its length; the FLOPs the project reports
+    are the program's: scan(length=8) of a matmul is 8x scan(length=1)."""
+    if target != "cpu":
+        need("cuda")
+    c = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    scan = lambda n: lambda c: jax.lax.scan(lambda c, _: (jnp.tanh(c @ c), None), c, None, length=n)[0]  # noqa: E731
+    one, eight = (compiled_memory(scan(n), c, target=target) for n in (1, 8))
+    assert one.flops == 2 * 64 ** 3 and eight.flops == 8 * one.flops, (one.flops, eight.flops)
+    assert eight.flops_source == "optimized HLO matmuls"
 
 
 def test_matmul_flops_follow_scans_and_gradients():

@@ -58,7 +58,7 @@ class BudgetPlan:
       layer_policies: one policy (a name or a JAX policy callable) or None (not rematerialized) per layer.
       saved_bytes: analytic bytes each layer keeps for the backward (None without `layer_bytes`).
       freed_bytes: calibrated peak bytes each layer's setting frees against no remat.
-      recompute_flops: calibrated recompute FLOPs per layer (XLA cost analysis).
+      recompute_flops: calibrated recompute FLOPs per layer (the compiled programs' matmul FLOPs).
       budget, peak_kind: the budget and what it applies to ("estimate" or "temp").
       predicted_peak, compiled_peak: the model's peak for this plan and XLA's, in bytes.
       compiled: the chosen plan's CompiledMemory; no_remat_peak / minimum_peak: compiled peaks of
@@ -179,19 +179,32 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         plan = plan_for_budget(lambda rc: compiled_memory(step_for(rc), *args), 8, 600 * 2**20)
         print(plan.table()); cfg = plan.recompute_config()
     """
+    if peak not in PEAKS:
+        raise ValueError(f"peak={peak!r} is not valid; use one of {', '.join(PEAKS)}")
     if target is not None or trace_step is not None:
         if trace_step is None:
             raise ValueError("plan_for_budget(target=...) plans per tag and needs trace_step(recompute_config) -> "
                              "the train step's jaxpr (jax.jit(step).trace(...).jaxpr)")
-        return front(compile_step, trace_step, n_layers, [budget_bytes], target=target, peak=peak,
-                     max_iterations=max_iterations, log=log).plans[0]
+        # no remat first: where it fits, that one compile is the answer (nothing to trace or calibrate)
+        none_lp = (None,) * n_layers
+        none_cm = compiled_stats(compile_step(recompute_config(none_lp)))
+        p_none = none_cm.peak_estimate if peak == "estimate" else none_cm.temp
+        if log:
+            log(f"compiled {_tagplan.format_plan(none_lp)}: peak {format_bytes(p_none)}")
+        if p_none <= int(budget_bytes):
+            return BudgetPlan(layer_policies=none_lp, saved_bytes=(None,) * n_layers, freed_bytes=(0,) * n_layers,
+                              recompute_flops=(0.0,) * n_layers, budget=int(budget_bytes), peak_kind=peak,
+                              predicted_peak=p_none, compiled_peak=p_none, compiled=none_cm, no_remat_peak=p_none,
+                              minimum_peak=p_none, compiled_recompute_flops=0.0, iterations=1, compiles=1,
+                              notes=("no remat fits the budget: nothing is recomputed",))
+        plan = front(compile_step, trace_step, n_layers, [budget_bytes], target=target, peak=peak,
+                     max_iterations=max_iterations, log=log, known={none_lp: none_cm}).plans[0]
+        return dataclasses.replace(plan, compiles=plan.compiles + 1)  # and no remat's, above
     if not is_int(n_layers) or n_layers < 1:
         raise ValueError(f"n_layers={n_layers!r} must be a positive int")
     budget_bytes = int(budget_bytes) if isinstance(budget_bytes, np.integer) else budget_bytes
     if not is_int(budget_bytes) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive number of bytes")
-    if peak not in PEAKS:
-        raise ValueError(f"peak={peak!r} is not valid; use one of {', '.join(PEAKS)}")
     if max_iterations < 1:
         raise ValueError(f"max_iterations={max_iterations} must be >= 1")
     cands = []

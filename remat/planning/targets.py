@@ -451,7 +451,7 @@ def compile(fn, *args, target: str | Target, mesh=None, specs=None, static_argnu
 
 def compiled_memory(fn, *args, target=None, mesh=None, specs=None, static_argnums=(), donate_argnums=(),
                     **kwargs) -> CompiledMemory:
-    """XLA's memory and cost analysis of `fn(*args, **kwargs)`, per device: compiled with `jax.jit`
+    """XLA's memory analysis and the matmul FLOPs of `fn(*args, **kwargs)`, per device: compiled with `jax.jit`
     on this host, or with `target` by that accelerator's compiler with no device present.
     `remat.memory.compiled_memory` is this function.
 
@@ -465,9 +465,9 @@ def compiled_memory(fn, *args, target=None, mesh=None, specs=None, static_argnum
         of `args` with PartitionSpec leaves; default replicated.
       static_argnums, donate_argnums, **kwargs: as for `jax.jit` and the call.
     Returns:
-      `CompiledMemory`: temp, argument, output, alias and host bytes; `flops` from the compiler's
-      cost analysis, or, where it gives none (XLA:GPU without a device), the matrix-product FLOPs
-      of the traced program (`flops_source` says which).
+      `CompiledMemory`: temp, argument, output, alias and host bytes; `flops`, the matrix-product
+      FLOPs of the optimized program per device, every loop iteration counted
+      (`remat.compiled.hlo_matmul_flops`).
     Example:
       >>> compiled_memory(lambda x: jax.numpy.sin(x) * 2, jax.numpy.ones(1024)).output
       4096
@@ -478,18 +478,13 @@ def compiled_memory(fn, *args, target=None, mesh=None, specs=None, static_argnum
         return compiled_stats(jitted.trace(*args, **kwargs).lower().compile())
     t = get(target)
     mesh = mesh if isinstance(mesh, Mesh) else t.mesh(mesh)
-    cm = compiled_stats(compile(fn, *args, target=t, mesh=mesh, specs=specs, static_argnums=static_argnums,
-                                donate_argnums=donate_argnums, **kwargs))
-    if cm.flops:
-        return cm
-    jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnums=static_argnums)
-    with building_for(t.platform), jax.set_mesh(mesh):
-        jaxpr = jitted.trace(*place(args, mesh, specs), **kwargs).jaxpr
-    return dataclasses.replace(cm, flops=matmul_flops(jaxpr) / t.count, flops_source="jaxpr matmuls")
+    return compiled_stats(compile(fn, *args, target=t, mesh=mesh, specs=specs, static_argnums=static_argnums,
+                                  donate_argnums=donate_argnums, **kwargs))
 
 
 def matmul_flops(jaxpr) -> float:
-    """FLOPs of the matrix products of a (closed) jaxpr, every nested program included: 2·M·N·K per
+    """FLOPs of the matrix products of a (closed) jaxpr (a program no compiler built, e.g. one the
+    target refused; a compiled one: `remat.compiled.hlo_matmul_flops`), every nested program included: 2·M·N·K per
     `dot_general`, `scan` bodies times their length, `cond` its costliest branch, a `while` body
     once (its trip count is not static). Forward, recomputation and backward all count when the
     jaxpr is a gradient's.

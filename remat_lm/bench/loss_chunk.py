@@ -11,8 +11,7 @@ machine; `--target` (cpu, h200, v5e, ...) names the compiler.
 Columns: XLA's compiled temp buffer and peak estimate (arguments + outputs + temp − aliased) and
 the analytic saved bytes (remat_lm/models/memory_model.py), each also over the same recompute setting
 without chunking, and the FLOPs chunking adds: the head's forward matmul once more in the backward,
-2·B·T·Vp·C. (XLA's cost analysis counts a `lax.scan` body once, so its FLOPs of a chunked step
-are not comparable with the plain step's and are not shown.) Target: full remat + chunked loss ≤ 0.5× full remat's temp without
+2·B·T·Vp·C. Target: full remat + chunked loss ≤ 0.5× full remat's temp without
 chunking, at the first chunk size of `--chunks`.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The policy table: saved bytes, compiled temp bytes, step time and XLA FLOPs per remat setting.
+"""The policy table: saved bytes, compiled temp bytes, step time and matmul FLOPs per remat setting.
 
     python -m remat_lm.bench.policies                                   # GPT-2, reference shape
     python -m remat_lm.bench.policies --model llama3 --preset ref --steps 7 --json out/policies.json
@@ -7,9 +7,9 @@
 
 The reference shape (`--preset ref`, `remat_lm.bench.common.REFERENCE`): 8 layers, C=256, 4 heads,
 T=256, B=8, vocabulary 1024, float32. Other presets are the models' own (`d12`, `tiny`, `1b`, ...).
-The memory columns (saved, temp) come from `--target`'s compiler (default `h200`: XLA:GPU for an
-H200, compiled with no device, `remat_lm.bench.common.compile_for`); the step times, the losses and the
-FLOPs from the same program compiled for this host and run here (`--no-time` leaves them out). Each
+The memory columns (saved, temp) and the FLOPs come from `--target`'s compiler (default `h200`: XLA:GPU
+for an H200, compiled with no device, `remat_lm.bench.common.compile_for`); the step times and the
+losses from the same program compiled for this host and run here (`--no-time` leaves them out). Each
 column's header says which compiler it is from. A progress bar on stderr counts the compiles and the
 timed steps, with an estimate of what is left.
 
@@ -20,7 +20,7 @@ A step is the jitted `jax.value_and_grad(loss_fn)` on fixed random tokens, to
   saved      `remat.memory.saved_residuals(loss).intermediates`: what the backward keeps (no params)
   temp       XLA's temp buffer of the compiled step (`remat.memory.compiled_memory(jax.grad(loss)).temp`, give or take one buffer)
   step ms    median step time
-  GFLOPs     XLA's cost analysis of the compiled step
+  GFLOPs     the compiled step's matrix products (`remat.compiled.hlo_matmul_flops`, every loop iteration)
 each also as a ratio to the `none` row; the bf16 rows are relative to the bf16 no-remat row.
 """
 from __future__ import annotations
@@ -162,7 +162,7 @@ def table(rows: list[dict], memory: str = "", time: str = "") -> str:
     columns in their headers ("XLA:GPU", "XLA:CPU, this host")."""
     m, t = (f" ({memory})" if memory else ""), (f" ({time})" if time else "")
     header = ["setting", "recompute", "dtype", f"saved MiB{m}", "× none", f"temp MiB{m}", "× none",
-              f"step ms{t}", "× none", f"GFLOPs{t}", "× none"]
+              f"step ms{t}", "× none", f"GFLOPs{m}", "× none"]
     body = [[r["setting"], r["recompute"], r["dtype"], fmt(r["saved_bytes"] / MiB, ".1f"),
              fmt(r["saved_ratio"]), fmt(r["temp_bytes"] / MiB, ".1f"), fmt(r["temp_ratio"]),
              fmt(r["step_ms"], ".0f"), fmt(r["time_ratio"]), fmt(None if r["flops"] is None else r["flops"] / 1e9, ".1f"),
@@ -201,7 +201,7 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
         time_here: bool = False, log=None, progress: bool = False) -> dict:
     """Measure every setting in one process, interleaved; returns {"meta", "rows", "targets"}.
 
-    Memory figures are `target`'s compiler's; step times, losses and FLOPs are this host's, from
+    Memory figures and FLOPs are `target`'s compiler's; step times and losses are this host's, from
     the program built for `target` when it runs here, else (with `time_here`) from the same
     setting compiled for this host; `progress` shows a tqdm bar.
 
@@ -227,7 +227,7 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
             log(f"compiling {s.name} ...")
         cases.append(prepare(model, config, s, params, idx, targets, target))
         bar.update(1)
-        if time_here and not here:  # the same setting for this host: its time, loss and FLOPs
+        if time_here and not here:  # the same setting for this host: its time and loss
             timed_cases.append(prepare(model, config, s, params, idx, targets, "cpu"))
             bar.update(1)
     timed_cases = cases if here else timed_cases
@@ -239,7 +239,7 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
         times = interleaved_ms({c.setting.name: c.step for c in timed_cases}, n=steps, warmup=1,
                                tick=lambda: bar.update(1))
         if not here:
-            cases = [dataclasses.replace(c, flops=h.flops, loss=h.loss) for c, h in zip(cases, timed_cases)]
+            cases = [dataclasses.replace(c, loss=h.loss) for c, h in zip(cases, timed_cases)]
     bar.close()
     rows = rows_from(cases, times)
     meta = dict(info, model=model, preset=preset, seq=seq, batch=batch, steps=steps, source=common.source(target),

@@ -11,12 +11,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 
 import remat
+import remat.planning.planner
+import remat.planning.tagplan
 import remat.planning.targets
+from tqdm import tqdm
+from remat_lm.argtypes import config_label
 from remat_lm.training import sharding as sh
 from remat_lm.training.checks import is_oom
 from remat_lm.training import target as run_target
@@ -64,15 +70,9 @@ def compile_train_step(setup, mcfg=None):
 
 
 def step_stats(setup, mcfg=None) -> remat.memory.CompiledMemory:
-    """XLA's memory and cost analysis of the train step (`remat.memory.compiled_stats`) with FLOPs
-    always given: where the compiler gives none (XLA:GPU), the matmul FLOPs of the traced program per
-    device (`remat.planning.targets.matmul_flops`; `flops_source` says so). The planner's cost."""
-    compiled, jaxpr = _compiled(setup, mcfg)
-    cm = remat.memory.compiled_stats(compiled)
-    if cm.flops:
-        return cm
-    return dataclasses.replace(cm, flops=remat.planning.targets.matmul_flops(jaxpr) / setup.mesh.size,
-                               flops_source="jaxpr matmuls")
+    """XLA's memory analysis of the train step and the matmul FLOPs of its optimized program per
+    device, every loop iteration counted (`remat.memory.compiled_stats`). The planner's cost."""
+    return remat.memory.compiled_stats(_compiled(setup, mcfg)[0])
 
 
 def _compiled(setup, mcfg=None):
@@ -151,7 +151,16 @@ def plan_memory(setup, out=None):
     print(f"planner  fitting the train step into {what} per device (compiling candidate settings{built})",
           file=out)
 
+    # one bar step per compile, named by the plan compiled; the total is the usual count (no remat,
+    # the calibration, one plan), exceeded when a plan needs another round
+    bar = tqdm(total=6 if setup.target is not None else 2 * len(remat.planning.planner.DEFAULT_CANDIDATES) + 1,
+               desc="planner", unit="compile", file=sys.stderr, disable=not cfg.progress, leave=False)
+    spent, started = [], time.perf_counter()
+
     def measure(rc):
+        lp = remat.planning.tagplan.config_policies(rc, base.n_layer)
+        bar.set_postfix_str(remat.planning.tagplan.format_plan(lp) if lp else config_label(rc), refresh=True)
+        t0 = time.perf_counter()
         try:
             return step_stats(setup, dataclasses.replace(base, recompute=rc))
         except run_target.Refused as e:
@@ -161,6 +170,9 @@ def plan_memory(setup, out=None):
             need = max(e.needed or 0, request.budget + 1)
             return remat.memory.CompiledMemory(temp=need, argument=0, output=0, alias=0, generated_code=0,
                                                host_temp=0, flops=e.flops, flops_source="jaxpr matmuls")
+        finally:
+            spent.append(time.perf_counter() - t0)
+            bar.update()
     try:
         if setup.target is not None:   # per tag, priced on the target (remat.planning.tagplan), every plan compiled
             trace = lambda rc: step_jaxpr(setup, dataclasses.replace(base, recompute=rc))
@@ -171,6 +183,11 @@ def plan_memory(setup, out=None):
                                          layer_bytes=activation_bytes(base, cfg.batch_size, cfg.sequence_length)[0])
     except ValueError as e:
         raise UsageError(f"{flag}: {e}") from None
+    finally:
+        bar.close()
+    took = time.perf_counter() - started
     print(plan.table(), file=out)
+    print(f"planner  planned in {took:.1f} s: {len(spent)} compile(s) of the train step, "
+          f"{took / spent[0]:.1f}x the first one ({spent[0]:.1f} s, no remat)", file=out)
     planned = dataclasses.replace(base, recompute=plan.recompute_config())
     return dataclasses.replace(setup, mcfgs=(("auto", planned),)), plan

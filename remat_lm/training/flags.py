@@ -356,15 +356,12 @@ def _auto_request(v: dict, methods: tuple, default_budget: int | None, given: se
             budget = argtypes.parse_size(v["memory_budget"])
         except ValueError as e:
             raise ValueError(f"--memory_budget: {e}") from None
-    fixed = ("activation_recompute", "recompute_method", "memory_budget")
+    fixed = ("activation_recompute", "recompute_method", "memory_budget", "scan_layers")  # any layout plans
     for f in FLAGS:
         value = v[f.name]
         if f.name in fixed or f.name not in given or (f.name == "recompute_granularity" and value == "full"):
             continue
-        if f.name == "scan_layers" and default_budget is not None:
-            continue   # with --target the planner prices time from the jaxpr, scans included
-        why = ("XLA's cost analysis counts a scanned layer once, so the planner needs the loop layout"
-               if f.name == "scan_layers" else "auto chooses the policy of every layer itself")
         flag = _spelled(f, value)
-        raise ValueError(f"--recompute_method auto cannot be combined with {flag} ({why}); drop {flag}")
+        raise ValueError(f"--recompute_method auto cannot be combined with {flag} (auto chooses the policy of "
+                         f"every layer itself); drop {flag}")
     return AutoRecompute(budget)
