@@ -33,18 +33,6 @@ def _reseed(module, key) -> None:
             node.count[...] = 0 * node.count[...]
 
 
-def _var(module, path):
-    """The Variable object at a flattened-state `path` (for naming its kind in errors)."""
-    keys = [getattr(p, "key", getattr(p, "name", getattr(p, "idx", p))) for p in path[:-1]]
-    node = nnx.state(module)
-    try:
-        for k in keys:
-            node = node[k]
-    except Exception:
-        return node
-    return node
-
-
 def _snapshot(module):
     """{path: value} of `module`'s state now (the values compared by identity after the call)."""
     return {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))}
