@@ -14,7 +14,7 @@ import numpy as np
 
 from remat import policies as _policies
 from remat.config import RecomputeConfig
-from remat.stack import _select, _signature, apply_layers, stack_trees
+from remat.stack import _check_selectors, _signature, _split, _stack_sides, apply_layers, stack_trees
 
 __all__ = ["LayerStack", "remat_module", "partitioning_remat", "stack_layers", "unstack_layers"]
 
@@ -42,6 +42,9 @@ class LayerStack(nn.Module):
       out: picks x out of what the layer returns, for layers returning more than x (e.g.
         `lambda y: y[1]` for `(cache, x)`); a layer returning anything but x without it raises,
         naming the layer and its signature.
+      side: picks a per-layer value out of what the layer returns (e.g. `lambda y: y[1]` for
+        `(x, attn_weights)`, with `out=lambda y: y[0]`; without `out`, `side` sees the layer's x):
+        the call then returns `(x, sides)`, the values stacked along a leading layer axis.
     Example:
       >>> import functools
       >>> class Block(nn.Module):
@@ -56,6 +59,9 @@ class LayerStack(nn.Module):
       ['h_0', 'h_1', 'h_2', 'h_3']
       >>> stack.apply(variables, x, rngs={"dropout": key}).shape
       (2, 8)
+      >>> hidden = LayerStack(functools.partial(Block, 8), 4, side=lambda x: x)   # each layer's x
+      >>> [a.shape for a in hidden.apply(variables, x, rngs={"dropout": key})]
+      [(2, 8), (4, 2, 8)]
     """
     layer: Callable[..., nn.Module]
     n_layers: int
@@ -64,6 +70,11 @@ class LayerStack(nn.Module):
     prevent_cse: bool = True
     out: Callable | None = None
     layer_axis_name: str | None = "layers"
+    side: Callable | None = None
+
+    def __post_init__(self):
+        _check_selectors("remat.linen.LayerStack", self.out, self.side)
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, x, *args, **kwargs):
@@ -84,12 +95,13 @@ class LayerStack(nn.Module):
             else:
                 # Each layer is initialized on the previous one's output, which is the stack's
                 # (docs/architecture.md, Design notes: `linen.py` init).
-                made, h = [], x
+                made, h, sides = [], x, []
                 for i, k in enumerate(keys):
                     y, v = template.init_with_output({"params": k, "dropout": k}, h, *args, **kwargs)
                     made.append(dict(v))
-                    h = _select(self.out, y, h, i, _signature(template))
-                first = h
+                    h, s = _split(self.out, self.side, y, h, i, _signature(template), "remat.linen.LayerStack")
+                    sides.append(s)
+                first = h if self.side is None else (h, _stack_sides(sides, "remat.linen.LayerStack"))
             for name, v in zip(names, made):
                 for col, tree in v.items():
                     if col == "params":
@@ -109,7 +121,7 @@ class LayerStack(nn.Module):
         if self.has_rng("dropout"):
             base = self.make_rng("dropout")
             keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(L))
-        signature, out, initializing = _signature(template), self.out, self.is_initializing()
+        signature, out, side, initializing = _signature(template), self.out, self.side, self.is_initializing()
 
         def apply_layer(v, h, ik, *a):
             i, key = ik if isinstance(ik, tuple) else (None, ik)
@@ -124,26 +136,31 @@ class LayerStack(nn.Module):
             elif mutable is not False:
                 y, new = y
                 upd = {**upd, i: dict(new)}
-            y = _select(out, y, carried, i, signature)
-            return (y, upd) if mutable is not False else y
+            y, s = _split(out, side, y, carried, i, signature, "remat.linen.LayerStack")
+            y = (y, upd) if mutable is not False else y
+            return y if side is None else (y, s)
 
         if self.scan:
             stacked, ks = layer_vars[0], keys
         else:  # the layer index rides with its key (a constant), so updates find their layer
             stacked, ks = layer_vars, [(i, None if keys is None else keys[i]) for i in range(L)]
         h = (x, {}) if mutable is not False else x
-        # NOTE: `apply_layer` closes over `out` (the selector); the reentrant backward re-runs it
-        # after this call returns, so the stack's result must not rebind that name.
+        # NOTE: `apply_layer` closes over `out` and `side` (the selectors); the reentrant backward
+        # re-runs it after this call returns, so the stack's result must not rebind those names.
         result = apply_layers(apply_layer, stacked, h, self.recompute, keys=ks, args=args + (kwargs,),
-                              scan=self.scan, prevent_cse=self.prevent_cse)
+                              scan=self.scan, prevent_cse=self.prevent_cse, collect=side is not None)
+        sides = None
+        if side is not None:
+            result, sides = result
+            sides = sides if self.scan else _stack_sides(sides, "remat.linen.LayerStack")
         if mutable is False:
-            return result
+            return result if side is None else (result, sides)
         result, upd = result
         for i, new in upd.items():
             for col, tree in new.items():
                 if self.is_mutable_collection(col) and col != "params":
                     self.put_variable(col, names[i], tree)
-        return result
+        return result if side is None else (result, sides)
 
 
 def remat_module(target, variables=True, rngs=True, concrete: bool = False, prevent_cse: bool = True,

@@ -13,17 +13,16 @@ from flax import nnx
 
 from remat import policies as _policies
 from remat.config import RecomputeConfig
-from remat.stack import _select, _signature, apply_layers, stack_trees
+from remat.stack import _check_selectors, _signature, _split, _stack_sides, apply_layers, stack_trees
 
 __all__ = ["LayerStack", "remat", "stack_layers", "unstack_layers"]
 
-# Randomness: each layer runs as a pure function of its (graphdef, state), so an update a layer makes
-# to its own state (an RNG counter, a running statistic) is discarded after the call, and a recompute
-# region re-runs the layer from the same state. The stack therefore owns the randomness: each call
-# draws one key from its own `rngs` (outside every region), folds in the layer index and reseeds
-# every RNG stream of that layer with it, so masks differ between layers and calls and the forward
-# and the recomputation see the same keys. A layer that changes any other state, or draws random
-# numbers while the stack has no `rngs`, raises instead of silently repeating itself.
+# State: each layer runs as a pure function of its (graphdef, state); the non-Param Variables it
+# updates (a BatchStat, its own Rngs' counters, an nnx.Cache) leave the layer and its region as
+# outputs beside x and are written back after the call (under scan stacked, as nnx.scan writes
+# them), so a recompute region re-runs from the state it was given. When the stack owns the
+# randomness (its `rngs`, or `key=` per call), each layer's RNG streams are reseeded from one key
+# per call folded with the layer index, and their counters are not written back.
 
 
 def _reseed(module, key) -> None:
@@ -34,62 +33,55 @@ def _reseed(module, key) -> None:
             node.count[...] = 0 * node.count[...]
 
 
-def _var(module, path):
-    """The Variable object at a flattened-state `path` (for naming its kind in errors)."""
-    keys = [getattr(p, "key", getattr(p, "name", getattr(p, "idx", p))) for p in path[:-1]]
-    node = nnx.state(module)
-    try:
-        for k in keys:
-            node = node[k]
-    except Exception:
-        return node
-    return node
-
-
 def _snapshot(module):
-    """[(path, value)] of `module`'s state now, and the paths of its RNG counters."""
-    flat = lambda st: jax.tree_util.tree_flatten_with_path(st)[0]
-    return flat(nnx.state(module)), {p for p, _ in flat(nnx.state(module, nnx.RngCount))}
+    """{path: value} of `module`'s state now (the values compared by identity after the call)."""
+    return {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))}
 
 
 def _where(path) -> str:
-    return "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path[:-1])
+    return "/".join(str(p) for p in path)
 
 
-def _check_unchanged(i: int, before, module, reseeded: bool, allowed=None) -> None:
-    """Raise ValueError when layer `i` changed its state during the call (RNG counters excepted
-    when the stack reseeded them, Variables of type `allowed` always)."""
-    (old, counters), (new, _) = before, _snapshot(module)
-    old, new = dict(old), dict(new)
-    if allowed is not None:
-        skip = {p for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(module, allowed))[0]}
-        old, new = ({p: v for p, v in d.items() if p not in skip} for d in (old, new))
-    added = [p for p in new if p not in old]
+def _updates(i, before, module, reseeded: bool):
+    """The non-Param state layer `i` changed during the call (an nnx.State; its RNG streams left
+    out when the stack reseeded them); ValueError when it added state or changed a Param."""
+    after = nnx.to_flat_state(nnx.state(module))
+    added = [p for p, _ in after if p not in before]
     if added:
-        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(nnx.state(module))
-                        if not isinstance(v, nnx.Param)} or {"?"})
+        kinds = sorted({type(v).__name__ for p, v in after if p in added} or {"?"})
         raise ValueError(
-            f"remat.nnx.LayerStack: layer {i} added state during the call ({', '.join(_where(p) for p in added)}; "
+            f"remat.nnx.LayerStack: layer {i} added state during the call ({', '.join(map(_where, added))}; "
             f"e.g. an nnx.Intermediate from sow, kinds here: {', '.join(kinds)}); layers run as pure functions of "
             f"their state (a recompute region re-runs them), so it would be lost. Return the value from the layer "
-            f"instead (with out=... to pick x), or call the layer outside the stack")
-    for path, a in old.items():
-        b = new.get(path)
-        if a is b:
-            continue
-        where = f"{_where(path)}, {type(_var(module, path)).__name__}"
-        if path in counters:
-            if reseeded:
-                continue
-            raise ValueError(
-                f"remat.nnx.LayerStack: layer {i} drew random numbers from its own nnx.Rngs ({where}); run as a "
-                f"pure function of its state it would draw the same ones in every call (and in every layer sharing "
-                f"that Rngs). Give the stack the randomness: LayerStack(layers, recompute, rngs=nnx.Rngs(dropout="
-                f"seed)), or call it with key=..., so each layer and each call gets its own key")
+            f"instead (with out=... to pick x, side=... to collect it per layer), or call the layer outside the stack")
+    changed = {p for p, v in after if v.get_value() is not before[p]}
+    params = sorted(_where(p) for p, v in after if p in changed and isinstance(v, nnx.Param))
+    if params:
         raise ValueError(
-            f"remat.nnx.LayerStack: layer {i} changed its state during the call ({where}); layers run as pure "
-            f"functions of their state (a recompute region re-runs them), so the update would be lost. Keep "
-            f"that state outside the stack, or make the layer stateless in the forward pass")
+            f"remat.nnx.LayerStack: layer {i} changed its nnx.Param state during the call ({', '.join(params)}); "
+            f"the stack writes back only the non-Param state a layer updates (batch statistics, RNG counters, "
+            f"caches). Update parameters outside the stack, or hold the value in another nnx.Variable type")
+    if reseeded:
+        changed -= {p for p, v in after if isinstance(v, nnx.RngState)}
+    return nnx.state(module, lambda path, _: path in changed)
+
+
+def _check_unshared(layers, updates) -> None:
+    """ValueError when two layers of a list update the same Variable object (e.g. one shared
+    nnx.Rngs): each runs from the state it held before the call, so they would repeat each other."""
+    seen = {}
+    for i, (layer, upd) in enumerate(zip(layers, updates)):
+        paths = {p for p, _ in nnx.to_flat_state(upd)}
+        for path, node in nnx.iter_graph(layer):
+            if path in paths and isinstance(node, nnx.Variable):
+                j = seen.setdefault(id(node), (i, path))
+                if j[0] != i:
+                    raise ValueError(
+                        f"remat.nnx.LayerStack: layers {j[0]} and {i} share one {type(node).__name__} that changes "
+                        f"during the call ({_where(j[1])}; e.g. one nnx.Rngs stored by both); each runs from the "
+                        f"state it held before the call, so the second would repeat the first. Give each layer its "
+                        f"own (nnx.Dropout(rate, rngs=rngs) forks one), or give the stack the randomness: "
+                        f"LayerStack(layers, recompute, rngs=nnx.Rngs(dropout=seed))")
 
 
 class LayerStack(nnx.Module):
@@ -97,30 +89,33 @@ class LayerStack(nnx.Module):
 
     Each layer is split into (graphdef, state); the states flow through `remat.apply_layers`, so
     checkpointed regions see explicit inputs (both the `jax.checkpoint` and the reentrant path).
-    Dropout: pass `rngs` (or `key=` per call); every call draws one key from it and every layer's
-    RNG streams are reseeded from it and the layer index (the comment above), so masks differ
-    between layers and calls and are the same with and without remat.
+    State a layer updates (not its `nnx.Param`s: a BatchNorm's `BatchStat`, its own `nnx.Rngs`
+    counters, an `nnx.Cache`) is written back after the call, in both layouts, as `nnx.scan`
+    does. Dropout from the stack: pass `rngs` (or `key=` per call); every call draws one key from
+    it and reseeds every layer's RNG streams from it and the layer index, so masks differ between
+    layers and calls and are the same with and without remat.
 
     Args:
       layers: the layers, each `layer(x, *args, **kwargs) -> x` (or `out(layer(...))`); with
-        `scan=True` also one module holding them stacked. A layer's `nnx.Cache` (a decode KV
-        cache) may change during the call: it is written back per layer (loop layout).
+        `scan=True` also one module holding them stacked.
       recompute: the RecomputeConfig.
       prevent_cse: passed to `jax.checkpoint`.
       rngs: the stack's RNG streams (its `dropout` stream, else `default`), or None.
       out: picks x out of what a layer returns, for layers returning more than x (e.g.
         `lambda y: y[1]` for `(cache, x)`); a layer returning anything but x without it raises,
         naming the layer and its signature.
+      side: picks a per-layer value out of what a layer returns (e.g. `lambda y: y[1]` for
+        `(x, attn_weights)`, with `out=lambda y: y[0]`; without `out`, `side` sees the layer's x):
+        the call then returns `(x, sides)`, the values stacked along a leading layer axis.
       scan: run the layers under `lax.scan` (constant compile time in depth). The stack then holds
         them as one module whose Variables have a leading layer axis, stacked once here (every layer
         must have the same structure, graphdef), or takes such a module as `layers` (made under
         `nnx.vmap`, NNX's scan-over-layers layout); each call scans that state in place, with no
-        copy of the weights. `stack[i]` is then a copy merged from a slice. Decode caches are
-        refused under scan (use scan=False).
+        copy of the weights. `stack[i]` is then a copy merged from a slice.
       layer_axis_name: under `scan`, the name of the leading layer axis added to partitioning
         metadata when the stack stacks the layers itself.
     Call: `stack(x, *args, key=None, **kwargs)`; `key` (a typed or raw PRNG key) replaces the draw
-    from `rngs`; `args` and `kwargs` go to every layer.
+    from `rngs`; `args` and `kwargs` go to every layer; returns x, or `(x, sides)` with `side`.
     Example:
       >>> class Block(nnx.Module):
       ...     def __init__(self, width, rngs):
@@ -132,11 +127,15 @@ class LayerStack(nnx.Module):
       ...                    rngs=nnx.Rngs(dropout=2))
       >>> stack(jax.numpy.ones((2, 8))).shape
       (2, 8)
+      >>> hidden = LayerStack(list(stack), RecomputeConfig(granularity="full"), side=lambda x: x)
+      >>> [a.shape for a in hidden(jax.numpy.ones((2, 8)), key=jax.random.key(0))]   # x, each layer's x
+      [(2, 8), (4, 2, 8)]
     """
 
     def __init__(self, layers: Sequence[nnx.Module] | nnx.Module, recompute: RecomputeConfig = RecomputeConfig(),
                  prevent_cse: bool = True, rngs: nnx.Rngs | None = None, out=None, scan: bool = False,
-                 layer_axis_name: str | None = "layers"):
+                 layer_axis_name: str | None = "layers", side=None):
+        _check_selectors("remat.nnx.LayerStack", out, side)
         if isinstance(layers, nnx.Module):  # the layers stacked in one module (made under nnx.vmap)
             if not scan:
                 raise ValueError(f"remat.nnx.LayerStack: got one {type(layers).__name__} holding the layers stacked "
@@ -164,6 +163,7 @@ class LayerStack(nnx.Module):
             self.layers = nnx.List(list(layers))
         recompute.validate_for(self.n_layers)
         self.out = out
+        self.side = side
         self.scan = scan
         self.layer_axis_name = layer_axis_name
         self.recompute = recompute
@@ -205,71 +205,48 @@ class LayerStack(nnx.Module):
         # (docs/architecture.md, Design notes: `nnx.py` per-call graph nodes).
         nodes = _Nodes(args, kwargs)
         args, kwargs = nodes.args, nodes.kwargs
-        caching = _has_cache(self.layers)
+        out, side = self.out, self.side
         if self.scan:
-            if caching:
-                raise ValueError("remat.nnx.LayerStack(scan=True) cannot write a decode cache back per layer (its "
-                                 "layers hold nnx.Cache state, e.g. MultiHeadAttention(decode=True) after init_cache); "
-                                 "use scan=False, whose layers carry their caches out of the regions")
-            return nodes.finish(self._scanned(nodes.carry(x), key, args, kwargs, nodes))
-        split = [nnx.split(layer) for layer in self.layers]
-        graphdefs = [g for g, _ in split]
-        keys = [(i, None if key is None else jax.random.fold_in(key, i)) for i in range(len(split))]
+            graphdef, states = nnx.split(self.layers)
+            graphdefs = [graphdef]
+            keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(self.n_layers))
+        else:
+            split = [nnx.split(layer) for layer in self.layers]
+            graphdefs, states = [g for g, _ in split], [st for _, st in split]
+            # The layer index rides along with its key (a constant) so each layer finds its graphdef.
+            keys = [(i, None if key is None else jax.random.fold_in(key, i)) for i in range(len(split))]
 
-        # The layer index rides along with its key (a constant) so each layer finds its graphdef;
-        # the states and keys are traced. (The regions close over `out`, not `self`: the stack is a
-        # pytree of the very states passed in, and a closure over traced values costs a hoisting.)
-        # A layer's nnx.Cache state rides out beside x, keyed by layer index, and is written back
-        # after the call (docs/architecture.md, Design notes: `nnx.py` decode caches).
-        out = self.out
-
+        # The states and keys are traced; the regions close over `out`/`side`, not `self` (the stack
+        # is a pytree of the very states passed in, and a closure over traced values costs a hoisting).
+        # What a layer updates leaves it as a per-layer output beside x (docs/architecture.md, Design
+        # notes: `nnx.py` layer state).
         def apply_layer(state, h, ik, *a):
-            i, k = ik
+            i, k = ik if isinstance(ik, tuple) else (None, ik)
             *a, kw = a
-            h, upd = h if caching else (h, None)
             h, (a, kw), done = nodes.enter(h, a, kw)
-            module = nnx.merge(graphdefs[i], state)
+            module = nnx.merge(graphdefs[0 if i is None else i], state)
             if k is not None:
                 _reseed(module, k)
             before = _snapshot(module)
             y = module(h, *a, **kw)
-            _check_unchanged(i, before, module, k is not None, allowed=nnx.Cache if caching else None)
-            y = done(_select(out, y, h, i, _signature(module)))
-            return (y, {**upd, i: nnx.state(module, nnx.Cache)}) if caching else y
+            upd = _updates("(scanned)" if i is None else i, before, module, k is not None)
+            y, s = _split(out, side, y, h, i, _signature(module), "remat.nnx.LayerStack")
+            return done(y), (upd, s)
 
-        h = (nodes.carry(x), {}) if caching else nodes.carry(x)
-        result = apply_layers(apply_layer, [s for _, s in split], h, self.recompute, keys=keys,
-                              args=tuple(args) + (kwargs,), prevent_cse=self.prevent_cse)
-        if caching:
-            result, upd = result
-            for i, cache in upd.items():
-                nnx.update(self.layers[i], cache)
-        return nodes.finish(result)
-
-    def _scanned(self, x, key, args, kwargs, nodes):
-        """The layers under `lax.scan` over the stored stacked state (one graphdef)."""
-        graphdef, stacked = nnx.split(self.layers)
-        graphdefs, n = [graphdef], self.n_layers
-        keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(jax.numpy.arange(n))
-        out = self.out
-
-        def apply_layer(state, h, k, *a):
-            *a, kw = a
-            h, (a, kw), done = nodes.enter(h, a, kw)
-            module = nnx.merge(graphdefs[0], state)
-            if k is not None:
-                _reseed(module, k)
-            before = _snapshot(module)
-            y = module(h, *a, **kw)
-            _check_unchanged("(scanned)", before, module, k is not None)
-            return done(_select(out, y, h, None, _signature(module)))
-
-        return apply_layers(apply_layer, stacked, x, self.recompute, keys=keys, args=tuple(args) + (kwargs,),
-                            scan=True, prevent_cse=self.prevent_cse)
-
-
-def _has_cache(layers) -> bool:
-    return bool(jax.tree.leaves(nnx.state(layers, nnx.Cache)))
+        result, per_layer = apply_layers(apply_layer, states, nodes.carry(x), self.recompute, keys=keys,
+                                         args=tuple(args) + (kwargs,), scan=self.scan,
+                                         prevent_cse=self.prevent_cse, collect=True)
+        if self.scan:
+            upd, sides = per_layer
+            nnx.update(self.layers, upd)  # stacked along the layer axis, as the state is
+        else:
+            upd, sides = [u for u, _ in per_layer], [s for _, s in per_layer]
+            _check_unshared(self.layers, upd)
+            for layer, u in zip(self.layers, upd):
+                nnx.update(layer, u)
+            sides = None if side is None else _stack_sides(sides, "remat.nnx.LayerStack")
+        result = nodes.finish(result)
+        return result if side is None else (result, sides)
 
 
 def _stacked_len(module) -> int:

@@ -16,6 +16,7 @@ import itertools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -62,11 +63,12 @@ def _runs(n_layers: int, cfg: RecomputeConfig):
 
 
 def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys=None, args: tuple = (),
-                 scan: bool = False, prevent_cse: bool = True):
+                 scan: bool = False, prevent_cse: bool = True, collect: bool = False):
     """Apply `apply_layer` layer after layer, with regions rematerialized per `cfg`.
 
     Args:
-      apply_layer: `(layer_params, x, key, *args) -> x`; `key` is None when `keys` is None.
+      apply_layer: `(layer_params, x, key, *args) -> x` (with `collect`, `-> (x, per_layer_out)`);
+        `key` is None when `keys` is None.
       params: a sequence of per-layer parameter pytrees, or (`scan=True`) one pytree whose leaves
         have a leading layer axis.
       x: the input activation (any pytree carried from layer to layer).
@@ -74,6 +76,8 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
       keys: optional per-layer PRNG keys (leading layer axis), e.g. for dropout.
       args: extra arguments given to every layer (arrays are traced; other values are constants).
       scan: run the layers under `lax.scan` (constant compile time in depth).
+      collect: return `(x, outs)`, the layers' per-layer outputs (outputs of their regions): a list
+        (loop layout) or, with `scan`, one pytree whose leaves have a leading layer axis.
     Example:
       >>> import jax.numpy as jnp
       >>> ws, x = [jnp.eye(4)] * 3, jnp.ones((2, 4))
@@ -84,9 +88,13 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
     n_layers = jax.tree.leaves(params)[0].shape[0] if scan else len(params)
 
     def run(ps, h, ks, *a):
+        outs = []
         for i, p in enumerate(ps):
             h = apply_layer(p, h, None if ks is None else ks[i], *a)
-        return h
+            if collect:
+                h, o = h
+                outs.append(o)
+        return (h, outs) if collect else h
 
     shard = None
     if cfg.shard_inputs:  # the carried activation (argument 1 of `run`/`run_stacked`) is (B, T, C)
@@ -109,20 +117,26 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
                           name=name, shard_inputs=shard, offload_inputs=offload)(*masked)
 
     if not scan:
+        outs = []
         for s in cfg.split(n_layers):
             ps = list(params[s.start:s.stop])
             ks = None if keys is None else keys[s.start:s.stop]
             x = (ckpt(run, ps, x, ks, cfg.effective_policy(s.start), f"layers[{s.start}:{s.stop}]")
                  if s.checkpointed else run(ps, x, ks, *args))
-        return x
+            if collect:
+                x, o = x
+                outs += o
+        return (x, outs) if collect else x
 
     def run_stacked(p, h, k, *a):  # p: params with a leading axis of `size` layers
         size = jax.tree.leaves(p)[0].shape[0]
-        return run([jax.tree.map(lambda t: t[j], p) for j in range(size)], h,
-                   None if k is None else [k[j] for j in range(size)], *a)
+        r = run([jax.tree.map(lambda t: t[j], p) for j in range(size)], h,
+                None if k is None else [k[j] for j in range(size)], *a)
+        return (r[0], _stack(r[1])) if collect else r
 
     # Each scan step hands its xs slice to the region as is; one-layer segments have no unit axis
     # (docs/architecture.md, Design notes: `stack.py` scan inputs).
+    outs = []
     for start, count, parts in _runs(n_layers, cfg):
         gsize = sum(size for size, _, _ in parts)
         stop = start + count * gsize
@@ -137,16 +151,29 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
             xs.append((jax.tree.map(group, params), None if keys is None else group(keys)))
 
         def body(h, xs, start=start, parts=parts):
-            off = 0
+            off, ys = 0, []
             for (p, k), (size, ck, policy) in zip(xs, parts):
                 fn = run_stacked if size > 1 else apply_layer  # a segment of one: that layer's params
                 h = ckpt(fn, p, h, k, policy, f"layers[{start + off}:{start + off + size}] (scanned)") if ck \
                     else fn(p, h, k, *args)
+                if collect:  # each part's outputs with a leading axis of its `size` layers
+                    h, o = h
+                    ys.append(o if size > 1 else jax.tree.map(lambda a: a[None], o))
                 off += size
-            return h, None
+            return h, (_concat(ys) if collect else None)
 
-        x, _ = lax.scan(body, x, xs)
-    return x
+        x, ys = lax.scan(body, x, xs)
+        if collect:  # (count, group size, ...) -> (count * group size, ...): the run's layers in order
+            outs.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys))
+    return (x, _concat(outs)) if collect else x
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+def _concat(trees):
+    return trees[0] if len(trees) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *trees)
 
 
 def stack_trees(trees, fn: str, stack: Callable, shape: Callable = np.shape, is_leaf=None):
@@ -184,17 +211,68 @@ def _signature(module) -> str:
         return type(module).__name__
 
 
-def _select(out, y, x, i, signature):
+def _shapes(t):
+    return jax.tree.map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}", t)
+
+
+def _like(y, x) -> bool:
+    """Whether `y` has `x`'s tree structure and leaf shapes."""
+    return jax.tree.structure(y) == jax.tree.structure(x) and all(
+        getattr(a, "shape", None) == getattr(b, "shape", None) for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(x)))
+
+
+def _select(out, y, x, i, signature, side=None):
     """The carried activation from a layer's output `y` (`out(y)` when an `out` selector is given),
     checked against the input `x`'s structure and shapes."""
     if out is not None:
         y = out(y)
-    same = jax.tree.structure(y) == jax.tree.structure(x) and all(
-        getattr(a, "shape", None) == getattr(b, "shape", None) for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(x)))
-    if not same:
-        shape = lambda t: jax.tree.map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}", t)  # noqa: E731
+    if not _like(y, x):
         where = "a layer" if i is None else f"layer {i}"
-        raise ValueError(f"LayerStack: {where} ({signature}) returned {shape(y)}, but the stack carries x = {shape(x)} "
-                         f"from layer to layer: a layer must return x, or give the stack out=... to pick x from its "
-                         f"output (e.g. out=lambda y: y[1] for a layer returning (cache, x))")
+        hint = " (with side=, out= picks x and side= the rest: out=lambda y: y[0], side=lambda y: y[1])" if side else ""
+        raise ValueError(f"LayerStack: {where} ({signature}) returned {_shapes(y)}, but the stack carries x = "
+                         f"{_shapes(x)} from layer to layer: a layer must return x, or give the stack out=... to "
+                         f"pick x from its output (e.g. out=lambda y: y[1] for a layer returning (cache, x)){hint}")
     return y
+
+
+def _check_selectors(stack: str, out, side) -> None:
+    """TypeError naming `stack` when `out` or `side` is given but not callable."""
+    for name, f in (("out", out), ("side", side)):
+        if f is not None and not callable(f):
+            raise TypeError(f"{stack}: {name}= must be a function of what a layer returns (e.g. {name}=lambda y: "
+                            f"y[{0 if name == 'out' else 1}]), got {f!r}")
+
+
+def _split(out, side, y, x, i, signature, stack: str):
+    """(x, side value) from a layer's output `y`: x by `_select`, the side value `side(y)` (None
+    without `side`), each checked."""
+    if side is None:
+        return _select(out, y, x, i, signature), None
+    where = "a layer" if i is None else f"layer {i}"
+    if out is not None and _like(y, x):
+        raise ValueError(f"{stack}: side= and out= were given, but {where} ({signature}) returns only x "
+                         f"({_shapes(y)}); they pick x and a per-layer value from a layer returning more (e.g. "
+                         f"out=lambda y: y[0], side=lambda y: y[1] for a layer returning (x, attn_weights)): return "
+                         f"the value from the layer, or leave out= unset for side= to see each layer's x "
+                         f"(side=lambda x: x collects the layers' outputs)")
+    h = _select(out, y, x, i, signature, side=True)
+    value = side(y)
+    bad = [type(a).__name__ for a in jax.tree.leaves(value, is_leaf=lambda a: a is None)
+           if a is None or not (_is_array(a) or isinstance(a, (int, float, bool, complex)))]
+    if bad or not jax.tree.leaves(value):
+        raise ValueError(f"{stack}: side= returned {_shapes(value) if not bad else ', '.join(bad)} for {where} "
+                         f"({signature}); side outputs are stacked along a leading layer axis, so side= must "
+                         f"return arrays (or a pytree of arrays) from what the layer returns")
+    return h, jax.tree.map(jnp.asarray, value)
+
+
+def _stack_sides(values, stack: str):
+    """Per-layer side outputs (a list) stacked along a leading layer axis; ValueError naming `stack`
+    and the first layer whose structure or shapes differ from layer 0's."""
+    for i, v in enumerate(values[1:], 1):
+        if not _like(v, values[0]) or any(a.dtype != b.dtype for a, b in
+                                          zip(jax.tree.leaves(v), jax.tree.leaves(values[0]))):
+            raise ValueError(f"{stack}: side= gave layer {i} {_shapes(v)} but layer 0 {_shapes(values[0])}; side "
+                             f"outputs are returned stacked along a leading layer axis, so every layer's must have "
+                             f"the same structure, shapes and dtypes")
+    return _stack(values)

@@ -208,9 +208,10 @@ def _attn_blocks():
 XD = jax.random.normal(jax.random.key(4), (2, TD, F))
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
 @pytest.mark.parametrize("cfg", [RecomputeConfig(), RecomputeConfig(granularity="full", method="uniform", num_layers=2)])
-def test_decode_through_the_stack_is_token_identical_to_the_layers_without_it(cfg):
-    plain, stack = _attn_blocks(), rnnx.LayerStack(_attn_blocks(), cfg)
+def test_decode_through_the_stack_is_token_identical_to_the_layers_without_it(cfg, scan):
+    plain, stack = _attn_blocks(), rnnx.LayerStack(_attn_blocks(), cfg, scan=scan)
     step = nnx.jit(lambda m, x: m(x))
     ref, got = [], []
     for t in range(TD):
@@ -221,9 +222,5 @@ def test_decode_through_the_stack_is_token_identical_to_the_layers_without_it(cf
         got.append(step(stack, XD[:, t:t + 1]))
     np.testing.assert_array_equal(jnp.concatenate(got, 1), jnp.concatenate(ref, 1))
     assert int(stack[L - 1].attn.cache_index[...]) == TD  # every layer's cache was written back
-    equal(nnx.state(stack.layers, nnx.Cache), nnx.state(nnx.List(plain), nnx.Cache))
-
-
-def test_decode_under_scan_is_refused_naming_scan_false():
-    with pytest.raises(ValueError, match="scan=False"):
-        rnnx.LayerStack(_attn_blocks(), FULL, scan=True)(XD[:, :1])
+    for i in range(L):
+        equal(nnx.state(stack[i], nnx.Cache), nnx.state(plain[i], nnx.Cache))
