@@ -3,6 +3,7 @@
 model state's layer list to the paths of a stored stack and back)."""
 from __future__ import annotations
 
+import functools
 import inspect
 import zlib
 from typing import Sequence
@@ -239,7 +240,8 @@ class LayerStack(nnx.Module):
 
         h = (nodes.carry(x), {}) if caching else nodes.carry(x)
         result = apply_layers(apply_layer, [s for _, s in split], h, self.recompute, keys=keys,
-                              args=tuple(args) + (kwargs,), prevent_cse=self.prevent_cse)
+                              args=tuple(args) + (kwargs,), prevent_cse=self.prevent_cse,
+                              name=type(self.layers[0]).__name__)
         if caching:
             result, upd = result
             for i, cache in upd.items():
@@ -265,7 +267,7 @@ class LayerStack(nnx.Module):
             return done(_select(out, y, h, None, _signature(module)))
 
         return apply_layers(apply_layer, stacked, x, self.recompute, keys=keys, args=tuple(args) + (kwargs,),
-                            scan=True, prevent_cse=self.prevent_cse)
+                            scan=True, prevent_cse=self.prevent_cse, name=type(self.layers).__name__)
 
 
 def _has_cache(layers) -> bool:
@@ -455,4 +457,37 @@ def remat(f=None, *, prevent_cse: bool = True, static_argnums: int | tuple[int, 
     """
     opts = dict(prevent_cse=prevent_cse, static_argnums=static_argnums, policy=_policies.resolve(policy),
                 graph=graph, graph_updates=graph_updates)
-    return nnx.remat(**opts) if f is None else nnx.remat(f, **opts)
+    if f is None:
+        return functools.partial(remat, prevent_cse=prevent_cse, static_argnums=static_argnums, policy=policy,
+                                 graph=graph, graph_updates=graph_updates)
+    rematted = nnx.remat(f, **opts)
+    if _policies.by_name(policy) is None:
+        return rematted
+
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        out = rematted(*args, **kwargs)
+        _warn_untagged(policy, f, args, kwargs)
+        return out
+    return call
+
+
+def _warn_untagged(policy, f, args, kwargs) -> None:
+    """`remat.policies.warn_untagged` for one call of an `nnx.remat` region, named by its module's
+    class (NNX modules know no path): once per function, policy and input and state avals; `f`
+    traced without remat on a copy (`nnx.split` / `nnx.merge`)."""
+    try:
+        module = args[0] if args and isinstance(args[0], nnx.Module) else None
+        name = getattr(f, "__name__", type(f).__name__)
+        region = name if module is None else type(module).__name__ + ("" if name == "__call__" else f".{name}")
+        graphdef, state = nnx.split((args, kwargs))
+        key = _policies.region_key((f, region, graphdef), policy, state)
+        if key is None:
+            return
+
+        def body(state):
+            a, kw = nnx.merge(graphdef, state)
+            return f(*a, **kw)
+        _policies.warn_untagged(policy, body, (state,), region, key=key)
+    except Exception:  # noqa: BLE001 - the warning is advice; the real call has run
+        return
