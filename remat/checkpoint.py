@@ -135,7 +135,7 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
             off = _policies.offloads(resolved)
             moved = off if off is not None else _policy_offloads(plain, a, kw)
         if not use_reentrant:
-            _warn_untagged(policy, plain, a, kw, region)
+            _warn_untagged(policy, plain, fn, a, kw, region)
         if not moved:
             return plain(*a, **kw)
         return _custom(fn, a, kw, argnums=argnums, policy=resolved, prevent_cse=prevent_cse, region=region,
@@ -163,15 +163,32 @@ def checkpoint(fn: Callable | None = None, *args, prevent_cse: bool | Sequence[b
     return wrapped_kw
 
 
-def _warn_untagged(policy, plain, args, kwargs, region) -> None:
+def _warn_untagged(policy, plain, fn, args, kwargs, region) -> None:
     """`remat.policies.warn_untagged` on the region's program, traced through `plain` itself so
-    that the real call reuses JAX's trace."""
+    that the real call reuses JAX's trace; once per region (its name and `fn`'s code), policy and
+    input avals."""
     if _policies.by_name(policy) is None:
         return
+    key = _policies.region_key((region, _identity(fn)), policy, args, kwargs)
     try:
-        _policies.warn_untagged(policy, lambda: plain(*args, **kwargs), (), region)
+        _policies.warn_untagged(policy, lambda: plain(*args, **kwargs), (), region, key=key)
     except (jax.errors.JAXTypeError, TypeError, ValueError):
         return  # the real call raises JAX's own error
+
+
+def _identity(fn):
+    """What stays the same across the traces of one region: a function's code (a closure made anew
+    per call is the same region), with a partial's bound arguments; a callable object's class."""
+    bound = ()
+    while isinstance(fn, functools.partial):
+        bound += (fn.args, tuple(sorted(fn.keywords.items())))
+        fn = fn.func
+    code = getattr(fn, "__code__", None) or type(fn)
+    try:
+        hash(bound)
+    except TypeError:
+        bound = tuple(map(type, jax.tree.leaves(bound)))
+    return code, bound
 
 
 def _policy_offloads(plain, args, kwargs) -> bool:

@@ -148,7 +148,8 @@ class LayerStack(nn.Module):
         # NOTE: `apply_layer` closes over `out` and `side` (the selectors); the reentrant backward
         # re-runs it after this call returns, so the stack's result must not rebind those names.
         result = apply_layers(apply_layer, stacked, h, self.recompute, keys=ks, args=args + (kwargs,),
-                              scan=self.scan, prevent_cse=self.prevent_cse, collect=side is not None)
+                              scan=self.scan, prevent_cse=self.prevent_cse, collect=side is not None,
+                              name=_where(self, type(template)))
         sides = None
         if side is not None:
             result, sides = result
@@ -220,10 +221,11 @@ def remat_module(target, variables=True, rngs=True, concrete: bool = False, prev
     if isinstance(target, nn.Module):  # an instance: nn.remat refuses it with Flax's own error
         return nn.remat(target, variables, rngs, concrete, prevent_cse, static_argnums, _policies.resolve(policy))
     if not isinstance(target, type):
-        return _static_keywords(target, lift, names, argnums)
+        return _static_keywords(target, lift, names, argnums, policy)
     if not issubclass(target, nn.Module):
         raise TypeError(f"remat_module: {target!r} is not a flax.linen.Module class, method or function")
-    wrapped = {m: _static_keywords(getattr(target, m), lift, names, argnums) for m in (methods or ("__call__",))}
+    wrapped = {m: _static_keywords(getattr(target, m), lift, names, argnums, policy)
+               for m in (methods or ("__call__",))}
     return type(target.__name__, (target,), {**wrapped, "__qualname__": target.__qualname__,
                                              "__module__": target.__module__})
 
@@ -251,10 +253,11 @@ def partitioning_remat(target, variables=True, rngs=True, concrete: bool = False
                         methods, static_argnames=static_argnames, recompute=recompute)
 
 
-def _static_keywords(fn: Callable, lift: Callable, names: tuple, argnums: tuple) -> Callable:
+def _static_keywords(fn: Callable, lift: Callable, names: tuple, argnums: tuple, policy=None) -> Callable:
     """`fn(module, *args, **kwargs)` under `lift` (nn.remat's function form), its static keywords
     (`names`, and Python bools, None and strings) passed as one hashable argument; `argnums`: the
-    user's static_argnums, named when a traced value reaches a Python branch."""
+    user's static_argnums, named when a traced value reaches a Python branch; `policy`: for the
+    untagged-region warning (`_warn_untagged`)."""
     def body(module, static, *args, **kwargs):
         return fn(module, *args, **dict(static), **kwargs)
     body.__dict__.update(fn.__dict__)  # Flax's marks on the method (`compact`) hold inside the region
@@ -269,8 +272,9 @@ def _static_keywords(fn: Callable, lift: Callable, names: tuple, argnums: tuple)
             k = next(k for k, v in static if not _hashable(v))
             raise TypeError(f"remat_module: static keyword {k}={kwargs[k]!r} is not hashable; pass a hashable value "
                             f"or leave {k!r} out of static_argnames") from None
+        traced = {k: v for k, v in kwargs.items() if k not in dict(static)}
         try:
-            return lifted(module, static, *args, **{k: v for k, v in kwargs.items() if k not in dict(static)})
+            out = lifted(module, static, *args, **traced)
         except jax.errors.TracerBoolConversionError as e:
             if not argnums:
                 raise
@@ -280,8 +284,45 @@ def _static_keywords(fn: Callable, lift: Callable, names: tuple, argnums: tuple)
                 f"flax.linen.partitioning.remat (Hugging Face's Flax models), which counts the first call argument "
                 f"as 0, use remat.linen.partitioning_remat or static_argnums={tuple(i + 1 for i in argnums)}. "
                 f"JAX: {str(e).splitlines()[0]}") from e
+        _warn_untagged(policy, fn, module, static, args, traced)
+        return out
     call.__dict__.update(lifted.__dict__)  # Flax's marks, as on what nn.remat returns (`compact`, wrapped once)
     return call
+
+
+def _where(module, cls, method: str = "__call__") -> str:
+    """`Block at Model/blocks_0`: `cls` (and `method`, if not `__call__`), the root module's class
+    and `module`'s path."""
+    what = cls.__name__ + ("" if method == "__call__" else f".{method}")
+    root = module
+    while isinstance(root.parent, nn.Module):
+        root = root.parent
+    path = "/".join(module.path) if module.path else ""
+    return f"{what} at {type(root).__name__}/{path}" if path and root is not module else what
+
+
+def _warn_untagged(policy, fn, module, static, args, kwargs) -> None:
+    """`remat.policies.warn_untagged` for one call of a remat_module region: once per module path,
+    method, policy and input and variable avals; the body traced (without remat, on an unbound
+    copy) once per class, method and avals."""
+    if _policies.by_name(policy) is None or module.scope is None:
+        return
+    try:
+        variables = module.variables
+        region = _where(module, type(module), fn.__name__)
+        key = _policies.region_key((fn, region, static), policy, args, kwargs, variables)
+        program = _policies.region_key((fn, static), policy, args, kwargs, variables)
+        if key is None:
+            return
+        unbound, variables = module.unbind()
+        streams = tuple(module.scope.rngs)
+
+        def body(v, a, kw):  # keys made inside: nothing is added to the caller's trace
+            rngs = {name: jax.random.key(0) for name in streams}
+            return unbound.apply(v, *a, method=fn, rngs=rngs, mutable=True, **dict(static), **kw)
+        _policies.warn_untagged(policy, body, (variables, args, kwargs), region, key=key, program=program)
+    except Exception:  # noqa: BLE001 - the warning is advice; the real call has run
+        return
 
 
 def _hashable(v) -> bool:

@@ -3,6 +3,7 @@
 model state's layer list to the paths of a stored stack and back)."""
 from __future__ import annotations
 
+import functools
 import inspect
 import zlib
 from typing import Sequence
@@ -235,7 +236,8 @@ class LayerStack(nnx.Module):
 
         result, per_layer = apply_layers(apply_layer, states, nodes.carry(x), self.recompute, keys=keys,
                                          args=tuple(args) + (kwargs,), scan=self.scan,
-                                         prevent_cse=self.prevent_cse, collect=True)
+                                         prevent_cse=self.prevent_cse, collect=True,
+                                         name=type(self.layers if self.scan else self.layers[0]).__name__)
         if self.scan:
             upd, sides = per_layer
             nnx.update(self.layers, upd)  # stacked along the layer axis, as the state is
@@ -432,4 +434,37 @@ def remat(f=None, *, prevent_cse: bool = True, static_argnums: int | tuple[int, 
     """
     opts = dict(prevent_cse=prevent_cse, static_argnums=static_argnums, policy=_policies.resolve(policy),
                 graph=graph, graph_updates=graph_updates)
-    return nnx.remat(**opts) if f is None else nnx.remat(f, **opts)
+    if f is None:
+        return functools.partial(remat, prevent_cse=prevent_cse, static_argnums=static_argnums, policy=policy,
+                                 graph=graph, graph_updates=graph_updates)
+    rematted = nnx.remat(f, **opts)
+    if _policies.by_name(policy) is None:
+        return rematted
+
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        out = rematted(*args, **kwargs)
+        _warn_untagged(policy, f, args, kwargs)
+        return out
+    return call
+
+
+def _warn_untagged(policy, f, args, kwargs) -> None:
+    """`remat.policies.warn_untagged` for one call of an `nnx.remat` region, named by its module's
+    class (NNX modules know no path): once per function, policy and input and state avals; `f`
+    traced without remat on a copy (`nnx.split` / `nnx.merge`)."""
+    try:
+        module = args[0] if args and isinstance(args[0], nnx.Module) else None
+        name = getattr(f, "__name__", type(f).__name__)
+        region = name if module is None else type(module).__name__ + ("" if name == "__call__" else f".{name}")
+        graphdef, state = nnx.split((args, kwargs))
+        key = _policies.region_key((f, region, graphdef), policy, state)
+        if key is None:
+            return
+
+        def body(state):
+            a, kw = nnx.merge(graphdef, state)
+            return f(*a, **kw)
+        _policies.warn_untagged(policy, body, (state,), region, key=key)
+    except Exception:  # noqa: BLE001 - the warning is advice; the real call has run
+        return

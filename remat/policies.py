@@ -26,9 +26,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import collections
 import functools
 import warnings
-import weakref
 from typing import Callable
 
 import jax
@@ -41,7 +41,7 @@ from remat import names as N
 
 __all__ = ["NOTHING", "Policy", "DtypePreserving", "ByName", "Entry", "REGISTRY", "UntaggedRegionWarning", "get",
            "resolve", "validate", "names", "examples", "describe", "by_name", "by_op", "offloads", "device_twin",
-           "selective", "region_tags", "warn_untagged", "table_markdown"]
+           "selective", "region_tags", "region_key", "warn_untagged", "table_markdown"]
 
 cp = jax.checkpoint_policies
 
@@ -418,38 +418,86 @@ def region_tags(fn, *args) -> set:
     return _tags(jax.make_jaxpr(fn)(*args).jaxpr, set())
 
 
-# {trace: {(policy, tags) warned}}: the untagged-region warning is given once per trace.
-_WARNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# What the untagged-region warning has looked at, oldest first: {key: None} for the programs seen
+# (region identity, policy, input avals), {program: tags} for the region bodies traced. Bounded, so a
+# long session holds no model alive; a key pushed out only means one more look.
+_SEEN: "collections.OrderedDict" = collections.OrderedDict()
+_TAGS: "collections.OrderedDict" = collections.OrderedDict()
+_KEEP = 4096
 
 
 class UntaggedRegionWarning(UserWarning):
     """A name-based policy on a region that tags none of its names: it is full remat."""
 
 
-def warn_untagged(policy, fn, args, region: str) -> None:
+def _abstract(leaf):
+    try:
+        return jax.typeof(leaf)
+    except TypeError:
+        try:
+            hash(leaf)
+            return leaf
+        except TypeError:
+            return type(leaf)
+
+
+def region_key(region, policy, *trees) -> tuple | None:
+    """The key of one region's program for `warn_untagged`: `region` (a hashable identity), the
+    resolved policy and the abstract values (shape, dtype, sharding) of `trees`, the region's inputs.
+    None when something in it is not hashable (then every look warns).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> region_key("f", "full", jnp.ones(2)) == region_key("f", "full", jnp.zeros(2))
+      True
+    """
+    leaves, tree = jax.tree.flatten(trees)
+    key = (region, resolve(policy), tree, tuple(_abstract(x) for x in leaves))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _remember(store, key, value=None) -> None:
+    store[key] = value
+    store.move_to_end(key)
+    while len(store) > _KEEP:
+        store.popitem(last=False)
+
+
+def warn_untagged(policy, fn, args, region: str, key=None, program=None) -> None:
     """Warn when `policy` saves or offloads by tag and `fn(*args)` tags none of those names (then the
-    region saves nothing: full remat). Traces the region once more, for name-based policies only."""
+    region saves nothing: full remat). Traces the region once more, for name-based policies only.
+
+    Args:
+      policy, region: the region's policy and its name in the message.
+      fn, args: what the region computes, traced (`jax.make_jaxpr`) for its tags.
+      key: the region's program (`region_key`): said and traced once per key; None: every call.
+      program: optional key of what `fn` computes wherever the region sits (e.g. a module class and
+        its input avals), so identical regions are traced once.
+    """
     wanted = by_name(policy)
     if wanted is None or (wanted.save is not None and not wanted.save | wanted.offload):
         return
-    found = region_tags(fn, *args)
+    if key is not None:
+        if key in _SEEN:
+            _SEEN.move_to_end(key)
+            return
+        _remember(_SEEN, key)
+    found = _TAGS.get(program) if program is not None else None
+    if found is None:
+        found = frozenset(region_tags(fn, *args))
+        if program is not None:
+            _remember(_TAGS, program, found)
     if any(wanted.keeps(n) for n in found):
         return
     have = f"it tags only {sorted(found)}" if found else "it has no tagged activations"
-    # once per trace (a program's regions all warn alike): the first region names the rest
-    trace = jax.extend.core.find_top_trace(())
-    said = (describe(policy), tuple(sorted(found)))
-    try:
-        seen = _WARNED.setdefault(trace, set())
-    except TypeError:  # a trace that cannot be weakly referenced: warn every region
-        seen = set()
-    if said in seen:
-        return
-    seen.add(said)
     warnings.warn(
         f"remat: region {region!r}: the policy {describe(policy)} saves or offloads values tagged {wanted}, but "
         f"{have}: it is full remat. Tag activations with jax.ad_checkpoint.checkpoint_name(x, name) "
-        f"(docs/tagging.md) or use policy {NOTHING!r} (said once per traced program)", UntaggedRegionWarning,
+        f"(docs/tagging.md) or use policy {NOTHING!r} (said once per region and program)", UntaggedRegionWarning,
         stacklevel=3)
 
 

@@ -63,7 +63,7 @@ def _runs(n_layers: int, cfg: RecomputeConfig):
 
 
 def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys=None, args: tuple = (),
-                 scan: bool = False, prevent_cse: bool = True, collect: bool = False):
+                 scan: bool = False, prevent_cse: bool = True, collect: bool = False, name: str | None = None):
     """Apply `apply_layer` layer after layer, with regions rematerialized per `cfg`.
 
     Args:
@@ -76,8 +76,10 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
       keys: optional per-layer PRNG keys (leading layer axis), e.g. for dropout.
       args: extra arguments given to every layer (arrays are traced; other values are constants).
       scan: run the layers under `lax.scan` (constant compile time in depth).
+      prevent_cse: as `jax.checkpoint`.
       collect: return `(x, outs)`, the layers' per-layer outputs (outputs of their regions): a list
         (loop layout) or, with `scan`, one pytree whose leaves have a leading layer axis.
+      name: what the layers are, in the regions' names (`Block at Model/stack, layers[0:2]`).
     Example:
       >>> import jax.numpy as jnp
       >>> ws, x = [jnp.eye(4)] * 3, jnp.ones((2, 4))
@@ -102,7 +104,7 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
         shard = {1: (P(U, cfg.shard_inputs, U), P(U, None, U))}
     offload = (1,) if cfg.offload_inputs else ()  # the carried activation, in pinned host memory
 
-    def ckpt(fn, ps, h, ks, policy, name):
+    def ckpt(fn, ps, h, ks, policy, label):
         # Leaves that are no arrays (a Python bool such as `deterministic`, the layer index riding
         # with its key) stay constants of the region, as a plain loop of layers sees them.
         leaves, tree = jax.tree.flatten((ps, h, ks) + tuple(args))
@@ -114,7 +116,8 @@ def apply_layers(apply_layer: Callable, params, x, cfg: RecomputeConfig, *, keys
         masked = jax.tree.unflatten(tree, [l if k else None for l, k in zip(leaves, keep)])
         return checkpoint(region, use_reentrant=cfg.use_reentrant, policy=policy,
                           determinism_check=cfg.determinism_check, prevent_cse=prevent_cse,
-                          name=name, shard_inputs=shard, offload_inputs=offload)(*masked)
+                          name=label if name is None else f"{name}, {label}", shard_inputs=shard,
+                          offload_inputs=offload)(*masked)
 
     if not scan:
         outs = []

@@ -5,6 +5,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 # 8 CPU devices for the sharding tests; set before JAX starts.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -47,3 +49,13 @@ LONG_FIRST = ("test_train_run.py", "test_models.py", "test_stacks.py", "test_tra
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
+
+
+@pytest.fixture(autouse=True)
+def _untagged_warnings_fresh():
+    """Each test sees the untagged-region warning afresh: the library says it once per region and
+    program per process, and two tests may build the same program."""
+    from remat import policies
+    policies._SEEN.clear()
+    policies._TAGS.clear()
+    yield
