@@ -528,6 +528,27 @@ def test_cli_auto_with_a_target_plans_per_tag():
     assert plan and "predicted step" in p.stdout and tagplan.parse_plan(plan.group(1), 2)
 
 
+def test_a_plan_carries_its_layout_and_train_py_follows_it():
+    """The planner's plan text names the layout it was planned for; train.py runs that layout (the
+    peak the plan was verified at is that layout's) or refuses a flag that contradicts it."""
+    from remat.planning.tagplan import format_plan, parse_plan, plan_layout
+    from remat_lm.training.prepare import prepare
+    text = format_plan(("full", "full", None), scan=True)
+    assert text == "full x2; none x1; scan" and plan_layout(text) is True
+    assert parse_plan(text, 3) == parse_plan("full x2; none x1", 3) == ("full", "full", None)
+    assert plan_layout(format_plan((None, "full"), scan=False)) is False and plan_layout("full x2") is None
+    tiny = ["--preset", "tiny", "--dry_run"]
+    cfg = config_from_args(tiny + ["--recompute_plan", "full x1; none x1; scan"])
+    assert cfg.scan_layers and prepare(cfg).base_mcfg.scan_layers  # the model is built with scanned layers
+    assert not config_from_args(tiny + ["--recompute_plan", "full x1; none x1"]).scan_layers
+    with pytest.raises(UsageError, match=r"planned with the layers under scan; drop --no-scan_layers"):
+        config_from_args(tiny + ["--recompute_plan", "full x2; scan", "--no-scan_layers"])
+    with pytest.raises(UsageError, match=r"planned for a loop of layers; drop --scan_layers"):
+        config_from_args(tiny + ["--recompute_plan", "full x2; loop", "--scan_layers"])
+    with pytest.raises(UsageError, match=r"is not 'POLICY xN'"):
+        config_from_args(tiny + ["--recompute_plan", "scan; full x2"]).recompute_configs()
+
+
 def test_a_plan_count_is_bounded_before_any_list_is_built():
     """`full x1000000000` or a 30-digit count: refused from the counts alone (no MemoryError, no
     OverflowError), naming the layers it covers."""

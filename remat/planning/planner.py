@@ -84,11 +84,12 @@ class BudgetPlan:
     candidates: tuple = ()
     notes: tuple = ()
     predicted_step_s: float | None = None   # the tag planner's time model (target=...), seconds
+    scan: bool | None = None   # the layout it was planned for (True: layers under scan), when the caller says
 
     @property
     def text(self) -> str:
-        """The plan's one-line text (`train.py --recompute_plan` takes it)."""
-        return _tagplan.format_plan(self.layer_policies)
+        """The plan's one-line text, with its layout when known (`train.py --recompute_plan` takes it)."""
+        return _tagplan.format_plan(self.layer_policies, self.scan)
 
     @property
     def settings(self) -> tuple:

@@ -47,12 +47,13 @@ def recompute_config(layer_policies: Sequence) -> RecomputeConfig:
     return RecomputeConfig(granularity="full", layers=per_layer(lp))
 
 
-def format_plan(layer_policies: Sequence) -> str:
-    """The one-line text of a per-layer plan: runs of equal policies, `POLICY xN` joined by '; '.
+def format_plan(layer_policies: Sequence, scan: bool | None = None) -> str:
+    """The one-line text of a per-layer plan: runs of equal policies, `POLICY xN` joined by '; ',
+    then the layout it was planned for when known (`scan`: '; scan' or '; loop').
 
     Example:
-      >>> format_plan(["full", "full", None])
-      'full x2; none x1'
+      >>> format_plan(["full", "full", None]), format_plan(["full", None], scan=True)
+      ('full x2; none x1', 'full x1; none x1; scan')
     """
     runs = []
     for p in layer_policies:
@@ -63,10 +64,24 @@ def format_plan(layer_policies: Sequence) -> str:
             runs[-1][1] += 1
         else:
             runs.append([p, 1])
-    return "; ".join(f"{p} x{n}" for p, n in runs)
+    layout = [] if scan is None else [LAYOUTS[bool(scan)]]
+    return "; ".join([f"{p} x{n}" for p, n in runs] + layout)
 
 
-PLAN_FORM = "POLICY xN[; POLICY xN...], e.g. 'save_names:qkv,mlp_up x6; none x6' (one run per group of layers)"
+PLAN_FORM = ("POLICY xN[; POLICY xN...][; scan|loop], e.g. 'save_names:qkv,mlp_up x6; none x6; scan' (one run per "
+             "group of layers, then the layout it was planned for)")
+LAYOUTS = {True: "scan", False: "loop"}
+
+
+def plan_layout(text: str) -> bool | None:
+    """The layout a plan's text names (True: layers under scan, False: a loop), None when it names none.
+
+    Example:
+      >>> plan_layout("full x2; scan"), plan_layout("full x2")
+      (True, None)
+    """
+    last = str(text).rsplit(";", 1)[-1].strip()
+    return {v: k for k, v in LAYOUTS.items()}.get(last)
 _RUN = re.compile(r"^\s*(\S+)\s+x(\d+)\s*$", re.ASCII)
 
 
@@ -82,7 +97,8 @@ def parse_plan(text: str, n_layers: int | None = None) -> tuple:
       ('full', 'full', None)
     """
     runs, total = [], 0
-    for part in str(text).split(";"):
+    parts = str(text).split(";")
+    for part in parts[:-1] if plan_layout(text) is not None else parts:
         m = _RUN.match(part)
         if not m or int(m.group(2)) < 1:
             raise ValueError(f"recompute plan {text!r}: {part.strip()!r} is not 'POLICY xN'; expected {PLAN_FORM}")

@@ -186,6 +186,7 @@ def plan_memory(setup, out=None):
     finally:
         bar.close()
     took = time.perf_counter() - started
+    plan = dataclasses.replace(plan, scan=bool(cfg.scan_layers))  # its text names the layout it was planned for
     print(plan.table(), file=out)
     print(f"planner  planned in {took:.1f} s: {len(spent)} compile(s) of the train step, "
           f"{took / spent[0]:.1f}x the first one ({spent[0]:.1f} s, no remat)", file=out)

@@ -231,6 +231,7 @@ class TrainConfig(RecomputeFlags):
         if unused and self.sample_every == 0:
             raise UsageError(f"{unused[0]} sets up samples, which are off; add --sample_every N (samples every N "
                              f"steps and at the last)")
+        self._follow_plan_layout()
         if self.resume and not self.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint_dir DIR (the directory to continue from)")
         if self.checkpoint_every and not self.checkpoint_dir:
@@ -333,6 +334,18 @@ class TrainConfig(RecomputeFlags):
                                            regions=any(v is not None for v in (self.recompute_segments,
                                                                                self.recompute_every,
                                                                                self.deepspeed_config)))
+
+    def _follow_plan_layout(self) -> None:
+        """A `--recompute_plan` whose text names its layout (`; scan`, `; loop`) sets `scan_layers`: the
+        peak it was planned for is that layout's. `--scan_layers` against a loop plan is refused."""
+        from remat.planning.tagplan import plan_layout
+
+        layout = plan_layout(self.recompute_plan) if self.recompute_plan is not None else None
+        if layout is False and self.scan_layers:
+            raise UsageError(f"--recompute_plan {self.recompute_plan!r} was planned for a loop of layers; drop "
+                             f"--scan_layers (or plan again with it)")
+        if layout:
+            object.__setattr__(self, "scan_layers", True)
 
     @property
     def given_flags(self) -> frozenset | None:
@@ -488,8 +501,14 @@ def config_from_args(argv: Sequence[str] | None = None, prog: str = "train.py",
     """
     parser = build_parser(prog, description)
     ns = parser.parse_args(argv)
-    cfg = TrainConfig(**vars(ns))
     unset = object()  # argparse leaves an attribute the namespace already has unless its flag is given
     probe = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(ns), unset)))
-    object.__setattr__(cfg, "_given", frozenset(k for k, v in vars(probe).items() if v is not unset))
+    given = frozenset(k for k, v in vars(probe).items() if v is not unset)
+    if "scan_layers" in given and not ns.scan_layers and ns.recompute_plan is not None:
+        from remat.planning.tagplan import plan_layout
+        if plan_layout(ns.recompute_plan):
+            raise UsageError(f"--recompute_plan {ns.recompute_plan!r} was planned with the layers under scan; drop "
+                             f"--no-scan_layers (or plan again without --scan_layers)")
+    cfg = TrainConfig(**vars(ns))
+    object.__setattr__(cfg, "_given", given)
     return cfg

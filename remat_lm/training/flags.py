@@ -73,7 +73,8 @@ FLAGS = (
          "budget", metavar="SIZE", train_only=True),
     Flag("recompute_plan", str, None, "a plan as the planner prints it (`plan:` line of --recompute_method auto, "
          "`python -m remat_lm.bench.planner`): 'POLICY xN; POLICY xN ...', one run per group of layers, first layer "
-         "first, e.g. 'save_names:qkv,mlp_up x6; none x6'; sets every recompute setting", "layer_policies",
+         "first, e.g. 'save_names:qkv,mlp_up x6; none x6'; a trailing '; scan' or '; loop' (the layout it was planned for) sets "
+         "--scan_layers; sets every recompute setting", "layer_policies",
          metavar="PLAN", train_only=True),
     Flag("recompute_num_layers", int, 1, "the N of --recompute_method uniform/block (1..n_layer); no other method "
          "takes it", "num_layers"),
