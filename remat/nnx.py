@@ -102,12 +102,9 @@ class LayerStack(nnx.Module):
       recompute: the RecomputeConfig.
       prevent_cse: passed to `jax.checkpoint`.
       rngs: the stack's RNG streams (its `dropout` stream, else `default`), or None.
-      out: picks x out of what a layer returns, for layers returning more than x (e.g.
-        `lambda y: y[1]` for `(cache, x)`); a layer returning anything but x without it raises,
-        naming the layer and its signature.
-      side: picks a per-layer value out of what a layer returns (e.g. `lambda y: y[1]` for
-        `(x, attn_weights)`, with `out=lambda y: y[0]`; without `out`, `side` sees the layer's x):
-        the call then returns `(x, sides)`, the values stacked along a leading layer axis.
+      out, side: the selectors of x and of a per-layer side output in what a layer returns, as
+        `remat.linen.LayerStack` takes them (with `side`, the call returns `(x, sides)` stacked
+        along a leading layer axis).
       scan: run the layers under `lax.scan` (constant compile time in depth). The stack then holds
         them as one module whose Variables have a leading layer axis, stacked once here (every layer
         must have the same structure, graphdef), or takes such a module as `layers` (made under
