@@ -46,7 +46,39 @@ LONG_FIRST = ("test_train_run.py", "test_models.py", "test_stacks.py", "test_tra
               "test_multiprocess.py", "test_bench.py", "test_resume_integrity.py", "test_llmc.py", "test_notebook.py")
 
 
+# NOTE: heavy cases whose property a fast sibling of the same test asserts run with the slow set
+# (make test-all), so that make test stays within 10 minutes on 2 cores; each entry: a node-id
+# prefix -> the sibling that stays in the fast run.
+SLOW_SIBLINGS = {
+    "test_nnx_stack_state.py::test_scan_over_layers_equals_flax_nnx_scan_with_nnx_remat[none-": "[full-*]",
+    "test_nnx_stack_state.py::test_scan_over_layers_equals_flax_nnx_scan_with_nnx_remat[uniform2-": "[full-*]",
+    "test_nnx_stack_state.py::test_loop_layout_equals_a_loop_of_nnx_remat_layers[none]": "[full]",
+    "test_nnx_stack_state.py::test_loop_layout_equals_a_loop_of_nnx_remat_layers[uniform2]": "[full]",
+    "test_nnx_stack_state.py::test_batch_statistics_are_written_back_when_the_stack_owns_the_randomness[scan]":
+        "[loop]; the scan layout's write-back: test_scan_over_layers_equals_flax_nnx_scan_with_nnx_remat",
+    "test_stack_side_outputs.py::test_linen_side_outputs_equal_a_plain_loop[none-": "[full-*], [uniform2-*]",
+    "test_stack_side_outputs.py::test_nnx_side_outputs_equal_a_plain_loop[none-": "[full-*], [uniform2-*]",
+    "test_equinox_recipe.py::test_equinox_model_adopts_remat[block save_names": "[block full], [grouped uniform 2]",
+    "test_llmc.py::test_verify_passes_for_every_recompute_setting[llama3---activation_recompute": "[gpt2-...]",
+    "test_sample.py::test_greedy_equals_repeated_argmax_of_the_full_forward[gpt2-20]": "[gpt2-5]",
+    "test_sample.py::test_greedy_equals_repeated_argmax_of_the_full_forward[llama3-5]": "[gpt2-5] (shared decode code)",
+    "test_attention.py::test_tiled_matches_xla_core_with_dropout[T%tile-float32]": "[K<H-float32]",
+    "test_train_run.py::test_acceptance_command_runs_with_finite_losses[llama3-selective]": "[gpt2-uniform]",
+    "test_models.py::test_recompute_matches_no_remat[llama3-selective-core_attn-loop]":
+        "[gpt2-selective-core_attn-loop] (the shared Block)",
+    "test_stacks.py::test_plain_functions[full-none1-custom:": "the other policies of test_plain_functions",
+    "test_checkpoint.py::test_gradients_equal_for_every_policy[offload_names:": "[offload_names:...] of test_stacks",
+    "test_checkpoint.py::test_dropout_inside_a_region_uses_the_same_mask[True]": "[False]",
+    "test_lowering.py::test_train_step_lowers_for_gpu_and_tpu[llama3-none]": "[gpt2-none], [llama3-tensor2]",
+    "test_lowering.py::test_train_step_lowers_for_gpu_and_tpu[llama3-bf16]": "[gpt2-bf16], [llama3-tensor2]",
+}
+
+
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        node = f"{item.path.name}::{item.name}"
+        if any(node.startswith(prefix) for prefix in SLOW_SIBLINGS):
+            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
 
