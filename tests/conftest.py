@@ -39,11 +39,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 # NOTE: the two xdist workers take whole files (`--dist loadfile`) in collection order, each taking
 # the next file when it finishes one, so a long file collected late can leave one worker running
-# alone at the end. The longest files (summed `--durations=0` of the fast set, 2026-12-01) start
-# first; every other file keeps its place after them, and the order inside a file is unchanged.
+# alone at the end. The longest files (summed `--durations=0` of the fast set) start first; every
+# other file keeps its place after them, and the order inside a file is unchanged.
 LONG_FIRST = ("test_train_run.py", "test_models.py", "test_stacks.py", "test_train_faults.py", "test_planner.py",
-              "test_examples.py", "test_tensor_parallel.py", "test_lowering.py", "test_flag_to_program.py",
-              "test_multiprocess.py", "test_bench.py", "test_resume_integrity.py", "test_llmc.py", "test_notebook.py")
+              "test_host_start.py", "test_attention.py", "test_checkpoint.py", "test_examples.py",
+              "test_tensor_parallel.py", "test_lowering.py", "test_flag_to_program.py", "test_train_cli.py",
+              "test_target_cli.py", "test_loss_chunk.py", "test_multiprocess.py", "test_bench.py",
+              "test_resume_integrity.py", "test_llmc.py", "test_sample.py", "test_stack_side_outputs.py",
+              "test_notebook.py")
 
 
 # NOTE: heavy cases whose property a fast sibling of the same test asserts run with the slow set
@@ -71,6 +74,10 @@ SLOW_SIBLINGS = {
     "test_checkpoint.py::test_dropout_inside_a_region_uses_the_same_mask[True]": "[False]",
     "test_lowering.py::test_train_step_lowers_for_gpu_and_tpu[llama3-none]": "[gpt2-none], [llama3-tensor2]",
     "test_lowering.py::test_train_step_lowers_for_gpu_and_tpu[llama3-bf16]": "[gpt2-bf16], [llama3-tensor2]",
+    "test_models.py::test_recompute_matches_no_remat[gpt2-full-uniform2-L3-scan]":
+        "[gpt2-full-block2-L3-scan] (a remainder under scan), [gpt2-full-uniform2-L3-loop]",
+    "test_host_start.py::test_bad_input_is_one_line_with_no_traceback[planner-mesh]": "[planner-target]",
+    "test_stacks.py::test_linen_stack_scan[none-none1-default]": "[full-none1-default]",
 }
 
 
