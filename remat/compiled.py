@@ -16,7 +16,7 @@ import re
 
 import jax
 
-__all__ = ["CompiledMemory", "GiB", "MiB", "compiled_stats", "format_bytes", "hlo_matmul_flops"]
+__all__ = ["CompiledMemory", "GiB", "MiB", "compiled_stats", "format_bytes", "hlo_kernels", "hlo_matmul_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,7 @@ class CompiledMemory:
     host_argument: int = 0
     host_output: int = 0
     flops_source: str = "optimized HLO matmuls"  # hlo_matmul_flops; or "jaxpr matmuls" (planning.targets.matmul_flops)
+    kernels: tuple = dataclasses.field(default=(), repr=False, compare=False)  # hlo_kernels of the program
 
     @property
     def peak_estimate(self) -> int:
@@ -61,6 +62,7 @@ def compiled_stats(compiled) -> CompiledMemory:
     except Exception:  # pragma: no cover - a backend that gives no program text
         text = None
     flops = None if text is None else hlo_matmul_flops(text)
+    kernels = () if text is None else hlo_kernels(text)
     loops, counted = len(re.findall(r" while\(", text or "")), len(_TRIP.findall(text or ""))
     g = lambda k: int(getattr(ma, k, 0) or 0)
     return CompiledMemory(temp=g("temp_size_in_bytes"), argument=g("argument_size_in_bytes"),
@@ -68,7 +70,7 @@ def compiled_stats(compiled) -> CompiledMemory:
                           generated_code=g("generated_code_size_in_bytes"),
                           host_temp=g("host_temp_size_in_bytes"),
                           host_argument=g("host_argument_size_in_bytes"), host_output=g("host_output_size_in_bytes"),
-                          flops=flops, flops_source=_SOURCE if loops <= counted else _SOURCE + _ONCE)
+                          flops=flops, kernels=kernels, flops_source=_SOURCE if loops <= counted else _SOURCE + _ONCE)
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
@@ -86,6 +88,63 @@ def _dims(shape: str) -> tuple:
     return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+    var: str
+    shape: str
+    op: str
+    rest: str
+    operands: tuple
+    called: tuple    # ((kind, (names...)), ...)
+    trip: int
+
+
+def _parse(text: str) -> tuple:
+    """({computation: [_Instr, ...]}, entry name) of an optimized HLO module's text."""
+    comps, entry, name = {}, None, None
+    for line in text.splitlines():
+        line = line.strip()
+        m = _COMPUTATION.match(line)
+        if m:
+            name = m.group(1)
+            comps[name] = []
+            entry = name if line.startswith("ENTRY") else entry
+            continue
+        m = name and _INSTRUCTION.match(line)
+        if not m:
+            continue
+        var, shape, op, rest = m.groups()
+        operands = tuple(re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0]))
+        called = tuple((kind, tuple(n.strip().lstrip("%") for n in names.strip("{}").split(",") if n.strip()))
+                       for kind, names in _CALLED.findall(rest))
+        trip = _TRIP.search(rest)
+        comps[name].append(_Instr(var, shape, op, rest, operands, called, int(trip.group(1)) if trip else 1))
+    return comps, entry
+
+
+def _own_flops(ins: _Instr, shapes: dict) -> float:
+    """2·M·N·K of a dot, a convolution (XLA:TPU's dots) or a cuBLAS GEMM call; 0 for anything else."""
+    if ins.op == "dot":
+        lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else ()
+        lc = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+        k = math.prod(lhs[int(d)] for d in lc.group(1).split(",") if d) if lc and lhs else 1
+        return 2.0 * math.prod(_dims(ins.shape)) * k
+    if ins.op == "convolution":  # K = the kernel's input features x its window
+        rhs = _dims(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else ()
+        labels = re.search(r"dim_labels=\w+_(\w+)->\w+", ins.rest)
+        groups = re.search(r"feature_group_count=(\d+)", ins.rest)
+        if rhs and labels and len(labels.group(1)) == len(rhs):
+            k = math.prod(d for d, c in zip(rhs, labels.group(1)) if c != "o") // (int(groups.group(1)) if groups else 1)
+            return 2.0 * math.prod(_dims(ins.shape)) * k
+        return 0.0
+    if ins.op == "custom-call" and any(f'custom_call_target="{g}"' in ins.rest for g in _GEMMS):
+        lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else ()
+        cfg = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.rest)
+        k = math.prod(lhs[int(d)] for d in json.loads(f"[{cfg.group(1)}]")) if cfg and lhs else 1
+        return 2.0 * math.prod(_dims(ins.shape)) * k  # a tuple's first shape is the product
+    return 0.0
+
+
 def hlo_matmul_flops(text: str) -> float:
     """Matrix-product FLOPs of an optimized HLO module (`compiled.as_text()`), 2·M·N·K per `dot`,
     cuBLAS GEMM call or `convolution` (XLA:TPU's dots), each `while` body times its trip count (XLA's `known_trip_count`; once where
@@ -99,59 +158,139 @@ def hlo_matmul_flops(text: str) -> float:
       >>> [hlo_matmul_flops(scan(n).lower(jnp.ones((64, 64))).compile().as_text()) for n in (1, 8)]
       [524288.0, 4194304.0]
     """
-    comps, entry, name, shapes = {}, None, None, {}
-    for line in text.splitlines():
-        line = line.strip()
-        m = _COMPUTATION.match(line)
-        if m:
-            name, shapes = m.group(1), {}
-            comps[name] = ([], [])  # (own FLOPs per instruction, [(multiplier kind, called names, trip)])
-            entry = name if line.startswith("ENTRY") else entry
-            continue
-        m = name and _INSTRUCTION.match(line)
-        if not m:
-            continue
-        var, shape, op, rest = m.groups()
-        shapes[var] = shape
-        own, calls = comps[name]
-        if op == "dot":
-            lhs = _dims(shapes.get(rest.split(",")[0].strip().lstrip("%"), ""))
-            lc = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
-            k = math.prod(lhs[int(d)] for d in lc.group(1).split(",") if d) if lc and lhs else 1
-            own.append(2.0 * math.prod(_dims(shape)) * k)
-        elif op == "convolution":  # XLA:TPU's form of a dot: K = the kernel's input features x its window
-            operands = [o.strip().lstrip("%") for o in rest.split(")")[0].split(",")]
-            rhs = _dims(shapes.get(operands[1], "")) if len(operands) > 1 else ()
-            labels = re.search(r"dim_labels=\w+_(\w+)->\w+", rest)
-            groups = re.search(r"feature_group_count=(\d+)", rest)
-            if rhs and labels and len(labels.group(1)) == len(rhs):
-                k = math.prod(d for d, c in zip(rhs, labels.group(1)) if c != "o") // (int(groups.group(1)) if groups else 1)
-                own.append(2.0 * math.prod(_dims(shape)) * k)
-        elif op == "custom-call" and any(f'custom_call_target="{g}"' in rest for g in _GEMMS):
-            lhs = _dims(shapes.get(rest.split(",")[0].strip().lstrip("%"), ""))
-            cfg = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
-            k = math.prod(lhs[int(d)] for d in json.loads(f"[{cfg.group(1)}]")) if cfg and lhs else 1
-            own.append(2.0 * math.prod(_dims(shape)) * k)  # a tuple's first shape is the product
-        for kind, names in _CALLED.findall(rest):
-            called = [n.strip().lstrip("%") for n in names.strip("{}").split(",") if n.strip()]
-            trip = _TRIP.search(rest)
-            calls.append((op, kind, called, int(trip.group(1)) if trip else 1))
+    comps, entry = _parse(text)
 
     @functools.lru_cache(maxsize=None)
     def total(c: str) -> float:
-        own, calls = comps.get(c, ([], []))
-        out = sum(own)
-        for op, kind, called, trip in calls:
-            sub = [total(n) for n in called]
-            if kind == "body":
-                out += trip * sum(sub)
-            elif kind in ("branch_computations", "true_computation", "false_computation"):
-                out += max(sub, default=0.0)
-            else:
-                out += sum(sub)
+        ins_list = comps.get(c, [])
+        shapes = {i.var: i.shape for i in ins_list}
+        out = 0.0
+        for ins in ins_list:
+            out += _own_flops(ins, shapes)
+            for kind, called in ins.called:
+                sub = [total(n) for n in called]
+                if kind == "body":
+                    out += ins.trip * sum(sub)
+                elif kind in ("branch_computations", "true_computation", "false_computation"):
+                    out += max(sub, default=0.0)
+                else:
+                    out += sum(sub)
         return out
 
     return total(entry) if entry else 0.0
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+             "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# instructions that launch no kernel of their own (views, bookkeeping, control flow read through)
+_NO_KERNEL = frozenset({"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
+                        "replica-id", "opt-barrier", "domain", "add-dependency", "while", "conditional", "call",
+                        "copy-done", "send-done", "recv-done", "all-reduce-done", "all-gather-done",
+                        "collective-permute-done", "async-done", "async-update"})
+
+
+def _nbytes(shape: str) -> int:
+    return sum(_ITEMSIZE.get(t, 1 if t.startswith("f8") else 0) * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in re.findall(r"\b([a-z]\w*)\[([\d,]*)\]", shape))
+
+
+def _dtype(shape: str) -> str:
+    m = re.match(r"\(?\s*([a-z]\w*)\[", shape)
+    return {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}.get(m.group(1), m.group(1)) if m else ""
+
+
+def hlo_kernels(text: str) -> tuple:
+    """The kernels of an optimized HLO module, for a roofline: `((flops, bytes, count, dtype), ...)`,
+    one entry per distinct kind. A kernel is a fusion, a matrix product or GEMM call, a copy or
+    any other instruction of the entry or of a loop body that does work; `count` counts every
+    loop iteration (`known_trip_count`) and a conditional's costliest branch. Bytes are what the
+    kernel reads and writes: its operands and result, a slice where the fused program reads one
+    (`dynamic-slice`) and the update where it writes one in place (`dynamic-update-slice`).
+    `dtype` is a matrix product's result type ("" for the rest).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> ks = hlo_kernels(jax.jit(lambda a: a @ a).lower(jnp.ones((64, 64))).compile().as_text())
+      >>> sum(f * n for f, _, n, _ in ks)
+      524288.0
+    """
+    comps, entry = _parse(text)
+    out: dict = {}
+
+    def fused_bytes(ins: _Instr, shapes: dict) -> int:
+        body = ins.called[0][1][0] if ins.called and ins.called[0][0] == "calls" else None
+        fused = comps.get(body, [])
+        if not fused:
+            return sum(_nbytes(shapes.get(o, "")) for o in ins.operands) + _nbytes(ins.shape)
+        params = {int(re.match(r"(\d+)", i.rest).group(1)): i.var for i in fused if i.op == "parameter"}
+        uses: dict = {}
+        for i in fused:
+            for k, o in enumerate(i.operands):
+                uses.setdefault(o, []).append((i, k))
+        total, in_place = 0, set()
+        for i in fused:
+            if i.op == "dynamic-update-slice" and i.operands:
+                in_place.add(i.operands[0])
+        for n, o in enumerate(ins.operands):
+            p = params.get(n)
+            u = uses.get(p, [])
+            if p in in_place:
+                continue                      # a buffer updated in place: only the update moves
+            if u and all(i.op == "dynamic-slice" and k == 0 for i, k in u):
+                total += sum(_nbytes(i.shape) for i, _ in u)
+            else:
+                total += _nbytes(shapes.get(o, ""))
+        root = fused[-1]
+        roots = [next((i for i in fused if i.var == r), None) for r in root.operands] if root.op == "tuple" else [root]
+        for r in roots:
+            if r is not None and r.op == "dynamic-update-slice" and len(r.operands) > 1:
+                upd = next((i for i in fused if i.var == r.operands[1]), None)
+                total += _nbytes(upd.shape) if upd is not None else 0
+            elif r is not None:
+                total += _nbytes(r.shape)
+        return total
+
+    def flops_of(c: str) -> float:
+        ins_list = comps.get(c, [])
+        shapes = {i.var: i.shape for i in ins_list}
+        return sum(_own_flops(i, shapes) + sum(flops_of(n) for k, ns in i.called if k == "calls" for n in ns)
+                   for i in ins_list)
+
+    def walk(c: str, times: int, depth: int = 0) -> None:
+        if depth > 64:
+            return
+        ins_list = comps.get(c, [])
+        shapes = {i.var: i.shape for i in ins_list}
+        for ins in ins_list:
+            if ins.op in ("while", "call", "conditional", "async-start"):
+                for kind, called in ins.called:
+                    if kind == "body":
+                        for n in called:
+                            walk(n, times * ins.trip, depth + 1)
+                    elif kind in ("branch_computations", "true_computation", "false_computation"):
+                        best = max(called, key=lambda n: flops_of(n), default=None)
+                        if best:
+                            walk(best, times, depth + 1)
+                    elif kind in ("calls", "to_apply") and ins.op in ("call", "async-start"):
+                        for n in called:
+                            walk(n, times, depth + 1)
+                    elif kind == "condition":
+                        pass
+                continue
+            if ins.op in _NO_KERNEL:
+                continue
+            f = _own_flops(ins, shapes)
+            if ins.op == "fusion":
+                f += sum(flops_of(n) for k, ns in ins.called if k == "calls" for n in ns)
+                b = fused_bytes(ins, shapes)
+            else:
+                b = sum(_nbytes(shapes.get(o, "")) for o in ins.operands) + _nbytes(ins.shape)
+            key = (f, b, _dtype(ins.shape) if f else "")
+            out[key] = out.get(key, 0) + times
+
+    if entry:
+        walk(entry, 1)
+    return tuple((f, b, n, d) for (f, b, d), n in sorted(out.items()))
 
 
 MiB, GiB = 2 ** 20, 2 ** 30

@@ -26,7 +26,7 @@ from typing import Mapping
 import numpy as np
 
 __all__ = ["REMAT_PRIMITIVES", "LayerProfile", "Roofline", "TagCost", "eqn_seconds", "jaxpr_seconds",
-           "layer_region", "measure_host", "of_target", "profile"]
+           "layer_region", "measure_host", "of_target", "profile", "program_seconds"]
 
 REMAT_PRIMITIVES = ("remat2", "checkpoint", "remat")
 
@@ -46,7 +46,10 @@ class Roofline:
                              "use remat.planning.cost.measure_host()")
 
     def flops_rate(self, dtype) -> float:
-        name = np.dtype(dtype).name
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:   # an HLO type name with no NumPy dtype (s8, f8e4m3fn, ...)
+            name = str(dtype)
         return self.peak_flops.get(name) or self.peak_flops.get("float32") or max(self.peak_flops.values())
 
 
@@ -63,7 +66,8 @@ _HOST: list = []
 
 def measure_host(n: int = 512) -> Roofline:
     """This host's roofline, measured once per process: float32 matmul FLOP/s (an n×n product) and
-    copy bandwidth (a 64 MiB array), each the best of 5 runs. Its host link is its memory."""
+    copy bandwidth (a 64 MiB array), each the best of 5 runs. No host link: on the host, offloading
+    moves nothing off the device."""
     if _HOST:
         return _HOST[0]
     import jax
@@ -86,9 +90,32 @@ def measure_host(n: int = 512) -> Roofline:
 
     flops = 2 * n ** 3 / best(mm, a)
     bw = 2 * big.nbytes / best(cp, big)
-    _HOST.append(Roofline(bw, {"float32": flops, "bfloat16": flops, "float16": flops}, bw,
+    _HOST.append(Roofline(bw, {"float32": flops, "bfloat16": flops, "float16": flops}, None,
                           "measured on this host (remat.planning.cost.measure_host)"))
     return _HOST[0]
+
+
+def program_seconds(compiled, roof: Roofline) -> float:
+    """The roofline time of a compiled program from the compiler's own optimized program: every
+    kernel (`remat.compiled.hlo_kernels`: fusions, GEMMs, copies; every loop iteration counted)
+    takes `max(FLOPs / peak FLOP/s of its dtype, bytes / memory bandwidth)`, and the kernels add up.
+
+    Args:
+      compiled: a `remat.memory.CompiledMemory` (from `compiled_stats`) or a `jax.stages.Compiled`.
+      roof: the target's `Roofline`.
+    Example:
+      >>> import jax.numpy as jnp
+      >>> c = jax.jit(lambda a: a @ a).lower(jnp.ones((64, 64))).compile()
+      >>> program_seconds(c, Roofline(1e9, {"float32": 1e9})) > 0
+      True
+    """
+    from remat.memory import compiled_stats
+
+    cm = compiled_stats(compiled)
+    if not cm.kernels:
+        raise ValueError("program_seconds needs the optimized program (compiled_stats of a jax.stages.Compiled)")
+    return float(sum(n * max(f / roof.flops_rate(d or "float32"), b / roof.memory_bandwidth)
+                     for f, b, n, d in cm.kernels))
 
 
 def _nbytes(aval) -> int:
@@ -200,18 +227,32 @@ def jaxpr_seconds(jaxpr, roof: Roofline) -> float:
 
 
 def layer_region(jaxpr):
-    """The program of one layer's rematerialized forward: the first remat region (depth first, scans
-    and calls included) whose program carries `checkpoint_name` tags, or None."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    """The program of one layer's rematerialized forward: of the remat regions (depth first, scans
+    and calls included) whose program carries `checkpoint_name` tags, the first of those with the
+    most distinct tags (a layer's, not a loss head's region with its one tag); None when none."""
+    found = []
+
+    def walk(jp):
+        for eqn in getattr(jp, "jaxpr", jp).eqns:
+            subs = _subjaxprs(eqn)
+            if eqn.primitive.name in REMAT_PRIMITIVES and subs and _has_names(subs[0]):
+                found.append(subs[0])
+                continue
+            for sub in subs:
+                walk(sub)
+
+    walk(jaxpr)
+    return max(found, key=lambda r: len(_names_in(r)), default=None)
+
+
+def _names_in(jaxpr) -> set:
+    out = set()
     for eqn in jaxpr.eqns:
-        subs = _subjaxprs(eqn)
-        if eqn.primitive.name in REMAT_PRIMITIVES and subs and _has_names(subs[0]):
-            return subs[0]
-        for s in subs:
-            r = layer_region(s)
-            if r is not None:
-                return r
-    return None
+        if eqn.primitive.name == "name":
+            out.add(eqn.params["name"])
+        for sub in _subjaxprs(eqn):
+            out |= _names_in(sub)
+    return out
 
 
 def _has_names(jaxpr) -> bool:

@@ -84,6 +84,7 @@ class BudgetPlan:
     candidates: tuple = ()
     notes: tuple = ()
     predicted_step_s: float | None = None   # the tag planner's time model (target=...), seconds
+    time_source: str = ""   # where that model's step times come from
     scan: bool | None = None   # the layout it was planned for (True: layers under scan), when the caller says
 
     @property
@@ -126,7 +127,9 @@ class BudgetPlan:
         lines.append(f"planning: {self.iterations} round(s), {self.compiles} compilation(s); compiled recompute "
                      f"{self.compiled_recompute_flops / 1e6:,.1f} MFLOP")
         if self.predicted_step_s is not None:
-            lines.append(f"predicted step {self.predicted_step_s * 1e3:,.2f} ms (roofline on the target)")
+            t = self.predicted_step_s
+            t = f"{t * 1e3:,.2f} ms" if abs(t) >= 1e-3 else f"{t * 1e6:,.1f} µs"
+            lines.append(f"predicted step {t} ({self.time_source or 'the time model'})")
             lines.append(f"plan: {self.text}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -151,7 +154,7 @@ def _n_compositions(m: int, k: int) -> int:
 def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers: int, budget_bytes: int, *,
                     candidates: Sequence = DEFAULT_CANDIDATES, peak: str = "estimate", max_iterations: int = 4,
                     layer_bytes: _memory.LayerBytes | None = None, log: Callable[[str], None] | None = None,
-                    target=None, trace_step: Callable | None = None) -> BudgetPlan:
+                    target=None, trace_step: Callable | None = None, run_step: Callable | None = None) -> BudgetPlan:
     """Choose one recompute setting per layer minimizing recompute FLOPs with the compiled peak ≤ budget.
 
     Args:
@@ -170,7 +173,9 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
       target, trace_step: plan per tag for a `remat.planning.targets` target (name or Target): every tagged
         activation of every layer saved, offloaded or recomputed, at the least predicted step time
         on the target (remat.planning.tagplan, docs/planner.md); `trace_step(recompute_config)` returns the
-        train step's jaxpr. `candidates` and `layer_bytes` are then not used.
+        train step's jaxpr. `candidates` and `layer_bytes` are then not used. `run_step(recompute_config)`
+        (a zero-argument callable running one step here) makes the step times measured, where the
+        target is this machine (`front`).
     Returns:
       BudgetPlan; `.table()` prints it, `.recompute_config()` applies it.
     Raises:
@@ -199,7 +204,7 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
                               minimum_peak=p_none, compiled_recompute_flops=0.0, iterations=1, compiles=1,
                               notes=("no remat fits the budget: nothing is recomputed",))
         plan = front(compile_step, trace_step, n_layers, [budget_bytes], target=target, peak=peak,
-                     max_iterations=max_iterations, log=log, known={none_lp: none_cm}).plans[0]
+                     max_iterations=max_iterations, log=log, known={none_lp: none_cm}, run_step=run_step).plans[0]
         return dataclasses.replace(plan, compiles=plan.compiles + 1)  # and no remat's, above
     if not is_int(n_layers) or n_layers < 1:
         raise ValueError(f"n_layers={n_layers!r} must be a positive int")
@@ -407,7 +412,8 @@ class Front:
 def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callable, n_layers: int,
           budgets: Sequence, *, target=None, peak: str = "estimate", max_iterations: int = 4,
           log: Callable[[str], None] | None = None, known: dict | None = None, model=None,
-          measured: dict | None = None) -> Front:
+          measured: dict | None = None, run_step: Callable | None = None,
+          progress: Callable[[str], None] | None = None) -> Front:
     """Plan every budget (bytes or size strings) per tag on `target` and compile each plan.
 
     Args:
@@ -416,9 +422,14 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
       n_layers: layers in the stack.
       budgets: bounds on the compiled peak, planned in increasing order.
       target: a `remat.planning.targets` name or Target (its roofline prices time; None: this host's CPU).
-      known: {per-layer policies: CompiledMemory} of plans compiled already (e.g. the baselines):
-        a known plan that fits and is predicted faster than the solver's answer is taken instead.
+      known: {per-layer policies: CompiledMemory} of plans compiled already: a known plan that fits
+        and is predicted faster than the solver's answer is taken instead.
       model, measured: a calibrated Model and its compiled plans, to share between calls.
+      run_step: `run_step(recompute_config)` -> a zero-argument callable running one step on this
+        machine (blocking): where the target is this machine, step times are measured (the
+        calibration programs timed interleaved until their spread is known); None: the target
+        compiler's optimized programs, priced on the target's roofline.
+      progress: called with the name of each program as it is timed (a progress bar's update).
     Returns:
       Front. Raises ValueError when a budget is below full remat's compiled peak.
     Example (compiles the step several times; tests/test_planner.py runs it on a tiny model):
@@ -446,7 +457,18 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
         return cache[lp]
 
     if model is None:
-        model = _tagplan.calibrate(compile_step, trace_step, n_layers, tgt, peak=pk, measure=measure)
+        program_time = None
+        if run_step is not None:
+            from remat.planning import timing as _timing
+
+            def program_time(lps):
+                steps = {lp: run_step(recompute_config(lp)) for lp in lps}
+                say(f"timing {len(steps)} programs interleaved until their spread is known")
+                got = _timing.time_programs(steps, tick=(lambda: progress("timing")) if progress else None)
+                return {lp: (t.median_s, t.notch_s) for lp, t in got.items()}
+        model = _tagplan.calibrate(compile_step, trace_step, n_layers, tgt, peak=pk, measure=measure,
+                                   program_time=program_time,
+                                   time_source="measured on this machine (interleaved, median)" if run_step else "")
     L = n_layers
     none_cm = measure((None,) * L)
     plans, prev = [], None
@@ -476,6 +498,7 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
                 notes.append(f"{_tagplan.format_plan(best)}, compiled already, fits and is predicted faster than "
                              f"the solver's {_tagplan.format_plan(chosen)}: taken")
             chosen = best
+        chosen = _toward_memory(model, chosen, b, cache, pk, measure, notes, L)
         if prev is not None and model.predict(prev)[1] < model.predict(chosen)[1]:
             notes.append(f"the plan of the smaller budget is predicted faster: kept (monotone front)")
             chosen = prev
@@ -488,8 +511,34 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
             freed_bytes=tuple(model.m_none - m for m, _, _ in per), recompute_flops=(0.0,) * L, budget=b,
             peak_kind=peak, predicted_peak=pred_peak, compiled_peak=pk(cm), compiled=cm, no_remat_peak=pk(none_cm),
             minimum_peak=model.p_full, compiled_recompute_flops=float((cm.flops or 0) - (none_cm.flops or 0)),
-            iterations=it, compiles=n_compiled[0], notes=tuple(notes), predicted_step_s=step))
+            iterations=it, compiles=n_compiled[0], notes=tuple(notes), predicted_step_s=step,
+            time_source=model.time_source))
     return Front(tuple(plans), model, cache, n_compiled[0])
+
+
+def _toward_memory(model, chosen: tuple, budget: int, cache: dict, pk: Callable, measure: Callable, notes: list,
+                   n_layers: int) -> tuple:
+    """Ties broken toward memory: among plans predicted within the model's spread of `chosen`'s
+    step (compiled ones that fit, and the solver's answers for smaller budgets, compiled to check),
+    the one with the least compiled peak; a note says so."""
+    t_star = model.predict(chosen)[1]
+    tie = lambda lp: model.predict(lp)[1] <= t_star + model.spread_s
+    pool = {lp for lp, cm in cache.items() if len(lp) == n_layers and pk(cm) <= budget and _priced(model, lp) and tie(lp)}
+    if model.spread_s > 0:
+        lo = model.p_full
+        for j in range(8):   # the least budget whose answer still ties
+            lp = model.solve(lo + j * (pk(cache[chosen]) - lo) / 8)
+            if lp is not None and tie(lp):
+                if pk(measure(lp)) <= budget:
+                    pool.add(tuple(lp))
+                break
+    best = min(pool | {chosen}, key=lambda lp: (pk(cache[lp]) if lp in cache else pk(measure(lp)), model.predict(lp)[1]))
+    if best != chosen:
+        gain = pk(cache[chosen]) - pk(cache[best])
+        notes.append(f"tie broken toward memory: {_tagplan.format_plan(best)} is predicted within "
+                     f"{model.spread_s * 1e3:.2f} ms (the measured spread) of {_tagplan.format_plan(chosen)} with a "
+                     f"compiled peak {format_bytes(gain)} smaller")
+    return best
 
 
 def _priced(model, lp) -> bool:

@@ -144,6 +144,10 @@ class Model:
     a_off: float | None         # peak bytes per offloaded byte; None: offload not allowed
     c_mix: float = 0.0          # peak bytes a stack of rematerialized and plain layers adds (two scans)
     notes: tuple = ()
+    t_mix: float = 0.0          # seconds such a split adds (two loops over the layers instead of one)
+    spread_s: float = 0.0       # step times closer than this are a tie (the measurement's noise; 0 when analysed)
+    time_source: str = "roofline of the traced step"   # what the step times come from
+    program_s: dict = dataclasses.field(default_factory=dict, repr=False)  # layer policies -> timed/analysed s
 
     def layer_choice(self, policy) -> dict | None:
         """{tag: choice} of a policy (None for `none`); full recomputes everything."""
@@ -181,9 +185,11 @@ class Model:
         for p in lp:
             m, r, o = self.layer_cost(p)
             mem, rec, off = mem + m, rec + r, off + o
-        if None in lp and any(p is not None for p in lp):
+        split = None in lp and any(p is not None for p in lp)
+        if split:
             mem += self.c_mix
-        return int(round(self.p_full + mem)), self.base_step_s + rec + self.exposed_offload_s(off)
+        return (int(round(self.p_full + mem)),
+                self.base_step_s + rec + self.exposed_offload_s(off) + (self.t_mix if split else 0.0))
 
     def solve(self, budget: float, time_limit: float = 60.0):
         """The plan of least predicted step time whose predicted peak ≤ budget (None when none is
@@ -259,9 +265,24 @@ class Model:
 
 
 def calibrate(compile_step: Callable, trace_step: Callable, n_layers: int, target, *, peak: Callable,
-              measure: Callable, roof: _cost.Roofline | None = None) -> Model:
-    """Build the Model: trace full remat (the layer's program) and no remat (the base step), compile
-    the uniform plans full, none, every tag saved and (with a host link) every tag offloaded."""
+              measure: Callable, roof: _cost.Roofline | None = None, program_time: Callable | None = None,
+              time_source: str = "") -> Model:
+    """Build the Model: trace full remat (the layer's program), compile the uniform plans full,
+    none, full and every tag saved on the first k layers (and offloaded, with a host link), and
+    take their step times from `program_time` (docs/planner.md: measured on the host, else the
+    target compiler's optimized programs on a roofline).
+
+    Args:
+      compile_step, trace_step: the model's hooks (see `remat.planning.planner.front`).
+      n_layers: layers in the stack.
+      target: a `remat.planning.targets.Target`.
+      peak: CompiledMemory -> the peak the budget bounds.
+      measure: layer policies -> CompiledMemory (compiles once, cached by the caller).
+      roof: the target's roofline (default: its table's figures).
+      program_time: {layer policies: (seconds, spread seconds)} of a list of layer-policy tuples;
+        None: each compiled program's `cost.program_seconds` on `roof`, spread 0.
+      time_source: words for where the times come from (the plan's notes say it).
+    """
     L = n_layers
     roof = roof or _cost.of_target(target)
     div = getattr(target, "count", 1) or 1
@@ -277,8 +298,8 @@ def calibrate(compile_step: Callable, trace_step: Callable, n_layers: int, targe
     skipped = [t for t in prof.order if t not in known]
     if skipped:
         notes.append(f"tags {', '.join(skipped)} are not registered (remat.names.register): always recomputed")
-    base = _cost.jaxpr_seconds(trace_step(RecomputeConfig()), roof) / div
-    p_full, p_none = peak(measure(full_lp)), peak(measure((None,) * L))
+    none_lp = (None,) * L
+    p_full, p_none = peak(measure(full_lp)), peak(measure(none_lp))
     saved = sum(prof.tags[t].bytes for t in tags)
     # a, a_off are fitted in the solver's layout, a tag policy on the first k = ceil(L/2) layers
     # (docs/architecture.md, Design notes: `tagplan.py` calibration).
@@ -286,10 +307,12 @@ def calibrate(compile_step: Callable, trace_step: Callable, n_layers: int, targe
     m_none = (p_none - p_full) / L
     rest = (L - k) * m_none
     c_mix = 0.0
+    block_lp = (_policies.NOTHING,) * k + (None,) * (L - k)
     if 0 < k < L:   # the split's own cost: full remat on k layers, none on the rest (block k)
-        c_mix = peak(measure((_policies.NOTHING,) * k + (None,) * (L - k))) - p_full - rest
+        c_mix = peak(measure(block_lp)) - p_full - rest
     fit = lambda p: max(0.0, (p - p_full - rest - c_mix) / (k * saved)) if saved else 0.0
-    p_save = peak(measure((tag_policy({t: SAVE for t in tags}),) * k + (None,) * (L - k)))
+    save_lp = (tag_policy({t: SAVE for t in tags}),) * k + (None,) * (L - k)
+    p_save = peak(measure(save_lp))
     a_save, a_off = fit(p_save), None
     link = roof.host_link
     if link and tags:
@@ -300,9 +323,27 @@ def calibrate(compile_step: Callable, trace_step: Callable, n_layers: int, targe
             notes.append(f"offload dropped: offloading every tag on {k} layers does not lower the compiled peak on "
                          f"this compiler ({format_bytes(p_off)} against {format_bytes(p_save)} keeping them on the "
                          f"device)")
-    return Model(L, tags, {t: prof.tags[t].bytes for t in tags}, {t: prof.tags[t].recompute_s for t in tags},
-                 prof.untagged_s, prof.forward_s, base, link, p_full, m_none, a_save, a_off,
-                 c_mix, tuple(notes))
+    # Step times of the calibration programs; the recompute of a layer is what full remat adds per
+    # layer, split into the untagged work (what full remat still adds with every tag saved) and the
+    # tags' shares (in the proportions of the traced layer's roofline).
+    lps = list(dict.fromkeys([none_lp, full_lp, block_lp, save_lp]))
+    if program_time is None:
+        times = {lp: (_cost.program_seconds(measure(lp), roof), 0.0) for lp in lps}
+        time_source = time_source or f"{target.compiler}'s optimized programs on {roof.source or 'its roofline'}"
+    else:
+        times = program_time(lps)
+    # Signed: where a rematerialized program measures faster (a smaller working set), the model says so.
+    t_none, t_full = times[none_lp][0], times[full_lp][0]
+    r_full = (t_full - t_none) / L
+    r_tags = (times[block_lp][0] - times[save_lp][0]) / k if tags else 0.0
+    roof_tags = sum(prof.tags[t].recompute_s for t in tags)
+    share = {t: r_tags * (prof.tags[t].recompute_s / roof_tags if roof_tags else 1 / len(tags)) for t in tags}
+    t_mix = times[block_lp][0] - t_none - k * r_full if 0 < k < L else 0.0
+    spread = max((2 * sp for _, sp in times.values()), default=0.0)
+    notes.append(f"step times: {time_source}")
+    return Model(L, tags, {t: prof.tags[t].bytes for t in tags}, share, r_full - r_tags, prof.forward_s, t_none, link,
+                 p_full, m_none, a_save, a_off, c_mix, tuple(notes), t_mix, spread, time_source,
+                 {lp: t for lp, (t, _) in times.items()})
 
 
 def baseline_plans(n_layers: int) -> dict:

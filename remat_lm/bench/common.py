@@ -8,10 +8,10 @@ import datetime
 import os
 import platform
 import statistics
-import time
 from typing import Callable, Mapping, Sequence
 
 from remat.memory import GiB, MiB, format_bytes  # noqa: F401  (the one byte unit and formatter)
+from remat.planning import timing as _timing
 from remat_lm import argtypes
 
 # NOTE: the reference shape: the small GPT-2 every CPU figure of docs/BENCHMARKS.md is measured on
@@ -41,39 +41,13 @@ def reference_config(model: str = "gpt2", **overrides):
 
 def interleaved_ms(steps: Mapping[str, Callable[[], object]], n: int, warmup: int = 1,
                    tick: Callable[[], object] | None = None) -> dict:
-    """Time every callable `n` times, round-robin, after `warmup` untimed rounds.
+    """`remat.planning.timing.interleaved` in milliseconds: {name: [ms per timed step, in round order]}.
 
-    Each round runs every setting once; the order rotates from round to round so that no setting
-    always runs right after the same neighbour. On a shared 2-core machine a background job
-    slows whatever runs while it is active: interleaving spreads that over all settings instead
-    of charging it to one of them. The callables must block until their work is done.
-
-    Args:
-      steps: {name: zero-argument callable doing one step}.
-      n: timed rounds (the median of these is reported).
-      warmup: untimed rounds first (compilation caches, allocator growth).
-      tick: called after every step, warm-up included (a progress bar's update).
-    Returns:
-      {name: [milliseconds per timed step, in round order]}.
     Example:
       >>> ms = interleaved_ms({"a": step_a, "b": step_b}, n=5)
       >>> statistics.median(ms["a"])
     """
-    names = list(steps)
-    tick = tick or (lambda: None)
-    for _ in range(warmup):
-        for k in names:
-            steps[k]()
-            tick()
-    out = {k: [] for k in names}
-    for r in range(n):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for k in order:
-            t0 = time.perf_counter()
-            steps[k]()
-            out[k].append((time.perf_counter() - t0) * 1e3)
-            tick()
-    return out
+    return {k: [s * 1e3 for s in v] for k, v in _timing.interleaved(steps, n, warmup=warmup, tick=tick).items()}
 
 
 def median(xs: Sequence[float]) -> float:
