@@ -1,5 +1,5 @@
-"""What XLA compiled: the memory analysis and matrix-product FLOPs of a compiled program
-(`CompiledMemory`, `hlo_matmul_flops`), and the bytes formatter.
+"""What XLA compiled: the memory analysis, matrix-product FLOPs and identity of a compiled program
+(`CompiledMemory`, `hlo_matmul_flops`, `hlo_fingerprint`), and the bytes formatter.
 
 Example:
     >>> import jax.numpy as jnp
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import re
 
 import jax
 
-__all__ = ["CompiledMemory", "GiB", "MiB", "compiled_stats", "format_bytes", "hlo_kernels", "hlo_matmul_flops"]
+__all__ = ["CompiledMemory", "GiB", "MiB", "compiled_stats", "format_bytes", "hlo_fingerprint", "hlo_kernels",
+           "hlo_matmul_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,7 @@ class CompiledMemory:
     host_output: int = 0
     flops_source: str = "optimized HLO matmuls"  # hlo_matmul_flops; or "jaxpr matmuls" (planning.targets.matmul_flops)
     kernels: tuple = dataclasses.field(default=(), repr=False, compare=False)  # hlo_kernels of the program
+    fingerprint: str | None = dataclasses.field(default=None, compare=False, repr=False)  # hlo_fingerprint; None: no text
 
     @property
     def peak_estimate(self) -> int:
@@ -70,7 +73,24 @@ def compiled_stats(compiled) -> CompiledMemory:
                           generated_code=g("generated_code_size_in_bytes"),
                           host_temp=g("host_temp_size_in_bytes"),
                           host_argument=g("host_argument_size_in_bytes"), host_output=g("host_output_size_in_bytes"),
-                          flops=flops, kernels=kernels, flops_source=_SOURCE if loops <= counted else _SOURCE + _ONCE)
+                          flops=flops, kernels=kernels, flops_source=_SOURCE if loops <= counted else _SOURCE + _ONCE,
+                          fingerprint=None if text is None else hlo_fingerprint(text))
+
+
+def hlo_fingerprint(text: str) -> str:
+    """A hash of an optimized HLO module (`compiled.as_text()`) without its debug information (source
+    locations, op names): two compiles of one program give the same, two programs differ.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> a, b = (jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(8)).compile().as_text() for _ in range(2))
+      >>> hlo_fingerprint(a) == hlo_fingerprint(b) != hlo_fingerprint(a.replace("f32", "s32"))
+      True
+    """
+    blocks = [b for b in text.split("\n\n")
+              if b.strip().split("\n", 1)[0].strip() not in ("FileNames", "FunctionNames", "FileLocations",
+                                                            "StackFrames")]
+    return hashlib.sha1(re.sub(r",? metadata=\{[^}]*\}", "", "\n\n".join(blocks)).encode()).hexdigest()
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")

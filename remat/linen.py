@@ -1,22 +1,29 @@
 """Flax Linen: `LayerStack` (layers grouped into regions per a RecomputeConfig), `remat_module`
 (`nn.remat` taking the library's policy names; `partitioning_remat` in `flax.linen.partitioning.remat`'s
-numbering), and `stack_layers` / `unstack_layers` (a model's
+numbering), `tag_submodules` (a layer's submodule outputs tagged with their module paths, for a model
+that tags nothing), and `stack_layers` / `unstack_layers` (a model's
 per-layer variables to the stack's layout and back)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
+import threading
+import weakref
 from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
+from remat import names as _names
 from remat import policies as _policies
 from remat.config import RecomputeConfig
 from remat.stack import _check_selectors, _signature, _split, _stack_sides, apply_layers, stack_trees
 
-__all__ = ["LayerStack", "remat_module", "partitioning_remat", "stack_layers", "unstack_layers"]
+__all__ = ["LayerStack", "remat_module", "partitioning_remat", "stack_layers", "tag_submodules", "unstack_layers"]
 
 
 class LayerStack(nn.Module):
@@ -130,7 +137,8 @@ class LayerStack(nn.Module):
             rngs = None if key is None else {"dropout": key}
             # (While initializing, a layer may write its collections, e.g. a cache, as it would in a
             # plain init; the variables kept are the ones its own init made.)
-            y = template.apply(v, carried, *a, rngs=rngs, mutable=True if initializing else mutable, **kw)
+            with _layer(()):   # the template is applied as a root: its submodules' paths are the layer's
+                y = template.apply(v, carried, *a, rngs=rngs, mutable=True if initializing else mutable, **kw)
             if initializing:
                 y = y[0]
             elif mutable is not False:
@@ -226,8 +234,10 @@ def remat_module(target, variables=True, rngs=True, concrete: bool = False, prev
         raise TypeError(f"remat_module: {target!r} is not a flax.linen.Module class, method or function")
     wrapped = {m: _static_keywords(getattr(target, m), lift, names, argnums, policy)
                for m in (methods or ("__call__",))}
-    return type(target.__name__, (target,), {**wrapped, "__qualname__": target.__qualname__,
-                                             "__module__": target.__module__})
+    cls = type(target.__name__, (target,), {**wrapped, "__qualname__": target.__qualname__,
+                                            "__module__": target.__module__})
+    _LAYER_CLASSES.add(cls)   # its calls are layers for tag_submodules
+    return cls
 
 
 def partitioning_remat(target, variables=True, rngs=True, concrete: bool = False, prevent_cse: bool = True,
@@ -251,6 +261,120 @@ def partitioning_remat(target, variables=True, rngs=True, concrete: bool = False
         raise ValueError(f"partitioning_remat: static_argnums {argnums}: the first call argument is 0")
     return remat_module(target, variables, rngs, concrete, prevent_cse, tuple(i + 1 for i in argnums), policy,
                         methods, static_argnames=static_argnames, recompute=recompute)
+
+
+class _Layers(threading.local):
+    """The module paths of the layers being called on this thread, innermost last."""
+
+    def __init__(self):
+        self.paths: list = []
+        self.classes: tuple | None = None   # while tag_submodules is active: the `layers=` classes
+
+
+_LAYERS = _Layers()
+_LAYER_CLASSES: "weakref.WeakSet" = weakref.WeakSet()   # the classes remat_module made
+_NOT_IN_TAGS = re.compile(r"[\s,=:+;]")   # what a tag name (remat.names.register) or a plan's text cannot hold
+
+
+@contextlib.contextmanager
+def _layer(path: tuple):
+    _LAYERS.paths.append(tuple(path))
+    try:
+        yield
+    finally:
+        _LAYERS.paths.pop()
+
+
+def _relative(path: tuple) -> str | None:
+    """The tag of a module at `path` called inside the innermost layer: its path below the layer,
+    joined by '.'; None outside any layer, or for the layer itself."""
+    if not _LAYERS.paths:
+        return None
+    layer = _LAYERS.paths[-1]
+    if len(path) <= len(layer) or path[:len(layer)] != layer:
+        return None
+    return ".".join(_NOT_IN_TAGS.sub("_", str(p)) for p in path[len(layer):])
+
+
+def _tag_tree(out, name: str):
+    """`checkpoint_name(leaf, name)` on every floating array leaf of `out`; `out` itself when it has none."""
+    leaves = jax.tree.leaves(out)
+    if not any(isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves):
+        return out
+    return jax.tree.map(lambda a: checkpoint_name(a, name)
+                        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) else a, out)
+
+
+@contextlib.contextmanager
+def tag_submodules(layers: Sequence[type] = ()):
+    """Tag the output of every submodule call inside a layer with the submodule's path below the layer.
+
+    For a model that tags nothing: each floating array its submodules return inside a layer (every
+    leaf of a tuple or pytree, under one name) gets `jax.ad_checkpoint.checkpoint_name(out, path)`,
+    `path` the submodule's module path below the layer joined by '.' (`attn.c_attn`, `mlp.c_fc`;
+    whitespace and `,=:+;` in a module name become `_`), and the name is registered
+    (`remat.names.register`), so name-based policies (`save_names:attn.c_attn`) and the per-tag
+    planner (`remat.plan_for_budget(..., target=..., trace_step=...)`) take them. A layer is a call
+    of a class `remat_module` made, a `LayerStack`'s layer, or an instance of a class in `layers`
+    (e.g. a block rematerialized with Flax's own `nn.remat`). Nothing outside the layers is tagged,
+    so every layer carries the same names and none collides with the rest of the model. Values are
+    unchanged (the tag is the identity); only `__call__` outputs are tagged, not other methods.
+
+    It acts while a program is traced (Flax's `nn.intercept_methods`): enter it inside the function
+    you jit, around forward and backward (or decorate the train step with it), since a program
+    traced without it and cached by `jax.jit` stays untagged.
+
+    Args:
+      layers: Linen Module classes whose instances are layers too (beside `remat_module`'s classes
+        and `LayerStack`'s layers).
+    Example:
+      >>> class Block(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         return nn.Dense(4, name="c_proj")(jnp.tanh(nn.Dense(4, name="c_fc")(x)))
+      >>> Layer = remat_module(Block, policy="full")
+      >>> x = jnp.ones((2, 4))
+      >>> v = Layer().init(jax.random.key(0), x)
+      >>> from remat.policies import region_tags
+      >>> with tag_submodules():
+      ...     sorted(region_tags(lambda v: Layer().apply(v, x), v))
+      ['c_fc', 'c_proj']
+      >>> sorted(region_tags(lambda v: Layer().apply(v, x), v))   # outside it: the model as written
+      []
+      >>> "c_fc" in _names.known()
+      True
+    """
+    extra = tuple(layers)
+    bad = [c for c in extra if not (isinstance(c, type) and issubclass(c, nn.Module))]
+    if bad:
+        raise TypeError(f"tag_submodules: layers must be flax.linen.Module classes, got {bad!r}")
+    outer = _LAYERS.classes
+    _LAYERS.classes = (outer or ()) + extra
+    try:
+        if outer is not None:   # already tagging on this thread: one interceptor, so one tag per value
+            yield
+        else:
+            with nn.intercept_methods(_tag_interceptor):
+                yield
+    finally:
+        _LAYERS.classes = outer
+
+
+def _tag_interceptor(next_fun, args, kwargs, context):
+    """tag_submodules' method interceptor (Flax's protocol): a layer's call makes its path the one
+    below which names are read; a submodule's `__call__` output inside a layer is tagged."""
+    module = context.module
+    path = tuple(module.path) if module.scope is not None else ()
+    name = _relative(path) if context.method_name == "__call__" else None
+    is_layer = type(module) in _LAYER_CLASSES or isinstance(module, _LAYERS.classes or ())
+    with _layer(path) if is_layer else contextlib.nullcontext():
+        out = next_fun(*args, **kwargs)
+    if name is None:
+        return out
+    tagged = _tag_tree(out, name)
+    if tagged is not out:
+        _names.register(name)
+    return tagged
 
 
 def _static_keywords(fn: Callable, lift: Callable, names: tuple, argnums: tuple, policy=None) -> Callable:

@@ -18,6 +18,7 @@ import numpy as np
 from remat import memory as _memory
 from remat import policies as _policies
 from remat.planning import tagplan as _tagplan
+from remat.planning import untagged as _untagged
 from remat.planning.tagplan import recompute_config
 from remat.config import RecomputeConfig
 from remat.errors import is_int
@@ -164,7 +165,10 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
       n_layers: layers in the stack (all identical).
       budget_bytes: the bound on the peak, in bytes.
       candidates: settings to choose from per layer: "none" (or None), `remat.policies` names and JAX
-        policy callables (shown by `remat.policies.describe`).
+        policy callables (shown by `remat.policies.describe`). A name-based one that compiles to full
+        remat's program on every layer saves nothing on this model and is dropped with a note; when
+        that leaves none of the default presets, the policies by operation (`dots`, `dots_no_batch`)
+        take their place (remat.planning.untagged).
       peak: "estimate" (arguments + outputs + temp − aliased, the default) or "temp".
       max_iterations: planning rounds at most (each compiles one plan to verify it).
       layer_bytes: the analytic bytes of one layer (`remat_lm.models.memory_model.activation_bytes`), only
@@ -255,7 +259,17 @@ def plan_for_budget(compile_step: Callable[[RecomputeConfig], object], n_layers:
         notes.append("no remat fits the budget: nothing is recomputed")
         return _result(none_lp, cands, {None: Candidate("none", 0.0, 0.0, 0.0, saved_of(None), p_none)}, budget,
                        peak, p_none, base, p_none, p_none, 0.0, 1, len(cache), notes, pk)
-    uniform = {c: measure((c,) * L) for c in cands if c is not None}
+    uniform, saves_nothing = _untagged.screen([c for c in cands if c is not None], measure, L)
+    for c, note in saves_nothing:
+        cands.remove(c)
+        notes.append(note)
+    if saves_nothing and tuple(candidates) == DEFAULT_CANDIDATES and not any(_policies.by_name(c) for c in uniform):
+        ops = [c for c in _untagged.by_operation() if c not in cands]
+        notes.append(f"no layer computes a value the presets name: planning with the policies by operation "
+                     f"({', '.join(ops)}) instead")
+        for c in ops:
+            cands.append(c)
+            uniform[c] = measure((c,) * L)
     for c in [c for c in uniform if _policies.offloads(c)]:
         dropped = _offload_raises(c, uniform[c], measure, pk, L)
         if dropped:

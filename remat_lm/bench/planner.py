@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
-import re
 import sys
 import time
 
@@ -40,6 +38,7 @@ from remat_lm.bench.common import reference_config
 from remat_lm.models import gpt2
 from remat_lm.models.memory_model import activation_bytes
 from remat import RecomputeConfig
+from remat.compiled import hlo_fingerprint as _fingerprint
 from remat.memory import compiled_stats
 from remat.planning.planner import plan_for_budget, recompute_config
 from remat_lm.argtypes import Parser, integer, real_list
@@ -222,15 +221,6 @@ def legacy_main(argv=None) -> int:
                                 for n, rc in [("none", RecomputeConfig())] + list(hand.items())}},
                   open(args.json, "w"), indent=1)
     return 0
-
-
-def _fingerprint(hlo: str) -> str:
-    """A hash of the optimized HLO without debug information (source locations, op names)."""
-    blocks = [b for b in hlo.split("\n\n")
-              if b.strip().split("\n", 1)[0].strip() not in ("FileNames", "FunctionNames", "FileLocations",
-                                                               "StackFrames")]
-    text = re.sub(r",? metadata=\{[^}]*\}", "", "\n\n".join(blocks))
-    return hashlib.sha1(text.encode()).hexdigest()
 
 
 def _short(lp) -> str:

@@ -298,7 +298,7 @@ def validate(h: Hooks, rows, base_rows, rcs, model, seconds: float, stat, bar=No
     from scipy.stats import kendalltau
 
     from remat.planning import timing
-    from remat_lm.bench.planner import _fingerprint
+    from remat.compiled import hlo_fingerprint
 
     settings = {}   # name -> (rc, predicted_s, peak)
     for i, r in enumerate(rows):
@@ -310,7 +310,7 @@ def validate(h: Hooks, rows, base_rows, rcs, model, seconds: float, stat, bar=No
             settings[b["name"]] = (rcs[n], b["predicted_step_s"], b["compiled_peak_bytes"])
     programs: dict = {}   # fingerprint -> names (settings that compile to one program are timed once)
     for name, (rc, _, _) in settings.items():
-        programs.setdefault(_fingerprint(h.compile(rc).as_text()), []).append(name)
+        programs.setdefault(hlo_fingerprint(h.compile(rc).as_text()), []).append(name)
     steps = {names[0]: h.run(settings[names[0]][0]) for names in programs.values()}
     steps["none (second compilation)"] = h.fresh(settings["none"][0])
     if bar is not None:
