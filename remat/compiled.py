@@ -97,6 +97,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
 _INSTRUCTION = re.compile(r"^(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|[a-z]\w*\[[\d,]*\](?:\{[^}]*\})?) ([\w\-$]+)\((.*)")
 _SHAPE = re.compile(r"[a-z]\w*\[([\d,]*)\]")
 _CALLED = re.compile(r"\b(calls|to_apply|body|branch_computations|true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _SOURCE = "optimized HLO matmuls"
 _ONCE = " (a loop of unknown trip count counted once)"
@@ -123,7 +124,7 @@ def _parse(text: str) -> tuple:
     """({computation: [_Instr, ...]}, entry name) of an optimized HLO module's text."""
     comps, entry, name = {}, None, None
     for line in text.splitlines():
-        line = line.strip()
+        line = _COMMENT.sub("", line.strip())   # a long tuple's /*index=5*/ markers
         m = _COMPUTATION.match(line)
         if m:
             name = m.group(1)
@@ -157,6 +158,16 @@ def _own_flops(ins: _Instr, shapes: dict) -> float:
             k = math.prod(d for d, c in zip(rhs, labels.group(1)) if c != "o") // (int(groups.group(1)) if groups else 1)
             return 2.0 * math.prod(_dims(ins.shape)) * k
         return 0.0
+    if ins.op == "custom-call" and 'custom_call_target="__cudnn$fmha' in ins.rest:   # cuDNN's fused attention
+        scores = re.search(r'"intermediate_tensor_shape":\s*\{"element_type":\s*"\w+",\s*"dimensions":\s*\[([^\]]*)\]',
+                           ins.rest)
+        q = _dims(shapes.get(ins.operands[0], "")) if ins.operands else ()
+        if not scores or not q:
+            return 0.0
+        bhts = [int(d) for d in json.loads(f"[{scores.group(1)}]")]
+        f = 4.0 * math.prod(bhts) * (math.prod(q) // max(1, math.prod(bhts[:-1])))   # two products: 2·2·B·H·T·S·D
+        f /= 2 if '"CAUSAL"' in ins.rest else 1
+        return f * (2.5 if "Backward" in ins.rest.split('custom_call_target="', 1)[1].split('"', 1)[0] else 1.0)
     if ins.op == "custom-call" and any(f'custom_call_target="{g}"' in ins.rest for g in _GEMMS):
         lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else ()
         cfg = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.rest)
@@ -167,7 +178,7 @@ def _own_flops(ins: _Instr, shapes: dict) -> float:
 
 def hlo_matmul_flops(text: str) -> float:
     """Matrix-product FLOPs of an optimized HLO module (`compiled.as_text()`), 2·M·N·K per `dot`,
-    cuBLAS GEMM call or `convolution` (XLA:TPU's dots), each `while` body times its trip count (XLA's `known_trip_count`; once where
+    cuBLAS GEMM call or `convolution` (XLA:TPU's dots), the two products of a cuDNN fused attention, each `while` body times its trip count (XLA's `known_trip_count`; once where
     unknown), a conditional its costliest branch. XLA's own cost analysis counts a loop body once
     and XLA:GPU without a device gives none; this reads the program either compiler built. The
     shapes of a partitioned program are one device's, so are the FLOPs.
@@ -226,7 +237,7 @@ def hlo_kernels(text: str) -> tuple:
     loop iteration (`known_trip_count`) and a conditional's costliest branch. Bytes are what the
     kernel reads and writes: its operands and result, a slice where the fused program reads one
     (`dynamic-slice`) and the update where it writes one in place (`dynamic-update-slice`).
-    `dtype` is a matrix product's result type ("" for the rest).
+    `dtype` is a matrix product's operand type ("" for the rest).
 
     Example:
       >>> import jax.numpy as jnp
@@ -270,6 +281,15 @@ def hlo_kernels(text: str) -> tuple:
                 total += _nbytes(r.shape)
         return total
 
+    def dot_dtype(c: str) -> str:
+        """The operand type of the first matrix product in computation c (its fused program)."""
+        ins_list = comps.get(c, [])
+        shapes = {i.var: i.shape for i in ins_list}
+        for i in ins_list:
+            if _own_flops(i, shapes) and i.operands:
+                return _dtype(shapes.get(i.operands[0], i.shape))
+        return next((d for i in ins_list for k, ns in i.called if k == "calls" for n in ns if (d := dot_dtype(n))), "")
+
     def flops_of(c: str) -> float:
         ins_list = comps.get(c, [])
         shapes = {i.var: i.shape for i in ins_list}
@@ -300,12 +320,15 @@ def hlo_kernels(text: str) -> tuple:
             if ins.op in _NO_KERNEL:
                 continue
             f = _own_flops(ins, shapes)
+            dtype = _dtype(shapes.get(ins.operands[0], ins.shape)) if f and ins.operands else ""
             if ins.op == "fusion":
-                f += sum(flops_of(n) for k, ns in ins.called if k == "calls" for n in ns)
+                fused = [n for k, ns in ins.called if k == "calls" for n in ns]
+                f += sum(flops_of(n) for n in fused)
+                dtype = dtype or (next((d for n in fused if (d := dot_dtype(n))), "") if f else "")
                 b = fused_bytes(ins, shapes)
             else:
                 b = sum(_nbytes(shapes.get(o, "")) for o in ins.operands) + _nbytes(ins.shape)
-            key = (f, b, _dtype(ins.shape) if f else "")
+            key = (f, b, dtype if f else "")
             out[key] = out.get(key, 0) + times
 
     if entry:

@@ -62,6 +62,18 @@ def test_the_compiled_program_time_counts_every_loop_iteration_and_moves_only_th
     assert sum(b * n for _, b, n, _ in ks) < 16 * stacked
 
 
+def test_a_loop_whose_carry_prints_index_markers_is_counted_every_iteration():
+    """XLA prints a tuple of more than five elements with /*index=5*/ markers; the loop is still read."""
+    def body(c, _):
+        a, *rest = c
+        return (jnp.tanh(a @ a), *[r + 1 for r in rest]), None
+
+    text = lambda n: jax.jit(lambda c: jax.lax.scan(body, c, None, length=n)[0]).lower(
+        tuple(jnp.ones((32, 32)) for _ in range(7))).compile().as_text()
+    assert "/*index=5*/" in text(8)
+    assert hlo_matmul_flops(text(8)) == 8 * hlo_matmul_flops(text(1)) == 8 * 2 * 32 ** 3
+
+
 @pytest.fixture(scope="module")
 def tiny():
     params = gpt2.init_params(CFG, jax.random.PRNGKey(0))

@@ -327,9 +327,16 @@ def calibrate(compile_step: Callable, trace_step: Callable, n_layers: int, targe
     # layer, split into the untagged work (what full remat still adds with every tag saved) and the
     # tags' shares (in the proportions of the traced layer's roofline).
     lps = list(dict.fromkeys([none_lp, full_lp, block_lp, save_lp]))
-    if program_time is None:
+    if program_time is None and all(measure(lp).kernels for lp in lps):
         times = {lp: (_cost.program_seconds(measure(lp), roof), 0.0) for lp in lps}
         time_source = time_source or f"{target.compiler}'s optimized programs on {roof.source or 'its roofline'}"
+    elif program_time is None:   # no optimized program came with the compiled steps: the traced layer's roofline
+        source = (f"the roofline of the traced layer on {roof.source or 'the target'} (no optimized program was "
+                  f"given)")
+        notes.append(f"step times: {source}")
+        return Model(L, tags, {t: prof.tags[t].bytes for t in tags}, {t: prof.tags[t].recompute_s for t in tags},
+                     prof.untagged_s, prof.forward_s, _cost.jaxpr_seconds(trace_step(recompute_config(none_lp)), roof)
+                     / div, link, p_full, m_none, a_save, a_off, c_mix, tuple(notes), 0.0, 0.0, source)
     else:
         times = program_time(lps)
     # Signed: where a rematerialized program measures faster (a smaller working set), the model says so.
