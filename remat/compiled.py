@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import re
+import zlib
 
 import jax
 
@@ -35,8 +36,17 @@ class CompiledMemory:
     host_argument: int = 0
     host_output: int = 0
     flops_source: str = "optimized HLO matmuls"  # hlo_matmul_flops; or "jaxpr matmuls" (planning.targets.matmul_flops)
-    kernels: tuple = dataclasses.field(default=(), repr=False, compare=False)  # hlo_kernels of the program
-    fingerprint: str | None = dataclasses.field(default=None, compare=False, repr=False)  # hlo_fingerprint; None: no text
+    program: bytes | None = dataclasses.field(default=None, compare=False, repr=False)  # the optimized HLO, zlib'd
+
+    @functools.cached_property
+    def kernels(self) -> tuple:
+        """`hlo_kernels` of the optimized program (read on first use); () without one."""
+        return () if self.program is None else hlo_kernels(zlib.decompress(self.program).decode())
+
+    @functools.cached_property
+    def fingerprint(self) -> str | None:
+        """`hlo_fingerprint` of the optimized program (read on first use); None without one."""
+        return None if self.program is None else hlo_fingerprint(zlib.decompress(self.program).decode())
 
     @property
     def peak_estimate(self) -> int:
@@ -65,7 +75,6 @@ def compiled_stats(compiled) -> CompiledMemory:
     except Exception:  # pragma: no cover - a backend that gives no program text
         text = None
     flops = None if text is None else hlo_matmul_flops(text)
-    kernels = () if text is None else hlo_kernels(text)
     loops, counted = len(re.findall(r" while\(", text or "")), len(_TRIP.findall(text or ""))
     g = lambda k: int(getattr(ma, k, 0) or 0)
     return CompiledMemory(temp=g("temp_size_in_bytes"), argument=g("argument_size_in_bytes"),
@@ -73,8 +82,8 @@ def compiled_stats(compiled) -> CompiledMemory:
                           generated_code=g("generated_code_size_in_bytes"),
                           host_temp=g("host_temp_size_in_bytes"),
                           host_argument=g("host_argument_size_in_bytes"), host_output=g("host_output_size_in_bytes"),
-                          flops=flops, kernels=kernels, flops_source=_SOURCE if loops <= counted else _SOURCE + _ONCE,
-                          fingerprint=None if text is None else hlo_fingerprint(text))
+                          flops=flops, flops_source=_SOURCE if loops <= counted else _SOURCE + _ONCE,
+                          program=None if text is None else zlib.compress(text.encode(), 1))
 
 
 def hlo_fingerprint(text: str) -> str:

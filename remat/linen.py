@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import threading
 import weakref
 from typing import Callable, Sequence
@@ -16,7 +15,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from remat import names as _names
 from remat import policies as _policies
@@ -273,7 +271,6 @@ class _Layers(threading.local):
 
 _LAYERS = _Layers()
 _LAYER_CLASSES: "weakref.WeakSet" = weakref.WeakSet()   # the classes remat_module made
-_NOT_IN_TAGS = re.compile(r"[\s,=:+;]")   # what a tag name (remat.names.register) or a plan's text cannot hold
 
 
 @contextlib.contextmanager
@@ -293,16 +290,7 @@ def _relative(path: tuple) -> str | None:
     layer = _LAYERS.paths[-1]
     if len(path) <= len(layer) or path[:len(layer)] != layer:
         return None
-    return ".".join(_NOT_IN_TAGS.sub("_", str(p)) for p in path[len(layer):])
-
-
-def _tag_tree(out, name: str):
-    """`checkpoint_name(leaf, name)` on every floating array leaf of `out`; `out` itself when it has none."""
-    leaves = jax.tree.leaves(out)
-    if not any(isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves):
-        return out
-    return jax.tree.map(lambda a: checkpoint_name(a, name)
-                        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) else a, out)
+    return _names.path_tag(path[len(layer):])
 
 
 @contextlib.contextmanager
@@ -371,10 +359,7 @@ def _tag_interceptor(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
     if name is None:
         return out
-    tagged = _tag_tree(out, name)
-    if tagged is not out:
-        _names.register(name)
-    return tagged
+    return _names.tag_tree(out, name)
 
 
 def _static_keywords(fn: Callable, lift: Callable, names: tuple, argnums: tuple, policy=None) -> Callable:

@@ -23,8 +23,10 @@ apply to it) or its own: `register("query", ...)` makes `save_names:query` (and 
 | `mlp_out`       | the MLP down projection (`c_proj`)                               |
 | `lm_head`       | the LM head's float32 logits (B,T,V), or one chunk's (B,N,V)     |
 """
+import re
+
 __all__ = ["BLOCK_INPUT", "LN_1", "QKV", "ATTN_PROBS", "ATTN_CONTEXT", "ATTN_OUT", "LN_2", "MLP_UP", "MLP_GATE",
-           "MLP_ACT", "MLP_OUT", "LM_HEAD", "ALL", "MODULES", "register", "known"]
+           "MLP_ACT", "MLP_OUT", "LM_HEAD", "ALL", "MODULES", "register", "known", "path_tag", "tag_tree"]
 
 BLOCK_INPUT = "block_input"
 LN_1 = "ln_1"
@@ -71,3 +73,37 @@ def register(*tags: str) -> None:
 def known() -> tuple[str, ...]:
     """The library's names, then the registered ones."""
     return ALL + tuple(sorted(_USER - set(ALL)))
+
+
+_NOT_IN_TAGS = re.compile(r"[\s,=:+;]")   # what a tag name or a plan's text cannot hold
+
+
+def path_tag(parts) -> str:
+    """The tag of a submodule at module path `parts` below its layer: the parts joined by '.',
+    whitespace and `,=:+;` made `_` (the name `tag_submodules` of remat.linen and remat.nnx gives).
+
+    Example:
+      >>> path_tag(("attn", "c_attn")), path_tag(("mlp", 0))
+      ('attn.c_attn', 'mlp.0')
+    """
+    return ".".join(_NOT_IN_TAGS.sub("_", str(p)) for p in parts)
+
+
+def tag_tree(out, name: str):
+    """`checkpoint_name(leaf, name)` on every floating array leaf of `out`, and `name` registered;
+    `out` itself when it has no floating array.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tag_tree((jnp.ones(2), 3), "x")[1]
+      3
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    floating = lambda a: isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact)
+    if not any(floating(a) for a in jax.tree.leaves(out)):
+        return out
+    register(name)
+    return jax.tree.map(lambda a: checkpoint_name(a, name) if floating(a) else a, out)

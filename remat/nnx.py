@@ -3,6 +3,7 @@
 model state's layer list to the paths of a stored stack and back)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import zlib
@@ -12,11 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from remat import names as _names
 from remat import policies as _policies
 from remat.config import RecomputeConfig
 from remat.stack import _check_selectors, _signature, _split, _stack_sides, apply_layers, stack_trees
 
-__all__ = ["LayerStack", "remat", "stack_layers", "unstack_layers"]
+__all__ = ["LayerStack", "remat", "stack_layers", "tag_submodules", "unstack_layers"]
 
 # State: each layer runs as a pure function of its (graphdef, state); the non-Param Variables it
 # updates (a BatchStat, its own Rngs' counters, an nnx.Cache) leave the layer and its region as
@@ -465,3 +467,56 @@ def _warn_untagged(policy, f, args, kwargs) -> None:
         _policies.warn_untagged(policy, body, (state,), region, key=key)
     except Exception:  # noqa: BLE001 - the warning is advice; the real call has run
         return
+
+
+@contextlib.contextmanager
+def tag_submodules(*layers: nnx.Module):
+    """Tag the output of every submodule call inside each of `layers` with its path below the layer.
+
+    The NNX form of `remat.linen.tag_submodules`, for a model that tags nothing: while the context
+    is open, each submodule of each layer (`nnx.iter_modules`) returns its floating arrays tagged
+    `checkpoint_name(out, path)` (`attn.c_attn`; `remat.names.path_tag`) and the names are registered,
+    so name-based policies and the per-tag planner take them. Values are unchanged. NNX has no
+    method interceptor: each submodule's class is swapped for a subclass of the same name whose
+    `__call__` tags, and swapped back on exit. Pass every layer (the same names in each); the
+    layers themselves and the rest of the model are not tagged.
+
+    Args:
+      layers: the layer modules (e.g. `*model.blocks`).
+    Example:
+      >>> class Block(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.c_fc = nnx.Linear(4, 4, rngs=rngs)
+      ...     def __call__(self, x):
+      ...         return jnp.tanh(self.c_fc(x))
+      >>> b = Block(nnx.Rngs(0))
+      >>> from remat.policies import region_tags
+      >>> with tag_submodules(b):
+      ...     sorted(region_tags(lambda x: b(x), jnp.ones((2, 4))))
+      ['c_fc']
+      >>> type(b.c_fc).__name__
+      'Linear'
+    """
+    bad = [l for l in layers if not isinstance(l, nnx.Module)]
+    if bad:
+        raise TypeError(f"tag_submodules: layers must be nnx.Module instances, got {bad!r}")
+    swapped = []
+    try:
+        for layer in layers:
+            for path, m in nnx.iter_modules(layer):
+                if path and not getattr(type(m), "_remat_tag", None):
+                    swapped.append((m, type(m)))
+                    object.__setattr__(m, "__class__", _tagging(type(m), _names.path_tag(path)))
+        yield
+    finally:
+        for m, cls in reversed(swapped):
+            object.__setattr__(m, "__class__", cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _tagging(cls: type, name: str) -> type:
+    """A subclass of `cls`, with its name, whose `__call__` tags its floating outputs `name`."""
+    def __call__(self, *args, **kwargs):
+        return _names.tag_tree(cls.__call__(self, *args, **kwargs), name)
+    return type(cls.__name__, (cls,), {"__call__": __call__, "_remat_tag": name, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})

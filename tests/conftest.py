@@ -42,6 +42,7 @@ def pytest_sessionfinish(session, exitstatus):
 # alone at the end. The longest files (summed `--durations=0` of the fast set) start first; every
 # other file keeps its place after them, and the order inside a file is unchanged.
 LONG_FIRST = ("test_train_run.py", "test_models.py", "test_stacks.py", "test_train_faults.py", "test_planner.py",
+              "test_planner_time.py", "test_untagged_plan.py",
               "test_host_start.py", "test_attention.py", "test_checkpoint.py", "test_examples.py",
               "test_tensor_parallel.py", "test_lowering.py", "test_flag_to_program.py", "test_train_cli.py",
               "test_target_cli.py", "test_loss_chunk.py", "test_multiprocess.py", "test_bench.py",

@@ -228,9 +228,12 @@ def test_gpu_check_sh_environment_and_arguments(tmp_path):
     p = subprocess.run(["bash", sh, "--settings", "none,full"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0, p.stderr
-    probe, main = log.read_text().splitlines()
+    probe, main, validate = log.read_text().splitlines()
     assert probe.startswith(f"{ROOT}|false|0.95|0.95|-c import jax")
     assert main == f"{ROOT}|false|0.95|0.95|-m remat_lm.bench.gpu_check --settings none,full"
+    # then the planner's validation on the GPU, results beside gpu_check's
+    assert validate.startswith(f"{ROOT}|false|0.95|0.95|-m remat_lm.bench.planner --target h200 ")
+    assert "--validate" in validate and validate.endswith("--json out/gpu_check/planner_validate.json")
     # a caller's memory fraction is kept, and the XLA client follows it
     log.unlink()
     subprocess.run(["bash", sh], env=dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION="0.5"), check=True, timeout=60)

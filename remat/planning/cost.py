@@ -25,7 +25,7 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["REMAT_PRIMITIVES", "LayerProfile", "Roofline", "TagCost", "eqn_seconds", "jaxpr_seconds",
+__all__ = ["REMAT_PRIMITIVES", "LayerProfile", "Roofline", "TagCost", "attention_flops", "eqn_seconds", "jaxpr_seconds",
            "layer_region", "measure_host", "of_target", "profile", "program_seconds"]
 
 REMAT_PRIMITIVES = ("remat2", "checkpoint", "remat")
@@ -140,7 +140,7 @@ _FREE = frozenset({"name", "reshape", "squeeze", "expand_dims", "broadcast_in_di
                    "sharding_constraint", "optimization_barrier", "copy", "copy_p", "iota"})
 
 
-def _attention_flops(eqn) -> float | None:
+def attention_flops(eqn) -> float | None:
     """FLOPs of a fused attention primitive (cuDNN's): 4·B·T·S·H·D forward (half of it causal),
     2.5 times that backward; None for any other primitive."""
     name = eqn.primitive.name
@@ -169,7 +169,7 @@ def eqn_seconds(eqn, roof: Roofline) -> float:
         lhs = eqn.invars[0].aval
         flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in lc)
         return max(flops / roof.flops_rate(lhs.dtype), moved / roof.memory_bandwidth)
-    att = _attention_flops(eqn)
+    att = attention_flops(eqn)
     if att is not None:
         return max(att / roof.flops_rate(eqn.invars[0].aval.dtype), moved / roof.memory_bandwidth)
     subs = _subjaxprs(eqn)

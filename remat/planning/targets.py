@@ -485,7 +485,7 @@ def compiled_memory(fn, *args, target=None, mesh=None, specs=None, static_argnum
 def matmul_flops(jaxpr) -> float:
     """FLOPs of the matrix products of a (closed) jaxpr (a program no compiler built, e.g. one the
     target refused; a compiled one: `remat.compiled.hlo_matmul_flops`), every nested program included: 2·M·N·K per
-    `dot_general`, `scan` bodies times their length, `cond` its costliest branch, a `while` body
+    `dot_general`, a fused attention call's two products (`remat.planning.cost.attention_flops`), `scan` bodies times their length, `cond` its costliest branch, a `while` body
     once (its trip count is not static). Forward, recomputation and backward all count when the
     jaxpr is a gradient's.
 
@@ -494,10 +494,16 @@ def matmul_flops(jaxpr) -> float:
       >>> matmul_flops(jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((4, 8)), jnp.ones((8, 16))))
       1024.0
     """
+    from remat.planning.cost import attention_flops
+
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        att = attention_flops(eqn)
+        if att is not None:   # a fused attention call (cuDNN's): its two products
+            total += att
+            continue
         if name == "dot_general":
             (lc, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape

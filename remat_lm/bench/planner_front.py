@@ -145,7 +145,10 @@ def _local(target) -> bool:
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    target0 = remat.planning.targets.get(args.target)
+    try:
+        target0 = remat.planning.targets.get(args.target)
+    except ValueError as e:
+        ap.error(f"--target {args.target!r}: {e}")
     if args.validate and not _local(target0):
         ap.error(f"--validate measures on this machine, which is not {args.target} ({jax.default_backend()}, "
                  f"{jax.devices()[0].device_kind}); use --target cpu here, or run on the target")
