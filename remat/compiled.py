@@ -18,7 +18,7 @@ import zlib
 
 import jax
 
-__all__ = ["CompiledMemory", "GiB", "MiB", "compiled_stats", "format_bytes", "hlo_fingerprint", "hlo_kernels",
+__all__ = ["CompiledMemory", "GiB", "MiB", "attention_flops", "compiled_stats", "format_bytes", "hlo_fingerprint", "hlo_kernels",
            "hlo_matmul_flops"]
 
 
@@ -343,6 +343,29 @@ def hlo_kernels(text: str) -> tuple:
     if entry:
         walk(entry, 1)
     return tuple((f, b, n, d) for (f, b, d), n in sorted(out.items()))
+
+
+def attention_flops(eqn) -> float | None:
+    """FLOPs of a jaxpr equation that is a fused attention call (cuDNN's, as traced): 4·B·T·S·H·D
+    forward (half of it causal), 2.5 times that backward; None for any other equation. The
+    compiled program's count (`hlo_matmul_flops`) reads the same from cuDNN's custom call.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> eqn = jax.make_jaxpr(lambda a: a @ a)(jnp.ones((2, 2))).eqns[0]
+      >>> attention_flops(eqn) is None
+      True
+    """
+    name = eqn.primitive.name
+    if "attention" not in name:
+        return None
+    q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    if len(q) != 4 or len(k) != 4:
+        return None
+    f = 4.0 * math.prod(q) * k[1]
+    if "CAUSAL" in str(eqn.params.get("mask_type", "")).upper():
+        f /= 2
+    return f * (2.5 if "bwd" in name else 1.0)
 
 
 MiB, GiB = 2 ** 20, 2 ** 30

@@ -87,9 +87,14 @@ def _mib(d: dict) -> dict:
 
 def test_full_remat_cuts_compiled_temp_on_gpu():
     need("cuda")
+    t = {r: temp(GPU, r) for r in ("none", "full")}
+    assert t["full"] <= 0.5 * t["none"], _mib(t)  # measured 0.41 (6.4 of 15.4 MiB)
+
+
+@pytest.mark.slow  # two more XLA:GPU compiles; the fast case above keeps full against none
+def test_uniform_and_block_between_on_gpu():
+    need("cuda")
     t = {r: temp(GPU, r) for r in ("none", "full", "uniform 2", "block 2")}
-    _mib(t)
-    assert t["full"] <= 0.5 * t["none"], t  # measured 0.41 (6.4 of 15.4 MiB)
     assert t["full"] < t["uniform 2"] < t["none"] and t["full"] < t["block 2"] < t["none"], _mib(t)
 
 

@@ -25,7 +25,9 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["REMAT_PRIMITIVES", "LayerProfile", "Roofline", "TagCost", "attention_flops", "eqn_seconds", "jaxpr_seconds",
+from remat.compiled import attention_flops, compiled_stats
+
+__all__ = ["REMAT_PRIMITIVES", "LayerProfile", "Roofline", "TagCost", "eqn_seconds", "jaxpr_seconds",
            "layer_region", "measure_host", "of_target", "profile", "program_seconds"]
 
 REMAT_PRIMITIVES = ("remat2", "checkpoint", "remat")
@@ -109,8 +111,6 @@ def program_seconds(compiled, roof: Roofline) -> float:
       >>> program_seconds(c, Roofline(1e9, {"float32": 1e9})) > 0
       True
     """
-    from remat.memory import compiled_stats
-
     cm = compiled_stats(compiled)
     if not cm.kernels:
         raise ValueError("program_seconds needs the optimized program (compiled_stats of a jax.stages.Compiled)")
@@ -138,21 +138,6 @@ def _subjaxprs(eqn):
 # operations that move no data of their own (views, or folded into their consumer by XLA)
 _FREE = frozenset({"name", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "device_put",
                    "sharding_constraint", "optimization_barrier", "copy", "copy_p", "iota"})
-
-
-def attention_flops(eqn) -> float | None:
-    """FLOPs of a fused attention primitive (cuDNN's): 4·B·T·S·H·D forward (half of it causal),
-    2.5 times that backward; None for any other primitive."""
-    name = eqn.primitive.name
-    if "attention" not in name:
-        return None
-    q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-    if len(q) != 4 or len(k) != 4:
-        return None
-    f = 4.0 * math.prod(q) * k[1]
-    if "CAUSAL" in str(eqn.params.get("mask_type", "")).upper():
-        f /= 2
-    return f * (2.5 if "bwd" in name else 1.0)
 
 
 def _heavy(eqn) -> bool:

@@ -485,7 +485,8 @@ def compiled_memory(fn, *args, target=None, mesh=None, specs=None, static_argnum
 def matmul_flops(jaxpr) -> float:
     """FLOPs of the matrix products of a (closed) jaxpr (a program no compiler built, e.g. one the
     target refused; a compiled one: `remat.compiled.hlo_matmul_flops`), every nested program included: 2·M·N·K per
-    `dot_general`, a fused attention call's two products (`remat.planning.cost.attention_flops`), `scan` bodies times their length, `cond` its costliest branch, a `while` body
+    `dot_general`, a fused attention call's two products (`remat.compiled.attention_flops`), `scan`
+    bodies times their length, `cond` its costliest branch, a `while` body
     once (its trip count is not static). Forward, recomputation and backward all count when the
     jaxpr is a gradient's.
 
@@ -494,7 +495,7 @@ def matmul_flops(jaxpr) -> float:
       >>> matmul_flops(jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((4, 8)), jnp.ones((8, 16))))
       1024.0
     """
-    from remat.planning.cost import attention_flops
+    from remat.compiled import attention_flops
 
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
