@@ -13,7 +13,7 @@ losses from the same program compiled for this host and run here (`--no-time` le
 column's header says which compiler it is from. A progress bar on stderr counts the compiles and the
 timed steps, with an estimate of what is left.
 
-One process, every setting compiled first; then one untimed warm-up step each and `--steps`
+One process, every setting compiled first and run once (its loss, which warms it up); then `--steps`
 timed rounds, the settings round-robin (remat_lm.bench.common.interleaved_ms); the median is reported.
 A step is the jitted `jax.value_and_grad(loss_fn)` on fixed random tokens, to
 `block_until_ready`. Columns:
@@ -218,7 +218,7 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
     params, idx, targets = inputs(config, batch, seq)
     here = common.timed(target)
     hosted = here or time_here  # step times from this host
-    bar = tqdm(total=len(settings) * (1 + (time_here and not here)) + (len(settings) * (steps + 1) if hosted else 0),
+    bar = tqdm(total=len(settings) * (1 + (time_here and not here)) + (len(settings) * steps if hosted else 0),
                desc="bench", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True, leave=False)
     cases, timed_cases = [], []
     for s in settings:
@@ -235,8 +235,10 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
     if hosted:
         bar.set_postfix_str(f"timing, {steps} interleaved rounds", refresh=True)
         if not progress:
-            log(f"timing {len(cases)} settings, {steps} interleaved rounds after 1 warm-up ...")
-        times = interleaved_ms({c.setting.name: c.step for c in timed_cases}, n=steps, warmup=1,
+            log(f"timing {len(cases)} settings, {steps} interleaved rounds ...")
+        # NOTE: no warm-up round: `prepare` ran each program once already (its loss), so every timed
+        # step is a second or later run of its executable.
+        times = interleaved_ms({c.setting.name: c.step for c in timed_cases}, n=steps, warmup=0,
                                tick=lambda: bar.update(1))
         if not here:
             cases = [dataclasses.replace(c, loss=h.loss) for c, h in zip(cases, timed_cases)]
@@ -254,7 +256,7 @@ def report(res: dict) -> str:
     src = m.get("source") or common.source("cpu")
     tsrc = m.get("time_source") or (src if src["timed"] else None)
     timing = (f"; step times on this host ({tsrc['compiler']}), median of {m['steps']} interleaved steps after "
-              f"1 warm-up" if tsrc else "")
+              f"one untimed run each" if tsrc else "")
     where = common.source_line(src, timed_elsewhere=tsrc is not None)
     shape = (f"{m['model']} preset {m['preset']}: {c['n_layer']} layers, C={c['n_embd']}, {c['n_head']} heads, "
              f"T={m['seq']}, B={m['batch']}, vocab {c['vocab_size']}; memory {where}{timing}; "
