@@ -290,6 +290,7 @@ def hlo_kernels(text: str) -> tuple:
                 total += _nbytes(r.shape)
         return total
 
+    @functools.lru_cache(maxsize=None)   # a fused computation is called by many kernels: read it once
     def dot_dtype(c: str) -> str:
         """The operand type of the first matrix product in computation c (its fused program)."""
         ins_list = comps.get(c, [])
@@ -299,6 +300,7 @@ def hlo_kernels(text: str) -> tuple:
                 return _dtype(shapes.get(i.operands[0], i.shape))
         return next((d for i in ins_list for k, ns in i.called if k == "calls" for n in ns if (d := dot_dtype(n))), "")
 
+    @functools.lru_cache(maxsize=None)
     def flops_of(c: str) -> float:
         ins_list = comps.get(c, [])
         shapes = {i.var: i.shape for i in ins_list}

@@ -78,6 +78,7 @@ SLOW_SIBLINGS = {
     "test_models.py::test_recompute_matches_no_remat[gpt2-full-uniform2-L3-scan]":
         "[gpt2-full-block2-L3-scan] (a remainder under scan), [gpt2-full-uniform2-L3-loop]",
     "test_host_start.py::test_bad_input_is_one_line_with_no_traceback[planner-mesh]": "[planner-target]",
+    "test_host_start.py::test_bad_input_is_one_line_with_no_traceback[planner-local-mesh]": "[planner-target]",
     "test_stacks.py::test_linen_stack_scan[none-none1-default]": "[full-none1-default]",
     "test_equinox_recipe.py::test_equinox_model_adopts_remat[block full]": "[grouped uniform 2]",
     "test_flag_to_program.py::test_compiled_temp_is_the_settings[uniform2]": "[full], [none]",

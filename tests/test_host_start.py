@@ -57,9 +57,11 @@ def test_the_readme_will_it_fit_block_as_written():
     (["-m", "remat_lm.bench.planner", "--target", "zz"], "python -m remat_lm.bench.planner: error: --target 'zz'"),
     (["-m", "remat_lm.bench.planner", "--model", "gpt2", "--target", "h200x8", "--mesh", "fsdp=3"],
      "python -m remat_lm.bench.planner: error: --mesh fsdp=3 spans 3 devices"),
+    (["-m", "remat_lm.bench.planner", "--target", "cpu", "--mesh", "fsdp=2"],
+     "python -m remat_lm.bench.planner: error: --mesh fsdp=2 shards train.py's step for a compile-only target"),
     (["train.py", "--dry_run", "--recompute_plan", "full x" + "9" * 30],
      "train.py: error: --recompute_plan: recompute plan 'full x999"),
-], ids=["train", "llmc", "sample", "bench", "planner-target", "planner-mesh", "plan-count"])
+], ids=["train", "llmc", "sample", "bench", "planner-target", "planner-mesh", "planner-local-mesh", "plan-count"])
 def test_bad_input_is_one_line_with_no_traceback(args, says, tmp_path):
     trunc = tmp_path / "model.bin"
     trunc.write_bytes(b"\0" * 1000)  # a real truncated llm.c file: shorter than its header

@@ -152,6 +152,9 @@ def main(argv=None) -> int:
     if args.validate and not _local(target0):
         ap.error(f"--validate measures on this machine, which is not {args.target} ({jax.default_backend()}, "
                  f"{jax.devices()[0].device_kind}); use --target cpu here, or run on the target")
+    if _local(target0) and args.mesh:
+        ap.error(f"--mesh {args.mesh} shards train.py's step for a compile-only target; where the step runs here "
+                 f"(--target {args.target}) it is one device's: drop --mesh, or plan for a target such as h200x8")
     load = os.getloadavg()[0]
     if _local(target0):
         h = _hooks_local(args)
