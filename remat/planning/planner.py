@@ -426,8 +426,7 @@ class Front:
 def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callable, n_layers: int,
           budgets: Sequence, *, target=None, peak: str = "estimate", max_iterations: int = 4,
           log: Callable[[str], None] | None = None, known: dict | None = None, model=None,
-          measured: dict | None = None, run_step: Callable | None = None,
-          progress: Callable[[str], None] | None = None) -> Front:
+          measured: dict | None = None, run_step: Callable | None = None) -> Front:
     """Plan every budget (bytes or size strings) per tag on `target` and compile each plan.
 
     Args:
@@ -443,7 +442,6 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
         machine (blocking): where the target is this machine, step times are measured (the
         calibration programs timed interleaved until their spread is known); None: the target
         compiler's optimized programs, priced on the target's roofline.
-      progress: called with the name of each program as it is timed (a progress bar's update).
     Returns:
       Front. Raises ValueError when a budget is below full remat's compiled peak.
     Example (compiles the step several times; tests/test_planner.py runs it on a tiny model):
@@ -478,7 +476,7 @@ def front(compile_step: Callable[[RecomputeConfig], object], trace_step: Callabl
             def program_time(lps):
                 steps = {lp: run_step(recompute_config(lp)) for lp in lps}
                 say(f"timing {len(steps)} programs interleaved until their spread is known")
-                got = _timing.time_programs(steps, tick=(lambda: progress("timing")) if progress else None)
+                got = _timing.time_programs(steps)
                 return {lp: (t.median_s, t.notch_s) for lp, t in got.items()}
         model = _tagplan.calibrate(compile_step, trace_step, n_layers, tgt, peak=pk, measure=measure,
                                    program_time=program_time,

@@ -168,9 +168,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     measured: dict = {}
     cs = _counting(h.compile, bar)
-    run = None if h.run is None else (lambda rc: h.run(rc))
-    f0 = front(cs, h.trace, L, [], target=target, log=say, measured=measured, run_step=run,
-               progress=(lambda _: None))
+    f0 = front(cs, h.trace, L, [], target=target, log=say, measured=measured, run_step=h.run)
     model = f0.model
     p_none, p_full = pk(measured[(None,) * L]), model.p_full
     budgets = [int(p_full + k * (p_none - p_full) / (args.budgets + 1)) for k in range(1, args.budgets + 1)]
@@ -247,7 +245,7 @@ def main(argv=None) -> int:
 
 
 def _bar(args):
-    """A progress bar over the compiles (and timed steps) when stderr is a terminal or --validate runs."""
+    """A progress bar on stderr over the compiles (and, with --validate, the timed steps)."""
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
