@@ -371,6 +371,21 @@ def test_policies_for_a_gpu_target_report_its_compiler_and_skip_timing():
     assert "compiled by XLA:GPU for NVIDIA H200" in text and "not run" in text
 
 
+@pytest.mark.slow  # ~20 s: a second process starts JAX and compiles; the `table` fixture keeps the host timing fast
+def test_policies_time_a_gpu_targets_settings_on_this_host_from_a_second_process():
+    """Memory from XLA:GPU (compiled here, no device), step times and losses from the same settings
+    compiled for this host by a spawned process (make bench's default)."""
+    need("cuda")
+    settings = [s for s in policies.default_settings(TINY["n_layer"]) if s.name in ("none", "full")]
+    res = policies.run("gpt2", "ref", steps=2, settings=settings, target="h200", time_here=True,
+                       log=lambda _: None, **TINY)
+    assert res["meta"]["source"]["compiler"] == "XLA:GPU" and res["meta"]["time_source"]["compiler"] == "XLA:CPU"
+    none, full = res["rows"]
+    assert all(len(r["step_ms_all"]) == 2 and r["step_ms"] > 0 for r in (none, full))
+    assert full["temp_bytes"] < none["temp_bytes"]  # XLA:GPU's figures, not the host's
+    assert none["loss"] == pytest.approx(full["loss"], rel=1e-6) and none["loss"] > 0  # remat leaves the loss alone
+
+
 @pytest.mark.slow  # ~15 s; tests/test_target_peaks.py keeps the per-compiler peaks fast
 def test_peaks_rows_and_merge_one_column_per_compiler(tmp_path):
     from remat_lm.bench import peaks

@@ -13,8 +13,10 @@ losses from the same program compiled for this host and run here (`--no-time` le
 column's header says which compiler it is from. A progress bar on stderr counts the compiles and the
 timed steps, with an estimate of what is left.
 
-One process, every setting compiled first and run once (its loss, which warms it up); then `--steps`
-timed rounds, the settings round-robin (remat_lm.bench.common.interleaved_ms); the median is reported.
+Every setting is compiled first and run once (its loss, which warms it up); then `--steps` timed
+rounds, the settings round-robin (remat_lm.bench.common.interleaved_ms); the median is reported.
+Where the target is not this host, a second process compiles the host's programs while this one
+compiles the target's, and times them once both are done.
 A step is the jitted `jax.value_and_grad(loss_fn)` on fixed random tokens, to
 `block_until_ready`. Columns:
   saved      `remat.memory.saved_residuals(loss).intermediates`: what the backward keeps (no params)
@@ -220,34 +222,107 @@ def run(model: str = "gpt2", preset: str = "ref", *, n_layer=None, n_embd=None, 
     hosted = here or time_here  # step times from this host
     bar = tqdm(total=len(settings) * (1 + (time_here and not here)) + (len(settings) * steps if hosted else 0),
                desc="bench", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True, leave=False)
-    cases, timed_cases = [], []
+    # The host's programs are compiled by a second process while this one compiles for the target;
+    # it times them once both are done, this process idle (`_host_worker`).
+    worker = _HostWorker(model, config, settings, batch, seq, steps) if time_here and not here else None
+    cases = []
     for s in settings:
         bar.set_postfix_str(f"compiling {s.name}", refresh=True)
         if not progress:
             log(f"compiling {s.name} ...")
         cases.append(prepare(model, config, s, params, idx, targets, target))
-        bar.update(1)
-        if time_here and not here:  # the same setting for this host: its time and loss
-            timed_cases.append(prepare(model, config, s, params, idx, targets, "cpu"))
-            bar.update(1)
-    timed_cases = cases if here else timed_cases
+        bar.update(1 + (worker.progress() if worker else 0))
     times = {}
-    if hosted:
+    if worker:
+        bar.set_postfix_str("compiling for this host", refresh=True)
+        if not progress:
+            log(f"timing {len(cases)} settings on this host, {steps} interleaved rounds ...")
+        times, losses = worker.finish(lambda n: bar.update(n), lambda: bar.set_postfix_str(
+            f"timing, {steps} interleaved rounds", refresh=True))
+        cases = [dataclasses.replace(c, loss=losses[c.setting.name]) for c in cases]
+    elif here:
         bar.set_postfix_str(f"timing, {steps} interleaved rounds", refresh=True)
         if not progress:
             log(f"timing {len(cases)} settings, {steps} interleaved rounds ...")
         # NOTE: no warm-up round: `prepare` ran each program once already (its loss), so every timed
         # step is a second or later run of its executable.
-        times = interleaved_ms({c.setting.name: c.step for c in timed_cases}, n=steps, warmup=0,
+        times = interleaved_ms({c.setting.name: c.step for c in cases}, n=steps, warmup=0,
                                tick=lambda: bar.update(1))
-        if not here:
-            cases = [dataclasses.replace(c, loss=h.loss) for c, h in zip(cases, timed_cases)]
     bar.close()
     rows = rows_from(cases, times)
     meta = dict(info, model=model, preset=preset, seq=seq, batch=batch, steps=steps, source=common.source(target),
                 time_source=common.source(target if here else "cpu") if hosted else None,
                 config={k: v for k, v in dataclasses.asdict(config).items() if k != "recompute"}, command=None)
     return {"meta": meta, "rows": rows, "targets": [dataclasses.asdict(t) for t in evaluate(rows)]}
+
+
+class _HostWorker:
+    """Compile every setting for this host (XLA:CPU) and time them, in a spawned process."""
+
+    def __init__(self, model, config, settings, batch, seq, steps):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_host_worker, args=(child, model, config, settings, batch, seq, steps),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+
+    def _handle(self, msg, tick) -> None:
+        kind = msg[0]
+        if kind == "error":
+            raise RuntimeError(f"timing on this host failed: {msg[1]}")
+        if kind == "ready":
+            self.ready = True
+        elif kind == "tick":
+            tick(1)
+
+    def progress(self) -> int:
+        """Messages so far, without waiting: the number of host compiles and steps finished."""
+        n = []
+        while self.conn.poll():
+            self._handle(self.conn.recv(), n.append)
+        return len(n)
+
+    def finish(self, tick, timing) -> tuple[dict, dict]:
+        """Wait for the host's compiles, then let it time: ({name: [ms]}, {name: loss})."""
+        try:
+            while not self.ready:
+                self._handle(self._recv(), tick)
+            timing()
+            self.conn.send("go")
+            while True:
+                msg = self._recv()
+                if msg[0] == "done":
+                    return msg[1], msg[2]
+                self._handle(msg, tick)
+        finally:
+            self.proc.join(timeout=10)
+
+    def _recv(self):
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"timing on this host failed: its process exited with {self.proc.exitcode}") from None
+
+
+def _host_worker(conn, model, config, settings, batch, seq, steps) -> None:
+    try:
+        params, idx, targets = inputs(config, batch, seq)
+        cases = []
+        for s in settings:
+            cases.append(prepare(model, config, s, params, idx, targets, "cpu"))
+            conn.send(("tick",))
+        conn.send(("ready",))
+        conn.recv()  # "go": the other process is done compiling
+        # no warm-up round: `prepare` ran each program once already (its loss)
+        times = interleaved_ms({c.setting.name: c.step for c in cases}, n=steps, warmup=0,
+                               tick=lambda: conn.send(("tick",)))
+        conn.send(("done", times, {c.setting.name: c.loss for c in cases}))
+    except Exception as e:  # reported by the parent, which exits with its message
+        conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 def report(res: dict) -> str:

@@ -1,6 +1,7 @@
-"""The transformer pieces GPT-2 and LLaMA-3 share, in Flax Linen, built from Flax's own layers
-(`nn.Dense`, `nn.LayerNorm`, `nn.RMSNorm`) and optax's cross-entropy: the attention layer, the two
-MLPs, the one pre-norm `Block(norm, mlp)`, the LM head and its chunked loss, and RoPE. The
+"""The transformer pieces GPT-2 and LLaMA-3 share, in Flax Linen, on Flax's `nn.Dense`; the norms
+and the cross-entropy have their backward written out where XLA:GPU keeps less than with Flax's
+norms and optax's loss (the figures are in comments): the attention layer, the two MLPs, the one
+pre-norm `Block(norm, mlp)`, the LM head and its chunked loss, and RoPE. The
 attention cores live in remat_lm/models/attention.py (`CausalSelfAttention` calls its switch); the
 llm.c tensor layout in remat_lm/models/llmc_io.py.
 
@@ -24,7 +25,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -54,7 +54,7 @@ def dense(features: int, dtype, *, use_bias: bool = True, std: float = 0.02, nam
 
 
 def cross_entropy(logits, targets, n_valid: int, total: int | None = None):
-    """Mean cross-entropy (`optax.softmax_cross_entropy_with_integer_labels`, in float32);
+    """Mean cross-entropy in float32 (`optax.softmax_cross_entropy_with_integer_labels`'s value);
     vocabulary columns >= n_valid are left out of the softmax.
 
     Args:
@@ -66,10 +66,7 @@ def cross_entropy(logits, targets, n_valid: int, total: int | None = None):
       >>> round(float(cross_entropy(logits, targets % 200, 200)), 4), round(float(np.log(200)), 4)
       (5.2983, 5.2983)
     """
-    V = logits.shape[-1]
-    where = None if n_valid >= V else jnp.arange(V).reshape((1,) * (logits.ndim - 1) + (V,)) < n_valid
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(F32), targets, where=where)  # (...)
-    return nll.mean() if total is None else nll.sum() / total
+    return _cross_entropy(logits, targets, n_valid, targets.size if total is None else total)
 
 
 def lm_logits(x, kernel, tied: bool = False):
@@ -114,19 +111,19 @@ def lm_head(x, kernel, targets=None, n_valid: int | None = None, chunk: int = 0,
 
 
 def _chunk_loss(x, kernel, t, n_valid, total, tied):
-    return _chunk_cross_entropy(lm_logits(x, kernel, tied), t, n_valid, total)  # x (B, N, C) → logits (B, N, V)
+    return _cross_entropy(lm_logits(x, kernel, tied), t, n_valid, total)  # x (B, N, C) → logits (B, N, V)
 
 
-# A chunk's cross-entropy with its backward written out (softmax − one-hot, from the logits): inside
-# the chunked loss's remat region XLA:GPU keeps one (B, N, V) float32 buffer less than with optax's
-# loss. Measured for an H200 (deviceless), GPT-2 d12, B=8, T=1024, bf16, chunks of 128, loop layers
-# (`python -m remat_lm.bench.offload --target h200 --settings none,full`): temp 646.7 → 462.2 MiB
-# with full remat, 3986.8 → 3802.3 without; LLaMA-3 8B on h200x8 (fsdp=8, T=8192, chunks of 128)
-# unchanged (21.56, 54.67 GiB). The unchunked loss keeps optax's: there the rule costs the 8B
-# 2.5 GiB (25.23 → 27.73 GiB with full remat, --loss_chunk 0).
+# The cross-entropy's backward written out (softmax − one-hot, from the logits and the per-row
+# log-sum-exp): XLA:GPU keeps less than with optax's loss. Measured for an H200 (deviceless):
+# chunked, GPT-2 d12, B=8, T=1024, bf16, chunks of 128, loop layers (`python -m
+# remat_lm.bench.offload --target h200 --settings none,full`): temp 646.7 → 462.2 MiB with full
+# remat, 3986.8 → 3802.3 without; unchunked, the reference GPT-2 (`python -m
+# remat_lm.bench.selective --target h200 --models gpt2`): none bf16 16 KiB less, every other row
+# equal or less. docs/models.md, "The layers' forms", has the LLaMA-3 8B figures.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _chunk_cross_entropy(logits, targets, n_valid: int, total: int):
-    return _chunk_ce_fwd(logits, targets, n_valid, total)[0]
+def _cross_entropy(logits, targets, n_valid: int, total: int):
+    return _ce_fwd(logits, targets, n_valid, total)[0]
 
 
 def _valid_columns(z, n_valid: int):
@@ -135,21 +132,21 @@ def _valid_columns(z, n_valid: int):
     return jnp.where(lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) < n_valid, z, -jnp.inf)
 
 
-def _chunk_ce_fwd(logits, targets, n_valid, total):
-    z = _valid_columns(logits.astype(F32), n_valid)
+def _ce_fwd(logits, targets, n_valid, total):
+    z = _valid_columns(logits.astype(F32), n_valid)  # (..., V)
+    lse = jax.nn.logsumexp(z, axis=-1)  # (...)
     picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), -1)[..., 0]
-    return (jax.nn.logsumexp(z, axis=-1) - picked).sum() / total, (logits, targets)
+    return (lse - picked).sum() / total, (logits, lse, targets)
 
 
-def _chunk_ce_bwd(n_valid, total, res, g):
-    logits, targets = res
-    z = _valid_columns(logits.astype(F32), n_valid)
-    p = jnp.exp(z - jax.nn.logsumexp(z, axis=-1, keepdims=True))
+def _ce_bwd(n_valid, total, res, g):
+    logits, lse, targets = res
+    p = jnp.exp(_valid_columns(logits.astype(F32), n_valid) - lse[..., None])  # the softmax, (..., V)
     onehot = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1) == targets[..., None]
     return ((p - onehot) * (g / total)).astype(logits.dtype), None
 
 
-_chunk_cross_entropy.defvjp(_chunk_ce_fwd, _chunk_ce_bwd)
+_cross_entropy.defvjp(_ce_fwd, _ce_bwd)
 
 
 def _chunked_loss(x, kernel, targets, n_valid: int, chunk: int, tied: bool):

@@ -40,8 +40,7 @@ def lm_head_bytes(config, rows: int, vocab: int, weight_cast: int) -> int:
     """What the LM head and loss keep besides their input: the float32 logits (rows·vocab·f, `vocab`
     the logits' width) and, in bf16, the head weight's cast; chunked (`loss_chunk` > 0), neither,
     only the targets regrouped into chunks (int32, one per row): each chunk's logits are
-    recomputed in the backward. Unchunked, optax's loss also keeps per row its label's index
-    (int32), the row maximum (float32) and a mask (bool)."""
+    recomputed in the backward. Unchunked, the loss also keeps per row its log-sum-exp (float32)."""
     if config.loss_chunk:
         return rows * 4
-    return rows * vocab * F32 + weight_cast + rows * (4 + F32 + 1)
+    return rows * vocab * F32 + weight_cast + rows * F32
