@@ -2,16 +2,19 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 EXTRAS ?= dev
+comma := ,
+# one stamp per set of extras: `make bench` adds the targets extra to a .venv that `make train` made
+STAMP = $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+BENCH_EXTRAS := $(if $(findstring targets,$(EXTRAS)),$(EXTRAS),$(EXTRAS)$(comma)targets)
 
 .PHONY: install train test test-all bench gpu-check clean
 
-$(STAMP): pyproject.toml
+$(VENV)/.installed-%: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[$(subst -,$(comma),$*)]'
+	touch $@
 
 install: $(STAMP)
 
@@ -24,7 +27,8 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "" $(PYTEST_ARGS)
 
-bench: install
+bench:  # memory from XLA:GPU's compiler: the targets extra
+	@$(MAKE) --no-print-directory install EXTRAS=$(BENCH_EXTRAS)
 	$(BIN)/python -m remat_lm.bench.policies   # memory: XLA:GPU for an H200 (--target); times: this host
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then $(BIN)/python -m remat_lm.bench.torch_peer; \
 	else echo "remat_lm.bench.torch_peer skipped: PyTorch is not installed (pip install -e '.[peer]')"; fi

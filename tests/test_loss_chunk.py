@@ -130,17 +130,30 @@ def test_flag_changes_the_compiled_train_step(tmp_path):
         config_from_args(argv + ["--loss_chunk", "-3"])
 
 
+def _default_chunk_argv(tmp_path):
+    data = tmp_path / "t.txt"
+    data.write_bytes(bytes(range(256)) * 64)
+    return ["--preset", "tiny", "--n_layer", "1", "--vocab_size", "4096", "--batch_size", "8",
+            "--val_every", "0", "--data", str(data), "--target", "h200", "--dry_run"]
+
+
 def test_the_default_chunks_where_a_device_s_logits_are_large(tmp_path):
     """Without --loss_chunk, train.py chunks the loss when one device's float32 logits pass
     CHUNK_LOGITS_MIB (here 8 x 1024 x 4096 x 4 = 128 MiB: chunks of 512 positions, whose logits
-    are 64 MiB), and the compiled step needs less than with `--loss_chunk 0`; with small logits
-    (T=64) it leaves the loss whole. XLA:GPU for an H200, deviceless."""
-    need("cuda")
-    data = tmp_path / "t.txt"
-    data.write_bytes(bytes(range(256)) * 64)
-    argv = ["--preset", "tiny", "--n_layer", "1", "--vocab_size", "4096", "--batch_size", "8",
-            "--val_every", "0", "--data", str(data), "--target", "h200", "--dry_run"]
+    are 64 MiB); with small logits (T=64) it leaves the loss whole; `--loss_chunk 0` turns it off."""
+    argv = _default_chunk_argv(tmp_path)
     long = argv + ["--sequence_length", "1024", "--block_size", "1024"]
+    assert prepare(config_from_args(long)).mcfg.loss_chunk == 512
+    assert prepare(config_from_args(long + ["--loss_chunk", "0"])).mcfg.loss_chunk == 0
+    assert prepare(config_from_args(argv + ["--sequence_length", "64"])).mcfg.loss_chunk == 0
+
+
+@pytest.mark.slow  # two XLA:GPU compiles, ~18 s; test_flag_changes_the_compiled_train_step keeps a chunked step's lower temp fast
+def test_the_default_chunk_lowers_the_compiled_step(tmp_path):
+    """The chunks the default picks (512 positions, above) need less than the whole loss: XLA:GPU
+    for an H200, deviceless."""
+    need("cuda")
+    long = _default_chunk_argv(tmp_path) + ["--sequence_length", "1024", "--block_size", "1024"]
     temps = {}
     for extra in ([], ["--loss_chunk", "0"]):
         setup = prepare(config_from_args(long + extra))
@@ -149,4 +162,3 @@ def test_the_default_chunks_where_a_device_s_logits_are_large(tmp_path):
     # the whole logits are 128 MiB, a chunk's 64; XLA:GPU reuses the two programs' other buffers
     # differently, so the bound is half that difference (measured: 162.1 -> 114.9 MiB)
     assert temps[512] <= temps[0] - 32 * 2**20, temps
-    assert prepare(config_from_args(argv + ["--sequence_length", "64"])).mcfg.loss_chunk == 0

@@ -102,28 +102,34 @@ class Case:
     """A compiled setting: static memory figures and a `step()` that runs one timed step."""
     setting: Setting
     config: object
-    saved: int
-    temp: int
-    flops: float
+    saved: int | None
+    temp: int | None
+    flops: float | None
     step: object  # () -> None
     loss: float
 
 
-def prepare(model: str, config, setting: Setting, params, idx, targets, target: str = "cpu") -> Case:
+def prepare(model: str, config, setting: Setting, params, idx, targets, target: str = "cpu",
+            measure: bool = True) -> Case:
     """Trace, compile and measure one setting (saved residuals, compiled grad, the timed step) for
-    `target` (a `remat.planning.targets` name); `step` and `loss` are None where the program cannot run here."""
+    `target` (a `remat.planning.targets` name); `step` and `loss` are None where the program cannot
+    run here; without `measure` only the step and its loss (saved, temp and flops None)."""
     fam = family.get(model)
     cfg = dataclasses.replace(config, recompute=setting.recompute, dtype=setting.dtype)
     f = lambda p, i, t: fam.loss_fn(p, cfg, i, t)
-    with building_for(rtargets.get(target).platform):
-        saved = saved_residuals(f, params, idx, targets).intermediates
+    saved = None
+    if measure:
+        with building_for(rtargets.get(target).platform):
+            saved = saved_residuals(f, params, idx, targets).intermediates
     compiled = common.compile_for(jax.value_and_grad(f), params, idx, targets, target=target)
     # NOTE: the timed step's own executable is measured, so that the memory and the time in a row
     # belong to one program and each setting compiles once (XLA:CPU compiles dominate this
     # benchmark's run time). The loss output adds at most one aligned buffer to the temp of
     # `compiled_memory(jax.grad(loss))` (tests/test_bench.py checks it on XLA:GPU).
-    stats = compiled_stats(compiled)
-    temp, flops = stats.temp, stats.flops
+    temp = flops = None
+    if measure:
+        stats = compiled_stats(compiled)
+        temp, flops = stats.temp, stats.flops
     if not common.timed(target):
         return Case(setting, cfg, saved, temp, flops, None, None)
     loss = float(compiled(params, idx, targets)[0])
@@ -313,7 +319,7 @@ def _host_worker(conn, model, config, settings, batch, seq, steps) -> None:
         params, idx, targets = inputs(config, batch, seq)
         cases = []
         for s in settings:
-            cases.append(prepare(model, config, s, params, idx, targets, "cpu"))
+            cases.append(prepare(model, config, s, params, idx, targets, "cpu", measure=False))
             conn.send(("tick",))
         conn.send(("ready",))
         conn.recv()  # "go": the other process is done compiling
