@@ -7,7 +7,7 @@ of these cannot break `import remat` silently.
 |---|---|---|
 | `jax._src.interpreters.partial_eval.dce_jaxpr` | `remat.checkpoint`'s reentrant backward: only the equations the cotangents need (early stop) | a dead-code elimination of a jaxpr in `jax.extend` |
 | `jax._src.ad_checkpoint.saved_residuals` | `remat.residuals.saved_residuals` | a public form of `jax.ad_checkpoint.print_saved_residuals` that returns its rows instead of printing them |
-| `jax._src.config.enable_compilation_cache` (as a context manager) | `remat.planning.targets.compile`: a compile for an absent device skips the persistent compilation cache, whose entries need that device's client to load (JAX warns at every read) | a scoped form of `jax.config.update("jax_enable_compilation_cache", ...)` |
+| `jax._src.config.enable_compilation_cache` (as a context manager) | `remat.planning.targets.compile`: a compile for an absent device skips the persistent compilation cache, whose entries need that device's client to load (JAX warns at every read); `jax.experimental.compilation_cache`'s `reset_cache()` around it, since JAX decides once per process | a scoped form of `jax.config.update("jax_enable_compilation_cache", ...)` |
 
 Example:
     >>> import jax.numpy as jnp

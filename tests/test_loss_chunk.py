@@ -162,3 +162,28 @@ def test_the_default_chunk_lowers_the_compiled_step(tmp_path):
     # the whole logits are 128 MiB, a chunk's 64; XLA:GPU reuses the two programs' other buffers
     # differently, so the bound is half that difference (measured: 162.1 -> 114.9 MiB)
     assert temps[512] <= temps[0] - 32 * 2**20, temps
+
+
+@pytest.mark.parametrize("n_valid", [96, 128], ids=["padded", "whole"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_and_its_gradient_equal_optaxs(n_valid, dtype):
+    """The loss with its backward written out (remat_lm.models.layers.cross_entropy) against
+    optax's `softmax_cross_entropy_with_integer_labels` with the padded columns masked."""
+    import optax
+    from remat_lm.models import layers
+    k1, k2 = jax.random.split(jax.random.key(0))
+    logits = (3 * jax.random.normal(k1, (B, T, 128))).astype(dtype)
+    targets = jax.random.randint(k2, (B, T), 0, n_valid)
+    where = jnp.broadcast_to(jnp.arange(128) < n_valid, logits.shape)
+    ref = lambda z: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+        z.astype(jnp.float32), targets, where=where).sum() / 100
+    ours = lambda z: layers.cross_entropy(z, targets, n_valid, total=100)  # noqa: E731
+    (a, ga), (b, gb) = jax.value_and_grad(ours)(logits), jax.value_and_grad(ref)(logits)
+    assert ga.dtype == gb.dtype == logits.dtype
+    assert float(jnp.abs(a - b)) <= 1e-6 * float(jnp.abs(b))
+    ga, gb = np.asarray(ga, np.float32), np.asarray(gb, np.float32)
+    # float32: the same softmax by another route, ~1 ulp; bf16: both round the float32 gradient
+    # to bf16 once, so they differ by at most one bf16 ulp (2**-8 relative) of the largest entry
+    tol = 1e-6 if dtype == "float32" else 2.0 ** -8
+    assert np.abs(ga - gb).max() <= tol * np.abs(gb).max()
+    assert not ga[..., n_valid:].any()  # padded columns get no gradient

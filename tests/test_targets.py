@@ -178,7 +178,10 @@ def test_a_deviceless_compile_with_a_compilation_cache_set_warns_nothing(tmp_pat
     "Error reading persistent compilation cache entry". Deviceless compiles skip the cache."""
     need("cuda")
     code = ("import jax, jax.numpy as jnp, remat\nfrom remat.planning import targets\n"
-            "targets.compile(lambda x: jnp.sin(x) @ x.T, jax.ShapeDtypeStruct((64, 64), jnp.float32), target='h200')\n")
+            "x = jnp.ones((64, 64))\n"
+            "jax.jit(lambda x: jnp.cos(x) @ x).lower(x).compile()\n"  # a host compile first: the cache is in use
+            "targets.compile(lambda x: jnp.sin(x) @ x.T, jax.ShapeDtypeStruct((64, 64), jnp.float32), target='h200')\n"
+            "jax.jit(lambda x: jnp.tan(x) @ x).lower(x).compile()\n")  # and still in use after it
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env.pop("JAX_PLATFORMS", None)
@@ -186,3 +189,5 @@ def test_a_deviceless_compile_with_a_compilation_cache_set_warns_nothing(tmp_pat
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
     assert not any("persistent compilation cache" in r.stderr for r in runs), runs[-1].stderr[-2000:]
+    lambdas = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("jit__lambda"))
+    assert len(lambdas) == 2, lambdas  # the two host programs, not the H200's

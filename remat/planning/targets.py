@@ -426,6 +426,20 @@ def lower(fn, *args, target: str | Target, mesh: Mesh | Mapping[str, int] | None
         return jitted.trace(*structs, **kwargs).lower()
 
 
+@contextlib.contextmanager
+def _without_persistent_cache():
+    # JAX decides once per process, at its first compile, whether the persistent cache is used: reset
+    # that decision so the compile inside sees the cache off, and again after it for the next compile.
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
+    try:
+        with _compat.enable_compilation_cache(False):
+            yield
+    finally:
+        compilation_cache.reset_cache()
+
+
 def compile(fn, *args, target: str | Target, mesh=None, specs=None, static_argnums=(), donate_argnums=(),
             **kwargs) -> jax.stages.Compiled:
     """`fn(*args, **kwargs)` compiled by `target`'s compiler with no device present.
@@ -439,7 +453,7 @@ def compile(fn, *args, target: str | Target, mesh=None, specs=None, static_argnu
                     donate_argnums=donate_argnums, **kwargs)
     absent = get(target).platform != host_platform()
     try:
-        with _compat.enable_compilation_cache(False) if absent else contextlib.nullcontext():
+        with _without_persistent_cache() if absent else contextlib.nullcontext():
             return lowered.compile()
     except Exception as e:  # noqa: BLE001
         if "RESOURCE_EXHAUSTED" in str(e):  # XLA's status for a program that does not fit
