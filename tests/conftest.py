@@ -10,11 +10,6 @@ import pytest
 # 8 CPU devices for the sharding tests; set before JAX starts.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# LLVM at -O0 behind XLA (CPU and GPU backends): the suite's many small programs compile faster. HLO,
-# buffer assignment and so every memory and FLOPs figure are the same; only the machine code is less
-# optimized (measured: tests/test_models.py and test_stacks.py 100.6 s -> 86.5 s).
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 sys.path.insert(0, os.path.dirname(__file__))
 
 # NOTE: one persistent XLA compilation cache per test run for the train.py/bench subprocesses the
