@@ -41,13 +41,16 @@ def pytest_sessionfinish(session, exitstatus):
 # the next file when it finishes one, so a long file collected late can leave one worker running
 # alone at the end. The longest files (summed `--durations=0` of the fast set) start first; every
 # other file keeps its place after them, and the order inside a file is unchanged.
-LONG_FIRST = ("test_train_run.py", "test_models.py", "test_stacks.py", "test_train_faults.py", "test_planner.py",
-              "test_planner_time.py", "test_untagged_plan.py",
-              "test_host_start.py", "test_attention.py", "test_checkpoint.py", "test_examples.py",
-              "test_tensor_parallel.py", "test_lowering.py", "test_flag_to_program.py", "test_train_cli.py",
-              "test_target_cli.py", "test_loss_chunk.py", "test_multiprocess.py", "test_bench.py",
-              "test_resume_integrity.py", "test_llmc.py", "test_sample.py", "test_stack_side_outputs.py",
-              "test_notebook.py")
+LONG_FIRST = ("test_models.py", "test_train_faults.py", "test_stacks.py", "test_train_cli.py",
+              "test_train_run.py", "test_host_start.py", "test_checkpoint.py", "test_hf_style.py",
+              "test_target_cli.py", "test_bench.py", "test_attention.py", "test_sample.py",
+              "test_lowering.py", "test_flag_to_program.py", "test_linen_remat.py", "test_targets.py",
+              "test_loss_chunk.py", "test_target_peaks.py", "test_planner.py", "test_untagged_plan.py",
+              "test_train_config.py", "test_offload_targets.py", "test_jax_remat_cases.py",
+              "test_checkpoint_conformance.py", "test_llmc.py", "test_memory_model.py",
+              "test_stack_side_outputs.py", "test_outside_models.py", "test_tensor_parallel.py",
+              "test_bf16_policy.py", "test_nnx_stack_state.py", "test_equinox_recipe.py",
+              "test_train_paths.py", "test_doctests.py", "test_nnx_stack_scan.py", "test_policies.py")
 
 
 # NOTE: heavy cases whose property a fast sibling of the same test asserts run with the slow set
@@ -83,8 +86,6 @@ SLOW_SIBLINGS = {
     "test_equinox_recipe.py::test_equinox_model_adopts_remat[block full]": "[grouped uniform 2]",
     "test_flag_to_program.py::test_compiled_temp_is_the_settings[uniform2]": "[full], [none]",
     "test_stack_side_outputs.py::test_linen_side_outputs_equal_a_plain_loop[full-": "[uniform2-loop], [uniform2-scan]",
-    "test_outside_models.py::test_name_policy_on_untagged_stack_warns[cfg0]": "[cfg1], [cfg2], [cfg3]",
-    "test_linen_remat.py::test_stack_decode_cache_initialized_the_lm1b_way_matches_the_original[cfg0]": "[cfg1]",
     "test_target_peaks.py::test_full_remat_cuts_temp_on_tpu_without_vmem":
         "test_full_remat_cuts_compiled_temp_on_gpu; docs/targets.md's no-VMEM block (test_doc_figures)",
     "test_planner.py::test_hand_settings_compile_like_their_per_layer_form[block 2]":
