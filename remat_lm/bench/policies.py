@@ -276,34 +276,30 @@ class _HostWorker:
         child.close()
         self.ready = False
 
-    def _handle(self, msg, tick) -> None:
-        kind = msg[0]
-        if kind == "error":
+    def _handle(self, msg) -> int:
+        """Take one message; returns the host compiles or steps it reports finished (0 or 1)."""
+        if msg[0] == "error":
             raise RuntimeError(f"timing on this host failed: {msg[1]}")
-        if kind == "ready":
-            self.ready = True
-        elif kind == "tick":
-            tick(1)
+        self.ready = self.ready or msg[0] == "ready"
+        return int(msg[0] == "tick")
 
     def progress(self) -> int:
-        """Messages so far, without waiting: the number of host compiles and steps finished."""
-        n = []
+        """The host compiles and steps finished since the last call, without waiting."""
+        n = 0
         while self.conn.poll():
-            self._handle(self.conn.recv(), n.append)
-        return len(n)
+            n += self._handle(self.conn.recv())
+        return n
 
     def finish(self, tick, timing) -> tuple[dict, dict]:
         """Wait for the host's compiles, then let it time: ({name: [ms]}, {name: loss})."""
         try:
             while not self.ready:
-                self._handle(self._recv(), tick)
+                tick(self._handle(self._recv()))
             timing()
             self.conn.send("go")
-            while True:
-                msg = self._recv()
-                if msg[0] == "done":
-                    return msg[1], msg[2]
-                self._handle(msg, tick)
+            while (msg := self._recv())[0] != "done":
+                tick(self._handle(msg))
+            return msg[1], msg[2]
         finally:
             self.proc.join(timeout=10)
 
